@@ -1,0 +1,1 @@
+"""The training data plane: reads what ``molds-preprocess`` wrote."""

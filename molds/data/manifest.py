@@ -1,0 +1,112 @@
+"""The manifest contract between the ETL and everything that reads its output.
+
+``DIR/manifest.json`` (schema in DESIGN.md) lists every shard with its row count, token
+count, length bucket and sha256. Readers refuse a ``format_version`` they do not know.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+SPLIT_NAMES = ("train", "valid", "test")
+_REQUIRED = ("format_version", "created", "canonicalization", "tokenizer", "splits", "stats")
+
+
+class ManifestError(ValueError):
+    """The manifest or one of its shards does not match the contract (names which)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    split: str
+    uri: str  # as written in the manifest, relative to it
+    path: str  # resolved against the manifest's directory
+    num_rows: int
+    token_count: int
+    length_bucket: int
+    sha256: str
+
+
+def _join(base: str, rel: str) -> str:
+    if "://" in rel or rel.startswith("/"):
+        return rel
+    return posixpath.join(base, rel) if "://" in base else os.path.join(base, rel)
+
+
+def manifest_hash(manifest: dict) -> str:
+    """Content hash of a manifest, independent of when it was written."""
+    content = {k: v for k, v in manifest.items() if k not in ("created", "timings")}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Manifest:
+    path: str
+    base: str
+    data: dict
+
+    @classmethod
+    def load(cls, path: str) -> "Manifest":
+        """Read ``path`` (a manifest.json or its directory; local or fsspec URI)."""
+        import fsspec
+
+        if not path.endswith(".json"):
+            path = path.rstrip("/") + "/manifest.json"
+        try:
+            with fsspec.open(path, "rt", encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError as exc:
+            raise ManifestError(f"{path}: no manifest there") from exc
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{path}: not valid JSON ({exc})") from exc
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise ManifestError(f"{path}: missing keys {missing}")
+        if data["format_version"] != FORMAT_VERSION:
+            raise ManifestError(
+                f"{path}: format_version {data['format_version']!r} is not supported "
+                f"(this molds reads version {FORMAT_VERSION})"
+            )
+        base = path.rsplit("/", 1)[0] if "/" in path else "."
+        return cls(path, base, data)
+
+    @property
+    def hash(self) -> str:
+        return manifest_hash(self.data)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return _join(self.base, self.data["tokenizer"]["path"])
+
+    def shards(self, split: str) -> list[Shard]:
+        if split not in self.data["splits"]:
+            raise ManifestError(f"{self.path}: no split {split!r} (has {sorted(self.data['splits'])})")
+        return [
+            Shard(split, s["uri"], _join(self.base, s["uri"]), int(s["num_rows"]), int(s["token_count"]),
+                  int(s["length_bucket"]), s["sha256"])
+            for s in self.data["splits"][split]
+        ]
+
+    def verify_shard(self, shard: Shard) -> None:
+        """Check a shard's sha256 and row count against the manifest."""
+        import fsspec
+        import pyarrow.parquet as pq
+
+        digest = hashlib.sha256()
+        try:
+            with fsspec.open(shard.path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        except FileNotFoundError as exc:
+            raise ManifestError(f"shard {shard.uri} listed in {self.path} is missing") from exc
+        if digest.hexdigest() != shard.sha256:
+            raise ManifestError(f"shard {shard.uri}: sha256 {digest.hexdigest()} does not match the manifest's")
+        with fsspec.open(shard.path, "rb") as fh:
+            rows = pq.ParquetFile(fh).metadata.num_rows
+        if rows != shard.num_rows:
+            raise ManifestError(f"shard {shard.uri}: {rows} rows, the manifest says {shard.num_rows}")

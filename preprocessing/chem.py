@@ -1,0 +1,176 @@
+"""RDKit stage of the ETL: parse, standardize, canonicalize, scaffold.
+
+Every rejected molecule gets a named reason (the keys of ``REJECT_REASONS``) so the
+manifest's ``rows_in == rows_out + duplicates + sum(rejected)`` invariant holds.
+RDKit is imported inside the functions that need it: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+REJECT_REASONS = {
+    "malformed_row": "the row has a different number of fields than the header, or is not a JSON object",
+    "non_utf8": "a field holds bytes that are not valid UTF-8",
+    "missing_field": "the record has no SMILES field (JSONL / Parquet null)",
+    "empty": "the SMILES field is empty or whitespace",
+    "too_long": "the SMILES string is longer than max_smiles_length (checked before parsing)",
+    "too_many_heavy_atoms": "more heavy atoms than max_heavy_atoms (estimated before parsing, exact after)",
+    "parse_error": "RDKit cannot parse the SMILES (syntax, unclosed ring, embedded whitespace)",
+    "valence_error": "RDKit parses the SMILES but an atom has an impossible valence",
+    "kekulize_error": "RDKit cannot kekulize the aromatic system",
+    "sanitize_error": "RDKit sanitization failed for another reason",
+    "standardize_error": "rdMolStandardize raised on this molecule",
+    "empty_molecule": "the molecule is empty after standardization",
+    "scaffold_error": "the Murcko scaffold could not be computed",
+    "inchi_error": "the InChIKey used as dedupe key could not be computed",
+    "bad_label": "a label value is neither a number nor a recognised missing marker",
+    "tokenizer_roundtrip": "decoding the token ids does not give back the canonical SMILES",
+}
+
+# Pre-parse heavy-atom estimate: atom tokens of the SMILES, minus bracket hydrogens
+# ([H], [2H], [H+]) but not [Hg]/[He]/[Hf]/[Ho]/[Hs].
+_HEAVY_ATOM_TOKEN = re.compile(r"\[(?!\d*H(?![a-z]))[^\]]*\]|Br|Cl|[BCNOSPFIbcnosp]")
+_WHITESPACE = re.compile(r"\s")
+
+
+@dataclass(frozen=True)
+class ChemOptions:
+    """What the RDKit stage does to each molecule; hashed into the manifest."""
+
+    keep_stereo: bool = True
+    largest_fragment: bool = False
+    uncharge: bool = False
+    normalize: bool = False
+    max_heavy_atoms: int = 150
+    max_smiles_length: int = 500
+    scaffold: str = "murcko"  # or "generic"
+    dedupe_key: str = "canonical"  # or "inchikey"
+
+    def __post_init__(self):
+        if self.scaffold not in ("murcko", "generic"):
+            raise ValueError(f"scaffold must be 'murcko' or 'generic', got {self.scaffold!r}")
+        if self.dedupe_key not in ("canonical", "inchikey"):
+            raise ValueError(f"dedupe_key must be 'canonical' or 'inchikey', got {self.dedupe_key!r}")
+        if self.max_heavy_atoms < 1 or self.max_smiles_length < 1:
+            raise ValueError("max_heavy_atoms and max_smiles_length must be positive")
+
+    @property
+    def standardizes(self) -> bool:
+        return self.largest_fragment or self.uncharge or self.normalize
+
+    def describe(self) -> dict:
+        """The manifest's ``canonicalization`` block: versions, options and their hash."""
+        import rdkit
+
+        options = dataclasses.asdict(self)
+        options.update(isomeric_smiles=True, canonical=True, scaffold_include_chirality=False,
+                       standardize_order=["normalize", "largest_fragment", "uncharge"])
+        blob = json.dumps({"rdkit": rdkit.__version__, "options": options}, sort_keys=True)
+        return {
+            "toolkit": "rdkit",
+            "rdkit_version": rdkit.__version__,
+            "options": options,
+            "hash": hashlib.sha256(blob.encode()).hexdigest(),
+        }
+
+
+@dataclass
+class Molecule:
+    canonical: str
+    scaffold: str
+    dedupe_key: str
+
+
+class Canonicalizer:
+    """Turns one raw SMILES into a ``Molecule`` or a rejection reason (a ``str``).
+
+    Built once per worker process: the standardizer objects are reused across rows.
+    """
+
+    def __init__(self, options: ChemOptions):
+        from rdkit import Chem, RDLogger
+        from rdkit.Chem.Scaffolds import MurckoScaffold
+
+        RDLogger.DisableLog("rdApp.*")
+        self.options = options
+        self._chem = Chem
+        self._scaffold_of = MurckoScaffold.GetScaffoldForMol
+        self._generic = MurckoScaffold.MakeScaffoldGeneric if options.scaffold == "generic" else None
+        self._steps = []
+        if options.standardizes:
+            from rdkit.Chem.MolStandardize import rdMolStandardize
+
+            if options.normalize:
+                self._steps.append(rdMolStandardize.Normalizer().normalize)
+            if options.largest_fragment:
+                self._steps.append(rdMolStandardize.LargestFragmentChooser(preferOrganic=True).choose)
+            if options.uncharge:
+                self._steps.append(rdMolStandardize.Uncharger().uncharge)
+
+    def __call__(self, raw: str) -> Molecule | str:
+        opts = self.options
+        smiles = raw.strip()
+        if not smiles:
+            return "empty"
+        if len(smiles) > opts.max_smiles_length:
+            return "too_long"
+        if len(smiles) > opts.max_heavy_atoms and len(_HEAVY_ATOM_TOKEN.findall(smiles)) > opts.max_heavy_atoms:
+            return "too_many_heavy_atoms"
+        if _WHITESPACE.search(smiles):
+            return "parse_error"  # RDKit would silently read the text after a space as a name
+        Chem = self._chem
+        mol = Chem.MolFromSmiles(smiles)
+        if mol is None:
+            return self._classify_failure(smiles)
+        if self._steps:
+            try:
+                for step in self._steps:
+                    mol = step(mol)
+            except Exception:
+                return "standardize_error"
+            if mol is None:
+                return "standardize_error"
+        if not opts.keep_stereo:
+            Chem.RemoveStereochemistry(mol)
+        if mol.GetNumAtoms() == 0:
+            return "empty_molecule"
+        if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:
+            return "too_many_heavy_atoms"
+        canonical = Chem.MolToSmiles(mol)
+        if not canonical:
+            return "empty_molecule"
+        try:
+            core = self._scaffold_of(mol)
+            if self._generic is not None:
+                core = self._generic(core)
+            scaffold = Chem.MolToSmiles(core, isomericSmiles=False)
+        except Exception:
+            return "scaffold_error"
+        if opts.dedupe_key == "inchikey":
+            key = Chem.MolToInchiKey(mol)
+            if not key:
+                return "inchi_error"
+        else:
+            key = canonical
+        return Molecule(canonical, scaffold, key)
+
+    def _classify_failure(self, smiles: str) -> str:
+        """Only failed rows pay for this second, unsanitized parse."""
+        Chem = self._chem
+        mol = Chem.MolFromSmiles(smiles, sanitize=False)
+        if mol is None:
+            return "parse_error"
+        try:
+            Chem.SanitizeMol(mol)
+        except Chem.AtomValenceException:
+            return "valence_error"
+        except Chem.KekulizeException:
+            return "kekulize_error"
+        except Exception:
+            return "sanitize_error"
+        return "sanitize_error"

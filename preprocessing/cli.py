@@ -1,0 +1,82 @@
+"""``molds-preprocess``: the command line over ``PreprocessConfig`` (jsonargparse).
+
+Options may be written with dashes or underscores (``--smiles-column`` or
+``--smiles_column``); ``--config FILE`` reads the same options from JSON, and
+``--print_config`` prints the resolved configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from .config import PreprocessConfig
+
+
+# List options take several values (``--input a.csv b.csv``, as a shell glob expands)
+# or one comma-separated value (``--split-fractions 0.8,0.1,0.1``).
+_LIST_OPTIONS = {"input": False, "label_columns": True, "split_fractions": True, "length_buckets": True}
+
+
+def _normalize_argv(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not (arg.startswith("--") and len(arg) > 2):
+            out.append(arg)
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in _LIST_OPTIONS:
+            out.append("--" + name + eq + value)
+            continue
+        values = [value] if eq else []
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if len(values) == 1 and values[0].lstrip().startswith("["):
+            out += ["--" + name, values[0]]
+            continue
+        if _LIST_OPTIONS[name]:
+            values = [v for value in values for v in value.split(",") if v != ""]
+        out += ["--" + name, json.dumps(values)]
+    return out
+
+
+def build_parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(prog="molds-preprocess", description=PreprocessConfig.__doc__,
+                            default_env=False, exit_on_error=True)
+    parser.add_argument("--config", action=ActionConfigFile, help="Read options from a JSON/YAML file.")
+    parser.add_class_arguments(PreprocessConfig, fail_untyped=True, sub_configs=False)
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> PreprocessConfig:
+    parser = build_parser()
+    ns = parser.parse_args(_normalize_argv(sys.argv[1:] if argv is None else argv))
+    values = {f.name: ns[f.name] for f in dataclasses.fields(PreprocessConfig)}
+    return PreprocessConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(argv)
+    from .pipeline import run
+    from .readers import InputError
+
+    try:
+        manifest = run(cfg)
+    except (InputError, FileExistsError, ValueError) as exc:
+        print(f"molds-preprocess: error: {exc}", file=sys.stderr)
+        return 2
+    print(manifest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The options of ``molds-preprocess``: this dataclass is the CLI and the JSON schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class PreprocessConfig:
+    """Turn raw SMILES dumps into canonical, deduplicated, split, tokenized Parquet shards."""
+
+    input: list[str] = field(default_factory=list)
+    """Input files, globs, fsspec URIs, saved HF dataset directories or ``datasets:NAME[:CONFIG]``
+    (local HF cache only). CSV/TSV/.smi/Parquet/JSONL, optionally .gz/.bz2/.xz/.zst."""
+
+    output: str = ""
+    """Output directory: manifest.json, report.md, tokenizer/ and <split>/*.parquet.
+    Written to a temporary sibling and renamed, so it is complete or absent."""
+
+    smiles_column: str = "smiles"
+    """Column (CSV/TSV/Parquet/HF) or key (JSONL) holding the SMILES; matched exactly,
+    else case-insensitively when that is unambiguous. Ignored for .smi."""
+
+    id_column: Optional[str] = None
+    """Optional column with compound ids; without it the id is ``file:row``."""
+
+    label_columns: list[str] = field(default_factory=list)
+    """Numeric label columns stored as the ``labels`` list; missing values become NaN."""
+
+    input_format: Literal["auto", "csv", "tsv", "smi", "parquet", "jsonl", "hf"] = "auto"
+    """Input format; ``auto`` decides from the file name."""
+
+    delimiter: Optional[str] = None
+    """Field delimiter for csv/tsv when it is not ``,`` / tab."""
+
+    smi_header: bool = False
+    """Whether .smi files start with a header line to skip."""
+
+    keep_stereo: bool = True
+    """Keep stereochemistry in canonical SMILES (isotopes are always kept)."""
+
+    largest_fragment: bool = False
+    """rdMolStandardize: keep the largest organic fragment (strips salts and solvents)."""
+
+    uncharge: bool = False
+    """rdMolStandardize: neutralize charges where possible."""
+
+    normalize: bool = False
+    """rdMolStandardize: apply the standard functional-group normalizations."""
+
+    max_heavy_atoms: int = 150
+    """Reject molecules with more heavy atoms (estimated before parsing, exact after)."""
+
+    max_smiles_length: int = 500
+    """Reject SMILES strings longer than this, before parsing."""
+
+    dedupe_key: Literal["canonical", "inchikey"] = "canonical"
+    """Deduplicate on canonical SMILES or on the standard InChIKey (slower: InChI per molecule)."""
+
+    scaffold: Literal["murcko", "generic"] = "murcko"
+    """Bemis-Murcko scaffold, or its generic (all-carbon, single-bond) framework."""
+
+    split: Literal["scaffold", "random", "scaffold_random"] = "scaffold"
+    """``scaffold``: largest scaffold groups to train; ``scaffold_random``: scaffold groups in
+    seeded random order; ``random``: molecules in seeded random order."""
+
+    split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
+    """Train, valid (and test) fractions of the kept rows; they must sum to 1."""
+
+    seed: int = 0
+    """Seed of every hash-based order (split order, ties, row order in shards)."""
+
+    tokenizer: str = "regex"
+    """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory."""
+
+    vocab_from: Literal["all", "train"] = "all"
+    """Build the vocabulary from all kept molecules or from the train split only
+    (then rows of valid/test with unknown tokens are kept and counted)."""
+
+    bpe_vocab_size: int = 1024
+    """Vocabulary size for ``--tokenizer bpe``."""
+
+    length_buckets: list[int] = field(default_factory=lambda: [16, 32, 48, 64, 96, 128, 192, 256, 512])
+    """Upper bounds (inclusive) of token-length buckets; one more open bucket follows."""
+
+    shard_size_mb: float = 256.0
+    """Target uncompressed size of a Parquet shard."""
+
+    workers: int = 0
+    """Worker processes (0: one per CPU core)."""
+
+    engine: Literal["local", "ray"] = "local"
+    """``local`` process pool, or Ray Data (``ray.init(address=...)`` from RAY_ADDRESS if set)."""
+
+    chunk_rows: int = 4096
+    """Records per task sent to a worker."""
+
+    partition_rows: int = 250_000
+    """Most rows a reduce partition holds in memory (bounds peak memory per worker)."""
+
+    work_dir: Optional[str] = None
+    """Where spill files go (default: inside the temporary output directory)."""
+
+    overwrite: bool = False
+    """Replace an existing output directory (only once the new one is complete)."""
+
+    progress: bool = True
+    """Show progress bars on stderr."""

@@ -1,0 +1,130 @@
+"""``--engine local``: worker processes on this machine.
+
+The map stage uses long-lived workers fed through a bounded queue (so memory does not
+grow with the input, and each worker spills few, large files); the later stages are
+independent tasks on a process pool. A worker that dies or raises ends the run with
+its error; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+from .readers import read_chunks
+from .stages import MapStage, Stats
+
+_POLL_S = 0.5
+
+
+def _worker_env() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _map_worker(name, options, work_dir, tasks, results):
+    _worker_env()
+    try:
+        stage = MapStage(options, work_dir, name)
+        while True:
+            chunk = tasks.get()
+            if chunk is None:
+                break
+            results.put(("progress", stage.process(chunk)))
+        stage.flush()
+        results.put(("done", (stage.spills, stage.stats, stage.tokens)))
+    except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
+        results.put(("error", f"map worker {name}:\n{traceback.format_exc()}"))
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class LocalEngine:
+    def __init__(self, workers: int):
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self._ctx = mp.get_context("fork")
+
+    def map_inputs(self, inputs, cols, cfg, options, work_dir, progress):
+        """Run the map stage over every input; returns (spills, Stats, token Counter)."""
+        inputs = chunk_stream(inputs, cols, cfg.chunk_rows, cfg.delimiter, cfg.smi_header)
+        tasks = self._ctx.Queue(maxsize=2 * self.workers)
+        results = self._ctx.Queue()
+        procs = [self._ctx.Process(target=_map_worker, args=(f"w{i}", options, work_dir, tasks, results),
+                                   daemon=True) for i in range(self.workers)]
+        for p in procs:
+            p.start()
+        done: list = []
+
+        def drain(block: bool):
+            while True:
+                try:
+                    kind, payload = results.get(timeout=_POLL_S if block else 0.0)
+                except queue.Empty:
+                    if block and not all(p.is_alive() for p in procs) and len(done) < len(procs):
+                        dead = [p.name for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                        if dead:
+                            raise WorkerError(f"map worker(s) died: {dead}")
+                    return
+                if kind == "error":
+                    raise WorkerError(payload)
+                if kind == "progress":
+                    progress.advance(*payload)
+                else:
+                    done.append(payload)
+                if block:
+                    return
+
+        try:
+            for path, reader in inputs:
+                for index_path_chunk in reader:
+                    while True:
+                        try:
+                            tasks.put(index_path_chunk, timeout=_POLL_S)
+                            break
+                        except queue.Full:
+                            drain(block=True)
+                    drain(block=False)
+            for _ in procs:
+                while True:
+                    try:
+                        tasks.put(None, timeout=_POLL_S)
+                        break
+                    except queue.Full:
+                        drain(block=True)
+            while len(done) < len(procs):
+                drain(block=True)
+        finally:
+            for p in procs:
+                if p.is_alive() and len(done) < len(procs):
+                    p.terminate()
+                p.join(timeout=5)
+        spills, stats, tokens = [], Stats(), None
+        for worker_spills, worker_stats, worker_tokens in done:
+            spills.extend(worker_spills)
+            stats.merge(worker_stats)
+            tokens = worker_tokens if tokens is None else tokens + worker_tokens
+        spills.sort()
+        return spills, stats, tokens
+
+    def run_tasks(self, fn, arg_tuples):
+        """``fn(*args)`` for each tuple, in parallel; results in input order."""
+        arg_tuples = list(arg_tuples)
+        if not arg_tuples:
+            return []
+        if self.workers == 1 or len(arg_tuples) == 1:
+            return [fn(*a) for a in arg_tuples]
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(arg_tuples)), mp_context=self._ctx,
+                                 initializer=_worker_env) as pool:
+            futures = [pool.submit(fn, *a) for a in arg_tuples]
+            return [f.result() for f in futures]
+
+
+def chunk_stream(inputs, cols, chunk_rows, delimiter, smi_header):
+    """(path, iterator of RawChunk) for each (index, path, format)."""
+    for index, path, fmt in inputs:
+        yield path, read_chunks(index, path, fmt, cols, chunk_rows, delimiter, smi_header)

@@ -1,0 +1,256 @@
+"""The ETL driver: runs the stages on an engine and writes the output atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from .chem import ChemOptions
+from .config import PreprocessConfig
+from .readers import Columns, InputError, detect_format, expand_inputs
+from .report import write_outputs
+from .split import SPLITS, check_fractions, plan_split
+from .stages import (NUM_BUCKETS, StageOptions, Stats, finalize_partition, load_group_table, partition_smiles,
+                     reduce_partition, write_shard)
+from .tokenizer import (SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
+                        train_bpe_tokenizer, vocab_from_counts)
+
+
+class Progress:
+    """Molecules read, per second, and rejected so far, on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        self.rows = self.rejected = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit=" mol", desc="canonicalize", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+
+    def advance(self, rows: int, rejected: int):
+        self.rows += rows
+        self.rejected += rejected
+        if self.bar is not None:
+            self.bar.update(rows)
+            self.bar.set_postfix(rejected=self.rejected, refresh=False)
+
+    def stage(self, name: str):
+        if self.bar is not None:
+            self.bar.set_description(name)
+            self.bar.refresh()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _validate(cfg: PreprocessConfig) -> None:
+    if not cfg.input:
+        raise ValueError("--input: give at least one input file")
+    if not cfg.output:
+        raise ValueError("--output: give an output directory")
+    check_fractions(cfg.split_fractions)
+    if sorted(set(cfg.length_buckets)) != list(cfg.length_buckets) or not cfg.length_buckets:
+        raise ValueError(f"--length_buckets must be strictly increasing, got {cfg.length_buckets}")
+    if cfg.shard_size_mb <= 0 or cfg.chunk_rows < 1 or cfg.partition_rows < 1:
+        raise ValueError("--shard_size_mb, --chunk_rows and --partition_rows must be positive")
+    if cfg.tokenizer == "bpe" and not 16 < cfg.bpe_vocab_size <= 65535:
+        raise ValueError("--bpe_vocab_size must be in (16, 65535]")
+
+
+def plan_partitions(spills, target_rows: int) -> list[tuple[int, int]]:
+    """Contiguous bucket ranges of about ``target_rows`` rows each."""
+    counts = np.zeros(NUM_BUCKETS, dtype=np.int64)
+    for _, offsets in spills:
+        counts += np.diff(np.asarray(offsets))
+    ranges, lo, acc = [], 0, 0
+    for b in range(NUM_BUCKETS):
+        acc += int(counts[b])
+        if acc >= target_rows:
+            ranges.append((lo, b + 1))
+            lo, acc = b + 1, 0
+    if lo < NUM_BUCKETS and acc > 0:
+        ranges.append((lo, NUM_BUCKETS))
+    return ranges
+
+
+def _reduce(engine, spills, options, work_dir, cfg, stage):
+    total = sum(o[-1] for _, o in spills)
+    target = max(1, min(cfg.partition_rows, -(-total // (4 * engine.workers))))
+    ranges = plan_partitions(spills, target)
+    return engine.run_tasks(reduce_partition, [(spills, lo, hi, options, work_dir, i, stage)
+                                               for i, (lo, hi) in enumerate(ranges)])
+
+
+def _make_engine(cfg: PreprocessConfig):
+    if cfg.engine == "ray":
+        from .ray_engine import RayEngine
+
+        return RayEngine(cfg.workers)
+    from .local_engine import LocalEngine
+
+    return LocalEngine(cfg.workers)
+
+
+def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
+    """Returns (encoder spec, tokenizer manifest block)."""
+    method = cfg.split
+    splits = {0} if cfg.vocab_from == "train" else {0, 1, 2}
+    if cfg.tokenizer == "regex":
+        if cfg.vocab_from == "all":
+            counts = map_tokens or Counter()
+        else:
+            from .tokenizer import count_tokens
+
+            counts = Counter()
+            for smiles in engine.run_tasks(partition_smiles, [(p["staged"], p["groups"], method, thresholds, splits)
+                                                             for p in parts]):
+                counts.update(count_tokens(smiles))
+        vocab = vocab_from_counts(counts)
+        tok = build_regex_tokenizer(vocab)
+        save_tokenizer(tok, tok_dir)
+        return ("regex", vocab), {"kind": "regex"}
+    if cfg.tokenizer == "bpe":
+        def corpus():
+            for p in parts:
+                yield from partition_smiles(p["staged"], p["groups"], method, thresholds, splits)
+
+        tok = train_bpe_tokenizer(corpus(), cfg.bpe_vocab_size)
+        save_tokenizer(tok, tok_dir)
+    else:
+        fast = load_external_tokenizer(cfg.tokenizer)
+        fast.save_pretrained(tok_dir)
+    fast_file = os.path.join(tok_dir, "tokenizer.json")
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    kind = "bpe" if cfg.tokenizer == "bpe" else "external"
+    return ("hf", fast_file, loaded.unk_token_id), {"kind": kind, "source": None if kind == "bpe" else cfg.tokenizer}
+
+
+def _plan_shards(finals, cfg):
+    rows = sum(sum(f["segments"].values()) for f in finals)
+    avg_bytes = max(1.0, sum(f["bytes"] for f in finals) / max(1, rows))
+    per_shard = max(1, int(cfg.shard_size_mb * (1 << 20) // avg_bytes))
+    keys = sorted({k for f in finals for k in f["segments"]})
+    plans = []
+    for split, lbucket in keys:
+        pieces = [(f["path"], f["segment_start"][(split, lbucket)], f["segments"][(split, lbucket)])
+                  for f in finals if (split, lbucket) in f["segments"]]
+        total = sum(n for _, _, n in pieces)
+        for k in range(-(-total // per_shard)):
+            lo, hi = k * per_shard, min(total, (k + 1) * per_shard)
+            chosen, pos = [], 0
+            for path, start, n in pieces:
+                a, b = max(lo, pos), min(hi, pos + n)
+                if b > a:
+                    chosen.append((path, start + a - pos, b - a))
+                pos += n
+            uri = f"{SPLITS[split]}/{SPLITS[split]}-b{lbucket:02d}-{k:05d}.parquet"
+            plans.append((SPLITS[split], lbucket, uri, chosen))
+    return plans
+
+
+def run(cfg: PreprocessConfig) -> str:
+    """Run the whole ETL; returns the path of the written manifest."""
+    _validate(cfg)
+    started = time.time()
+    paths = expand_inputs(cfg.input)
+    inputs = [(i, p, detect_format(p, cfg.input_format)) for i, p in enumerate(paths)]
+    final_dir = os.path.abspath(cfg.output)
+    if os.path.exists(final_dir) and not cfg.overwrite:
+        raise FileExistsError(f"--output {cfg.output} exists; pass --overwrite true to replace it")
+    parent = os.path.dirname(final_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = f"{final_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    work_dir = os.path.join(cfg.work_dir, f"molds-etl-{os.getpid()}") if cfg.work_dir else os.path.join(tmp_dir, "_work")
+    os.makedirs(work_dir, exist_ok=True)
+    chem = ChemOptions(cfg.keep_stereo, cfg.largest_fragment, cfg.uncharge, cfg.normalize, cfg.max_heavy_atoms,
+                       cfg.max_smiles_length, cfg.scaffold, cfg.dedupe_key)
+    options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
+                           check_regex=cfg.tokenizer == "regex",
+                           two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random")
+    cols = Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns))
+    engine = _make_engine(cfg)
+    progress = Progress(cfg.progress)
+    timings = {}
+    try:
+        t = time.time()
+        spills, stats, map_tokens = engine.map_inputs(inputs, cols, cfg, options, work_dir, progress)
+        timings["map_s"] = time.time() - t
+
+        t = time.time()
+        progress.stage("deduplicate")
+        duplicates = 0
+        if options.two_stage:
+            first = _reduce(engine, spills, options, work_dir, cfg, "regroup")
+            duplicates += sum(r["duplicates"] for r in first)
+            spills = [r["spill"] for r in first if "spill" in r]
+        parts = _reduce(engine, spills, options, work_dir, cfg, "final")
+        duplicates += sum(r["duplicates"] for r in parts)
+        parts = [p for p in parts if p["rows"]]
+        kept = sum(p["rows"] for p in parts)
+        if kept == 0:
+            raise InputError(f"no valid molecule in the input ({stats.rows_in} rows, rejected: {dict(stats.rejected)})")
+        timings["dedupe_s"] = time.time() - t
+
+        t = time.time()
+        progress.stage("split")
+
+        def tables():
+            for p in parts:
+                yield load_group_table(p["groups"], cfg.split)
+
+        thresholds = plan_split(tables, kept, cfg.split_fractions)
+        timings["split_s"] = time.time() - t
+
+        t = time.time()
+        progress.stage("tokenize")
+        tok_dir = os.path.join(tmp_dir, "tokenizer")
+        encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
+        finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
+                                                        cfg.vocab_from, work_dir) for p in parts])
+        for f in finals:
+            stats.merge(f["stats"])
+        timings["tokenize_s"] = time.time() - t
+
+        t = time.time()
+        progress.stage("write shards")
+        plans = _plan_shards(finals, cfg)
+        for split in SPLITS:
+            os.makedirs(os.path.join(tmp_dir, split), exist_ok=True)
+        written = engine.run_tasks(write_shard, [(pieces, os.path.join(tmp_dir, uri)) for _, _, uri, pieces in plans])
+        timings["write_s"] = time.time() - t
+        timings["total_s"] = time.time() - started
+        manifest_path = write_outputs(
+            tmp_dir, cfg=cfg, inputs=[p for _, p, _ in inputs], chem=chem, tok_info=tok_info, stats=stats,
+            duplicates=duplicates, plans=plans, written=written, finals=finals, timings=timings,
+            special_tokens=SPECIAL_TOKENS,
+        )
+        shutil.rmtree(work_dir, ignore_errors=True)
+        _publish(tmp_dir, final_dir)
+        return os.path.join(final_dir, os.path.basename(manifest_path))
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    finally:
+        progress.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _publish(tmp_dir: str, final_dir: str) -> None:
+    """Rename the finished directory into place; an old one is removed only after."""
+    old = None
+    if os.path.exists(final_dir):
+        old = f"{final_dir}.old-{os.getpid()}"
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

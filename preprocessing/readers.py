@@ -1,0 +1,374 @@
+"""Streaming readers for raw molecule dumps.
+
+Each reader yields ``RawChunk``s of at most ``chunk_rows`` records, never the whole file.
+Rows that are broken at the file level (wrong field count, bad bytes, no SMILES field)
+are carried in the chunk with their rejection reason, so every record is counted.
+
+Formats: CSV / TSV (Python's ``csv``: quoted commas, CRLF, embedded newlines), .smi
+(``SMILES [whitespace id]``), Parquet (pyarrow, by row group), JSONL, and HuggingFace
+``datasets`` (a ``save_to_disk`` directory, or ``datasets:NAME[:CONFIG]`` already in the
+local cache; nothing is downloaded). Any of the text formats may be gzip/bz2/xz/zstd
+compressed; paths may be local, globs, or fsspec URIs.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+MISSING_LABELS = frozenset({"", "na", "nan", "n/a", "null", "none", "-", "?"})
+_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+_FORMATS = {
+    ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".smi": "smi", ".smiles": "smi", ".txt": "smi",
+    ".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+}
+
+
+class InputError(ValueError):
+    """A problem with an input file as a whole: the message names the file."""
+
+
+@dataclass
+class RawChunk:
+    """Up to ``chunk_rows`` consecutive records of one input file."""
+
+    file_index: int
+    path: str
+    rows: list[int] = field(default_factory=list)  # 1-based record number in the file
+    smiles: list = field(default_factory=list)  # str, or None when ``reasons`` has the row
+    ids: list = field(default_factory=list)  # compound id or None
+    labels: list = field(default_factory=list)  # list of raw label values, or None
+    reasons: dict = field(default_factory=dict)  # position in chunk -> rejection reason
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class Columns:
+    smiles: str
+    id: str | None = None
+    labels: tuple[str, ...] = ()
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Globs and fsspec URIs to a sorted, de-duplicated list of existing inputs."""
+    out: list[str] = []
+    for pattern in patterns:
+        if pattern.startswith("datasets:"):
+            out.append(pattern)
+        elif "://" in pattern:
+            import fsspec
+
+            fs, _, paths = fsspec.get_fs_token_paths(pattern)
+            if not paths:
+                raise InputError(f"input {pattern!r}: no such file")
+            proto = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
+            out.extend(sorted(p if "://" in p else f"{proto}://{p}" for p in paths))
+        elif glob.has_magic(pattern):
+            found = sorted(glob.glob(pattern))
+            if not found:
+                raise InputError(f"input {pattern!r}: the glob matches no file")
+            out.extend(found)
+        else:
+            if not os.path.exists(pattern):
+                raise InputError(f"input {pattern!r}: no such file or directory")
+            out.append(pattern)
+    seen, unique = set(), []
+    for p in out:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    if not unique:
+        raise InputError("no input given")
+    return unique
+
+
+def detect_format(path: str, forced: str = "auto") -> str:
+    if forced != "auto":
+        return forced
+    if path.startswith("datasets:"):
+        return "hf"
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if names & {"dataset_info.json", "state.json", "dataset_dict.json"}:
+            return "hf"
+        raise InputError(f"input {path!r} is a directory but not a saved HuggingFace dataset")
+    stem = path.lower()
+    for ext in _COMPRESSIONS:
+        if stem.endswith(ext):
+            stem = stem[: -len(ext)]
+    for ext, fmt in _FORMATS.items():
+        if stem.endswith(ext):
+            return fmt
+    raise InputError(
+        f"input {path!r}: cannot tell its format from the name; pass --input_format "
+        f"(one of csv, tsv, smi, parquet, jsonl, hf)"
+    )
+
+
+def _open_binary(path: str):
+    import fsspec
+
+    return fsspec.open(path, "rb", compression="infer").open()
+
+
+def _open_text(path: str):
+    # surrogateescape keeps undecodable bytes as lone surrogates: the row is then
+    # rejected as non_utf8 instead of the whole file failing.
+    return io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+
+def _is_clean(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\0" not in text
+
+
+def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
+    """Index of column ``wanted``: exact name, else a unique case-insensitive match."""
+    names = [h.strip() for h in header]
+    if wanted in names:
+        return names.index(wanted)
+    folded = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
+    if len(folded) == 1:
+        return folded[0]
+    raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}")
+
+
+class _ChunkBuilder:
+    def __init__(self, file_index: int, path: str, chunk_rows: int):
+        self.file_index, self.path, self.chunk_rows = file_index, path, chunk_rows
+        self.chunk = RawChunk(file_index, path)
+
+    def add(self, row: int, smiles, cid=None, labels=None, reason: str | None = None):
+        c = self.chunk
+        if reason is not None:
+            c.reasons[len(c.rows)] = reason
+            smiles = None
+        c.rows.append(row)
+        c.smiles.append(smiles)
+        c.ids.append(cid)
+        c.labels.append(labels)
+        if len(c.rows) >= self.chunk_rows:
+            return self.flush()
+        return None
+
+    def flush(self):
+        c = self.chunk
+        self.chunk = RawChunk(self.file_index, self.path)
+        return c if c.rows else None
+
+
+def _read_delimited(file_index, path, cols: Columns, delimiter: str, chunk_rows: int):
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    with _open_text(path) as fh:
+        lines = (line.replace("\0", "\udc80") if "\0" in line else line for line in fh)
+        reader = csv.reader(lines, delimiter=delimiter)
+        header = next(reader, None)
+        if header is None:
+            return
+        s_idx = _resolve(path, header, cols.smiles, "SMILES")
+        i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
+        l_idx = [_resolve(path, header, name, "label") for name in cols.labels]
+        width = len(header)
+        builder = _ChunkBuilder(file_index, path, chunk_rows)
+        row = 0
+        for record in reader:
+            if not record:
+                continue  # a blank line is not a record
+            row += 1
+            if len(record) != width:
+                out = builder.add(row, None, reason="malformed_row")
+            elif not all(map(_is_clean, record)):
+                out = builder.add(row, None, reason="non_utf8")
+            else:
+                out = builder.add(
+                    row,
+                    record[s_idx],
+                    record[i_idx].strip() if i_idx is not None else None,
+                    [record[i] for i in l_idx] if l_idx else None,
+                )
+            if out is not None:
+                yield out
+        last = builder.flush()
+        if last is not None:
+            yield last
+
+
+def _read_smi(file_index, path, cols: Columns, has_header: bool, chunk_rows: int):
+    with _open_text(path) as fh:
+        builder = _ChunkBuilder(file_index, path, chunk_rows)
+        row = 0
+        first = True
+        for line in fh:
+            if first and has_header:
+                first = False
+                continue
+            first = False
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            row += 1
+            if not _is_clean(line):
+                out = builder.add(row, None, reason="non_utf8")
+            else:
+                parts = line.strip().split(None, 1)
+                out = builder.add(row, parts[0], parts[1].strip() if len(parts) > 1 else None)
+            if out is not None:
+                yield out
+        last = builder.flush()
+        if last is not None:
+            yield last
+
+
+def _read_jsonl(file_index, path, cols: Columns, chunk_rows: int):
+    with _open_text(path) as fh:
+        builder = _ChunkBuilder(file_index, path, chunk_rows)
+        row = 0
+        for line in fh:
+            if not line.strip():
+                continue
+            row += 1
+            if not _is_clean(line):
+                out = builder.add(row, None, reason="non_utf8")
+            else:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if not isinstance(rec, dict):
+                    out = builder.add(row, None, reason="malformed_row")
+                elif not isinstance(rec.get(cols.smiles), str):
+                    out = builder.add(row, None, reason="missing_field")
+                else:
+                    cid = rec.get(cols.id) if cols.id else None
+                    labels = [rec.get(name) for name in cols.labels] if cols.labels else None
+                    out = builder.add(row, rec[cols.smiles], None if cid is None else str(cid), labels)
+            if out is not None:
+                yield out
+        last = builder.flush()
+        if last is not None:
+            yield last
+
+
+def _read_arrow_batches(file_index, path, batches, names: list[str], cols: Columns, chunk_rows: int):
+    s_name = names[_resolve(path, names, cols.smiles, "SMILES")]
+    i_name = names[_resolve(path, names, cols.id, "id")] if cols.id else None
+    l_names = [names[_resolve(path, names, n, "label")] for n in cols.labels]
+    builder = _ChunkBuilder(file_index, path, chunk_rows)
+    row = 0
+    for batch in batches:
+        smiles = batch.column(s_name).to_pylist()
+        ids = batch.column(i_name).to_pylist() if i_name else [None] * len(smiles)
+        labels = [batch.column(n).to_pylist() for n in l_names]
+        for j, smi in enumerate(smiles):
+            row += 1
+            if not isinstance(smi, str):
+                out = builder.add(row, None, reason="missing_field")
+            else:
+                cid = ids[j]
+                out = builder.add(
+                    row, smi, None if cid is None else str(cid), [col[j] for col in labels] if labels else None
+                )
+            if out is not None:
+                yield out
+    last = builder.flush()
+    if last is not None:
+        yield last
+
+
+def _read_parquet(file_index, path, cols: Columns, chunk_rows: int):
+    import pyarrow.parquet as pq
+
+    with _open_binary(path) as fh:
+        pf = pq.ParquetFile(fh)
+        names = pf.schema_arrow.names
+        wanted = [cols.smiles] + ([cols.id] if cols.id else []) + list(cols.labels)
+        resolved = sorted({names[_resolve(path, names, w, "requested")] for w in wanted})
+        yield from _read_arrow_batches(
+            file_index, path, pf.iter_batches(batch_size=chunk_rows, columns=resolved), names, cols, chunk_rows
+        )
+
+
+def _load_hf(path: str):
+    if path.startswith("datasets:"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        import datasets
+
+        name, _, config = path[len("datasets:"):].partition(":")
+        try:
+            return datasets.load_dataset(name, config or None)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the input named
+            raise InputError(f"{path}: not found in the local HuggingFace cache ({exc})") from exc
+    import datasets
+
+    return datasets.load_from_disk(path)
+
+
+def _read_hf(file_index, path, cols: Columns, chunk_rows: int):
+    ds = _load_hf(path)
+    parts = [(None, ds)] if not hasattr(ds, "keys") else [(k, ds[k]) for k in sorted(ds.keys())]
+    for split_name, part in parts:
+        label = path if split_name is None else f"{path}[{split_name}]"
+        table = part.data.table if hasattr(part.data, "table") else part.data
+        if getattr(part, "_indices", None) is not None:
+            part = part.flatten_indices()
+            table = part.data.table
+        yield from _read_arrow_batches(
+            file_index, label, table.to_batches(max_chunksize=chunk_rows), table.schema.names, cols, chunk_rows
+        )
+
+
+def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows: int,
+                delimiter: str | None = None, has_header: bool | None = None):
+    """Yield the records of one input as ``RawChunk``s; raise ``InputError`` naming it."""
+    try:
+        if fmt in ("csv", "tsv"):
+            delim = delimiter or ("\t" if fmt == "tsv" else ",")
+            yield from _read_delimited(file_index, path, cols, delim, chunk_rows)
+        elif fmt == "smi":
+            yield from _read_smi(file_index, path, cols, bool(has_header), chunk_rows)
+        elif fmt == "jsonl":
+            yield from _read_jsonl(file_index, path, cols, chunk_rows)
+        elif fmt == "parquet":
+            yield from _read_parquet(file_index, path, cols, chunk_rows)
+        elif fmt == "hf":
+            yield from _read_hf(file_index, path, cols, chunk_rows)
+        else:
+            raise InputError(f"{path}: unknown input format {fmt!r}")
+    except InputError:
+        raise
+    except (OSError, EOFError, csv.Error, ValueError, ImportError) as exc:
+        raise InputError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from exc
+
+
+def parse_labels(values: list) -> list[float] | None:
+    """Raw label values to floats; missing markers become NaN; None if any is garbage."""
+    out = []
+    for v in values:
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, bool):
+            out.append(float(v))
+        elif isinstance(v, (int, float)):
+            out.append(float(v))
+        else:
+            text = str(v).strip()
+            if text.lower() in MISSING_LABELS:
+                out.append(math.nan)
+                continue
+            try:
+                out.append(float(text))
+            except ValueError:
+                return None
+    return out

@@ -1,0 +1,133 @@
+"""manifest.json and report.md of an ETL run."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+
+from molds import __version__
+from molds.data.manifest import FORMAT_VERSION
+
+from .chem import REJECT_REASONS
+from .split import SPLITS
+from .tokenizer import vocab_hash
+
+
+def _merge_hist(finals, split: int) -> list[int]:
+    out: list[int] = []
+    for f in finals:
+        h = f["length_hist"][split]
+        if len(h) > len(out):
+            out.extend([0] * (len(h) - len(out)))
+        for i, v in enumerate(h):
+            out[i] += v
+    return out
+
+
+def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, plans, written, finals, timings,
+                  special_tokens) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizer"), local_files_only=True)
+    vocab = tok.get_vocab()
+    splits = {name: [] for name in SPLITS}
+    for (split, lbucket, uri, _), res in zip(plans, written):
+        splits[split].append({"uri": uri, "num_rows": res["num_rows"], "token_count": res["token_count"],
+                              "length_bucket": lbucket, "sha256": res["sha256"]})
+    rows_out = sum(s["num_rows"] for shards in splits.values() for s in shards)
+    rejected = {reason: int(stats.rejected[reason]) for reason in REJECT_REASONS if stats.rejected.get(reason)}
+    split_stats = {}
+    for i, name in enumerate(SPLITS):
+        split_stats[name] = {
+            "rows": sum(s["num_rows"] for s in splits[name]),
+            "tokens": sum(s["token_count"] for s in splits[name]),
+            "groups": sum(f["scaffolds"][i] for f in finals),
+            "rows_with_unknown_tokens": sum(f["unknown_rows"][i] for f in finals),
+        }
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generator": {"name": "molds-preprocess", "version": __version__},
+        "inputs": {"paths": inputs, "smiles_column": cfg.smiles_column, "id_column": cfg.id_column},
+        "canonicalization": chem.describe(),
+        "dedupe": {"key": cfg.dedupe_key, "keeps": "first occurrence in input order"},
+        "scaffold": {"kind": cfg.scaffold, "include_chirality": False},
+        "split": {"method": cfg.split, "fractions": list(cfg.split_fractions), "seed": cfg.seed,
+                  "group": "molecule" if cfg.split == "random" else "scaffold"},
+        "tokenizer": {
+            **tok_info,
+            "path": "tokenizer",
+            "vocab_size": len(vocab),
+            "vocab_hash": vocab_hash(vocab),
+            "vocab_from": cfg.vocab_from,
+            "special_tokens": dict(special_tokens),
+            "ids_exclude_special_tokens": True,
+        },
+        "length_buckets": {"boundaries": list(cfg.length_buckets), "measure": "token_length",
+                           "rule": "bucket i holds boundaries[i-1] < token_length <= boundaries[i]; the last is open"},
+        "labels": {"columns": list(cfg.label_columns), "missing": "NaN"} if cfg.label_columns else None,
+        "columns": ["compound_id", "raw_smiles", "canonical_smiles", "scaffold", "token_ids", "token_length"]
+        + (["labels"] if cfg.label_columns else []) + ["source"],
+        "splits": splits,
+        "stats": {
+            "rows_in": stats.rows_in,
+            "rows_out": rows_out,
+            "duplicates": int(duplicates),
+            "rejected": rejected,
+            "splits": split_stats,
+        },
+    }
+    accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())
+    if accounted != stats.rows_in:
+        raise RuntimeError(f"row accounting broken: {stats.rows_in} in, {accounted} accounted for")
+    path = os.path.join(out_dir, "manifest.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=2)
+        fh.write("\n")
+    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
+        fh.write(_report(manifest, stats, finals, timings, cfg))
+    return path
+
+
+def _report(m, stats, finals, timings, cfg) -> str:
+    s = m["stats"]
+    lines = [
+        "# molds-preprocess report", "",
+        f"- created: {m['created']} by molds {m['generator']['version']}",
+        f"- inputs: {', '.join(m['inputs']['paths'])}",
+        f"- rows in: {s['rows_in']:,}; written: {s['rows_out']:,}; duplicates: {s['duplicates']:,}; "
+        f"rejected: {sum(s['rejected'].values()):,}",
+        f"- canonicalization: RDKit {m['canonicalization']['rdkit_version']}, options hash "
+        f"`{m['canonicalization']['hash'][:16]}`",
+        f"- tokenizer: {m['tokenizer']['kind']}, {m['tokenizer']['vocab_size']} tokens "
+        f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
+        f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}", "",
+        "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |", "|---|---|---|---|---|---|",
+    ]
+    for name in SPLITS:
+        st = s["splits"][name]
+        lines.append(f"| {name} | {st['rows']:,} | {st['tokens']:,} | {st['groups']:,} | {len(m['splits'][name])} | "
+                     f"{st['rows_with_unknown_tokens']:,} |")
+    lines += ["", "## Rejected rows", ""]
+    if not s["rejected"]:
+        lines.append("None.")
+    for reason, count in sorted(s["rejected"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"- **{reason}** ({count:,}): {REJECT_REASONS[reason]}")
+        for source, raw in stats.examples.get(reason, []):
+            lines.append(f"  - `{source}`: `{raw}`" if raw is not None else f"  - `{source}`")
+    lines += ["", "## Token lengths (without BOS/EOS)", "", "| length | train | valid | test |", "|---|---|---|---|"]
+    hists = [_merge_hist(finals, i) for i in range(3)]
+    width = max(len(h) for h in hists)
+    step = max(1, -(-width // 25))
+    for lo in range(0, width, step):
+        cells = [sum(h[lo:lo + step]) for h in hists]
+        if any(cells):
+            lines.append(f"| {lo}-{lo + step - 1} | " + " | ".join(f"{c:,}" for c in cells) + " |")
+    lines += ["", "## Throughput", "", f"- workers: {cfg.workers or os.cpu_count()}, engine: {cfg.engine}"]
+    for k, v in timings.items():
+        lines.append(f"- {k}: {v:.2f}")
+    if timings.get("total_s"):
+        lines.append(f"- molecules/s (rows in / total): {s['rows_in'] / timings['total_s']:,.0f}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,142 @@
+"""Deterministic train/valid/test splits over groups, in bounded memory.
+
+A *group* is what must not straddle two splits: the scaffold for ``scaffold`` and
+``scaffold_random``, the molecule for ``random``. Groups are put in one global order and
+cut by cumulative row count: a group goes to the first split whose row target its
+*starting* position has not reached yet. The order is
+
+- ``scaffold``: largest group first (the MoleculeNet convention: big scaffolds to train),
+  ties broken by a seeded hash of the scaffold;
+- ``scaffold_random`` and ``random``: by a seeded hash of the group, a random order.
+
+Because the rule is a prefix cut, it is fixed by two threshold keys, found with three
+histogram passes over the per-partition group tables (size class, top 16 hash bits,
+then the groups of one cell). Memory is bounded by the size of a cell, never by the
+number of groups, so a billion singleton groups need no billion-entry array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SPLITS = ("train", "valid", "test")
+METHODS = ("scaffold", "random", "scaffold_random")
+_TOP = 1 << 64
+_MINOR_SHIFT = 48
+_MIN_MAJOR = -(1 << 63)
+_MAX_MAJOR = (1 << 63) - 1  # above every real major (sizes are far below 2**63)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Group keys (major, hash) below this go to an earlier split."""
+
+    major: int
+    hash: int  # may be 2**64: "after every hash of this major class"
+
+    def below(self, major: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        if self.hash >= _TOP:
+            return major <= self.major
+        return (major < self.major) | ((major == self.major) & (hashes < np.uint64(self.hash)))
+
+
+def group_major(method: str, sizes: np.ndarray) -> np.ndarray:
+    """The first component of the order key: -size for ``scaffold``, else 0."""
+    if method == "scaffold":
+        return -sizes.astype(np.int64)
+    return np.zeros(len(sizes), dtype=np.int64)
+
+
+def check_fractions(fractions) -> tuple[float, float, float]:
+    fr = [float(f) for f in fractions]
+    if len(fr) == 2:
+        fr.append(0.0)
+    if len(fr) != 3 or any(f < 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6 or fr[0] <= 0:
+        raise ValueError(
+            f"split fractions must be 2 or 3 non-negative numbers summing to 1 with train > 0, got {fractions}"
+        )
+    return tuple(fr)
+
+
+def _cut_in(order: list, rows: dict, target: int, inner):
+    """Walk cells in order; return the threshold where the cumulative row count
+    first reaches ``target`` (descending into a cell with ``inner`` when the cut may
+    fall inside it). ``inner(cell, local_target)`` returns a threshold or None."""
+    before = 0
+    for cell in order:
+        if before >= target:
+            return ("start", cell)
+        r = rows[cell]
+        if before + r > target:
+            found = inner(cell, target - before)
+            if found is not None:
+                return ("found", found)
+        before += r
+    return None
+
+
+def find_threshold(load_tables, target: int) -> Threshold:
+    """The key of the first group whose rows-before count is >= ``target``.
+
+    ``load_tables()`` yields ``(major, hash, size)`` numpy arrays, one triple per
+    partition; it is called once per histogram pass.
+    """
+    if target <= 0:
+        return Threshold(_MIN_MAJOR, 0)
+    per_major: dict[int, int] = {}
+    for major, _, size in load_tables():
+        uniq, inv = np.unique(major, return_inverse=True)
+        sums = np.bincount(inv, weights=size, minlength=len(uniq))
+        for m, s in zip(uniq.tolist(), sums.tolist()):
+            per_major[m] = per_major.get(m, 0) + int(s)
+    majors = sorted(per_major)
+
+    def within_major(m: int, t: int):
+        minor_rows = np.zeros(1 << 16, dtype=np.int64)
+        for major, hashes, size in load_tables():
+            sel = major == m
+            minor_rows += np.bincount((hashes[sel] >> np.uint64(_MINOR_SHIFT)).astype(np.int64),
+                                      weights=size[sel], minlength=1 << 16).astype(np.int64)
+        cells = np.flatnonzero(minor_rows).tolist()
+
+        def within_cell(b: int, t2: int):
+            hs, ss = [], []
+            for major, hashes, size in load_tables():
+                sel = (major == m) & ((hashes >> np.uint64(_MINOR_SHIFT)) == np.uint64(b))
+                hs.append(hashes[sel])
+                ss.append(size[sel])
+            h = np.concatenate(hs)
+            s = np.concatenate(ss)
+            idx = np.argsort(h, kind="stable")
+            h, s = h[idx], s[idx]
+            before = np.concatenate([[0], np.cumsum(s)[:-1]])
+            hit = np.flatnonzero(before >= t2)
+            return int(h[hit[0]]) if len(hit) else None
+
+        res = _cut_in(cells, {c: int(minor_rows[c]) for c in cells}, t, within_cell)
+        if res is None:
+            return None
+        kind, val = res
+        return Threshold(m, val << _MINOR_SHIFT) if kind == "start" else Threshold(m, val)
+
+    res = _cut_in(majors, per_major, target, within_major)
+    if res is None:
+        return Threshold(_MAX_MAJOR, 0)
+    kind, val = res
+    return Threshold(val, 0) if kind == "start" else val
+
+
+def plan_split(load_tables, total_rows: int, fractions) -> tuple[Threshold, Threshold]:
+    """Thresholds between train|valid and valid|test for ``total_rows`` rows."""
+    f_train, f_valid, _ = check_fractions(fractions)
+    t1 = int(round(f_train * total_rows))
+    t2 = int(round((f_train + f_valid) * total_rows))
+    return find_threshold(load_tables, t1), find_threshold(load_tables, t2)
+
+
+def assign_split(thresholds, major: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """0 = train, 1 = valid, 2 = test, for each group key."""
+    first, second = thresholds
+    return (~first.below(major, hashes)).astype(np.int8) + (~second.below(major, hashes)).astype(np.int8)

@@ -1,0 +1,375 @@
+"""The ETL's stages as functions over files, shared by the local and Ray engines.
+
+    map        raw chunks -> canonical rows, hashed and spilled to disk by shuffle bucket
+    reduce     one bucket range from every spill file -> deduplicated partition
+               (+ its group table: group hash -> size)
+    finalize   partition + split thresholds + tokenizer -> token ids, length buckets,
+               rows ordered by (split, length bucket, shuffle bucket, row hash)
+    assemble   slices of finalized partitions -> one Parquet shard with its sha256
+
+The output depends only on the data, the options and the seed: not on the number of
+workers, the partitioning, or the engine. Rows are ordered by keys derived from
+content hashes, and partitions are contiguous ranges of the 4096 shuffle buckets, so
+concatenating partitions in order gives the same stream whatever the ranges are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from .chem import Canonicalizer, ChemOptions, Molecule
+from .readers import RawChunk, parse_labels
+from .split import assign_split, group_major
+from .tokenizer import count_tokens, make_encoder, regex_covers
+
+NUM_BUCKETS = 4096
+_BUCKET_SHIFT = np.uint64(64 - 12)
+_GROUP_SALT = 0x5CAF_F01D
+_EXAMPLES_PER_REASON = 5
+SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "scaffold", "token_ids", "token_length",
+                 "labels", "source")
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    chem: ChemOptions
+    split: str
+    seed: int
+    num_labels: int
+    check_regex: bool  # reject canonical SMILES the SMILES regex cannot cover
+    two_stage: bool  # dedupe key does not decide the group: dedupe, then regroup
+
+
+@dataclass
+class Stats:
+    rows_in: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)  # reason -> [(source, raw)]
+
+    def reject(self, reason: str, source: str, raw):
+        self.rejected[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < _EXAMPLES_PER_REASON:
+            ex.append((source, raw if raw is None else _clip(str(raw))))
+
+    def merge(self, other: "Stats"):
+        self.rows_in += other.rows_in
+        self.rejected.update(other.rejected)
+        for reason, ex in other.examples.items():
+            mine = self.examples.setdefault(reason, [])
+            mine.extend(ex[: _EXAMPLES_PER_REASON - len(mine)])
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def hash64(texts: list[str], seed: int) -> np.ndarray:
+    """Seeded 64-bit xxh3 of each string (stable across runs, machines and engines)."""
+    from xxhash import xxh3_64_intdigest
+
+    return np.fromiter((xxh3_64_intdigest(t.encode(), seed) for t in texts), np.uint64, count=len(texts))
+
+
+def _write_ipc(table: pa.Table, path: str) -> None:
+    tmp = path + ".part"
+    with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(tmp, path)
+
+
+def read_ipc(path: str) -> pa.Table:
+    """Memory-mapped: a slice only pages in what is read."""
+    return ipc.open_file(pa.memory_map(path, "r")).read_all()
+
+
+def bucket_offsets(buckets: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.bincount(buckets, minlength=NUM_BUCKETS))]).astype(np.int64)
+
+
+# ---------------------------------------------------------------- map
+
+class MapStage:
+    """Canonicalizes raw chunks and spills rows, sorted by shuffle bucket, to disk."""
+
+    def __init__(self, options: StageOptions, work_dir: str, name: str, spill_rows: int = 200_000):
+        self.options, self.work_dir, self.name, self.spill_rows = options, work_dir, name, spill_rows
+        self.canonicalize = Canonicalizer(options.chem)
+        self.stats = Stats()
+        self.tokens = Counter()
+        self.spills: list[tuple[str, list[int]]] = []
+        self._cols = self._empty()
+
+    def _empty(self) -> dict:
+        return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "scaffold", "dedupe_key",
+                                "compound_id", "source", "labels")}
+
+    def process(self, chunk: RawChunk) -> tuple[int, int]:
+        """Returns (rows, rejected) of this chunk, for progress reporting."""
+        opts, stats, cols = self.options, self.stats, self._cols
+        rejected_before = sum(stats.rejected.values())
+        canonical_batch = []
+        for pos, row in enumerate(chunk.rows):
+            source = f"{chunk.path}:{row}"
+            stats.rows_in += 1
+            raw = chunk.smiles[pos]
+            if raw is None:
+                stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
+                continue
+            labels = None
+            if opts.num_labels:
+                labels = parse_labels(chunk.labels[pos])
+                if labels is None:
+                    stats.reject("bad_label", source, chunk.labels[pos])
+                    continue
+            mol = self.canonicalize(raw)
+            if not isinstance(mol, Molecule):
+                stats.reject(mol, source, raw)
+                continue
+            if opts.check_regex and not regex_covers(mol.canonical):
+                stats.reject("tokenizer_roundtrip", source, raw)
+                continue
+            cols["order"].append((chunk.file_index << 40) | row)
+            cols["raw_smiles"].append(raw)
+            cols["canonical_smiles"].append(mol.canonical)
+            cols["scaffold"].append(mol.scaffold)
+            cols["dedupe_key"].append(mol.dedupe_key)
+            cols["compound_id"].append(chunk.ids[pos] if chunk.ids[pos] else source)
+            cols["source"].append(source)
+            cols["labels"].append(labels)
+            canonical_batch.append(mol.canonical)
+        if opts.check_regex and canonical_batch:
+            self.tokens.update(count_tokens(canonical_batch))
+        if len(cols["order"]) >= self.spill_rows:
+            self.flush()
+        return len(chunk), sum(stats.rejected.values()) - rejected_before
+
+    def flush(self) -> None:
+        cols = self._cols
+        if not cols["order"]:
+            return
+        opts = self.options
+        seed = opts.seed
+        row_hash = hash64(cols["canonical_smiles"], seed)
+        if opts.split == "random":
+            group_src = cols["dedupe_key"]
+        else:
+            group_src = cols["scaffold"]
+        group_hash = hash64(group_src, seed ^ _GROUP_SALT)
+        if opts.two_stage:
+            shuffle_hash = hash64(cols["dedupe_key"], seed)
+        else:
+            shuffle_hash = group_hash
+        table = pa.table({
+            "order": pa.array(cols["order"], pa.int64()),
+            "raw_smiles": pa.array(cols["raw_smiles"], pa.string()),
+            "canonical_smiles": pa.array(cols["canonical_smiles"], pa.string()),
+            "scaffold": pa.array(cols["scaffold"], pa.string()),
+            "compound_id": pa.array(cols["compound_id"], pa.string()),
+            "source": pa.array(cols["source"], pa.string()),
+            "row_hash": pa.array(row_hash),
+            "group_hash": pa.array(group_hash),
+            "bucket": pa.array((shuffle_hash >> _BUCKET_SHIFT).astype(np.uint16)),
+        })
+        if opts.chem.dedupe_key != "canonical":
+            table = table.append_column("dedupe_key", pa.array(cols["dedupe_key"], pa.string()))
+        if opts.num_labels:
+            table = table.append_column("labels", pa.array(cols["labels"], pa.list_(pa.float32())))
+        self._cols = self._empty()
+        self.spills.append(spill_sorted(table, os.path.join(self.work_dir, f"spill-{self.name}-{len(self.spills)}.arrow")))
+
+
+def spill_sorted(table: pa.Table, path: str) -> tuple[str, list[int]]:
+    """Write ``table`` sorted by bucket; return (path, bucket offsets)."""
+    table = table.sort_by([("bucket", "ascending"), ("order", "ascending")])
+    offsets = bucket_offsets(table.column("bucket").to_numpy())
+    _write_ipc(table, path)
+    return path, offsets.tolist()
+
+
+# ---------------------------------------------------------------- reduce
+
+def read_bucket_range(spills, lo: int, hi: int) -> pa.Table:
+    parts = []
+    for path, offsets in spills:
+        a, b = offsets[lo], offsets[hi]
+        if b > a:
+            parts.append(read_ipc(path).slice(a, b - a))
+    return pa.concat_tables(parts) if parts else None
+
+
+def _first_of_each(table: pa.Table, key: str) -> tuple[pa.Table, int]:
+    """Keep the earliest input row (by ``order``) of each distinct ``key``."""
+    table = table.sort_by([(key, "ascending"), ("order", "ascending")])
+    keys = table.column(key).combine_chunks()
+    if len(keys) <= 1:
+        return table, 0
+    keep = np.ones(len(keys), dtype=bool)
+    keep[1:] = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
+    kept = table.filter(pa.array(keep))
+    return kept, len(keys) - len(kept)
+
+
+def reduce_partition(spills, lo: int, hi: int, options: StageOptions, work_dir: str, index: int, stage: str):
+    """``stage`` is ``regroup`` (InChIKey dedupe, re-spill by group) or ``final``.
+
+    Returns a dict: rows, duplicates, and either ``spill`` or ``staged``+``groups``.
+    """
+    table = read_bucket_range(spills, lo, hi)
+    if table is None:
+        return {"index": index, "rows": 0, "duplicates": 0}
+    duplicates = 0
+    dedupe_here = stage == "regroup" or not options.two_stage
+    if dedupe_here:
+        key = "dedupe_key" if options.chem.dedupe_key != "canonical" else "canonical_smiles"
+        table, duplicates = _first_of_each(table, key)
+    if stage == "regroup":
+        buckets = (table.column("group_hash").to_numpy() >> _BUCKET_SHIFT).astype(np.uint16)
+        table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))
+        spill = spill_sorted(table, os.path.join(work_dir, f"regroup-{index}.arrow"))
+        return {"index": index, "rows": len(table), "duplicates": duplicates, "spill": spill}
+    table = table.sort_by([("bucket", "ascending"), ("row_hash", "ascending")])
+    staged = os.path.join(work_dir, f"partition-{index}.arrow")
+    _write_ipc(table, staged)
+    hashes, sizes = np.unique(table.column("group_hash").to_numpy(), return_counts=True)
+    groups = os.path.join(work_dir, f"groups-{index}.npz")
+    np.savez(groups, hash=hashes, size=sizes.astype(np.int64))
+    return {"index": index, "rows": len(table), "duplicates": duplicates, "staged": staged, "groups": groups}
+
+
+def load_group_table(path: str, method: str):
+    with np.load(path) as z:
+        hashes, sizes = z["hash"], z["size"]
+    return group_major(method, sizes), hashes, sizes
+
+
+def partition_splits(staged_table: pa.Table, groups_path: str, method: str, thresholds) -> np.ndarray:
+    """Split index (0/1/2) of every row of a reduced partition."""
+    major, hashes, _ = load_group_table(groups_path, method)
+    row_groups = staged_table.column("group_hash").to_numpy()
+    pos = np.searchsorted(hashes, row_groups)
+    return assign_split(thresholds, major[pos], row_groups)
+
+
+def partition_smiles(staged: str, groups: str, method: str, thresholds, splits: set[int]):
+    """Canonical SMILES of a partition's rows that fall in ``splits`` (vocabulary passes)."""
+    table = read_ipc(staged)
+    which = partition_splits(table, groups, method, thresholds)
+    mask = np.isin(which, list(splits))
+    return table.column("canonical_smiles").filter(pa.array(mask)).to_pylist()
+
+
+# ---------------------------------------------------------------- finalize
+
+def length_bucket_of(lengths: np.ndarray, boundaries) -> np.ndarray:
+    """Bucket i holds lengths in (boundaries[i-1], boundaries[i]]; the last is open."""
+    return np.searchsorted(np.asarray(boundaries), lengths, side="left").astype(np.int16)
+
+
+def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
+                       work_dir: str) -> dict:
+    """Tokenize, check the round trip, bucket by length and order a reduced partition."""
+    encoder = make_encoder(encoder_spec)
+    table = read_ipc(result["staged"])
+    n = len(table)
+    split = partition_splits(table, result["groups"], method, thresholds)
+    canonical = table.column("canonical_smiles").to_pylist()
+    flat, lengths = encoder.encode_batch(canonical)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ok = encoder.roundtrip_ok(flat, lengths, canonical)
+    unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
+    unk = (unk_cum[offsets[1:]] - unk_cum[offsets[:-1]]) > 0
+    # unknown tokens are expected outside the vocabulary's own split: kept, counted
+    expected_unk = unk & (split != 0) if vocab_from == "train" else np.zeros(n, dtype=bool)
+    ok = (ok & ~unk) | expected_unk
+    stats = Stats()
+    if not ok.all():
+        sources = table.column("source").to_pylist()
+        raws = table.column("raw_smiles").to_pylist()
+        for i in np.flatnonzero(~ok).tolist():
+            stats.reject("tokenizer_roundtrip", sources[i], raws[i])
+    token_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint16()))
+    lbucket = length_bucket_of(lengths, boundaries)
+    out = pa.table({
+        "compound_id": table.column("compound_id"),
+        "raw_smiles": table.column("raw_smiles"),
+        "canonical_smiles": table.column("canonical_smiles"),
+        "scaffold": table.column("scaffold"),
+        "token_ids": token_ids,
+        "token_length": pa.array(lengths, pa.int32()),
+        **({"labels": table.column("labels")} if "labels" in table.column_names else {}),
+        "source": table.column("source"),
+        "_split": pa.array(split),
+        "_lbucket": pa.array(lbucket),
+        "_unk": pa.array(unk),
+        "_bucket": table.column("bucket"),
+        "_row_hash": table.column("row_hash"),
+        "_group_hash": table.column("group_hash"),
+    })
+    if not ok.all():
+        out = out.filter(pa.array(ok))
+    out = out.sort_by([("_split", "ascending"), ("_lbucket", "ascending"), ("_bucket", "ascending"),
+                       ("_row_hash", "ascending")])
+    path = os.path.join(work_dir, f"final-{result['index']}.arrow")
+    _write_ipc(out, path)
+    s = out.column("_split").to_numpy()
+    lb = out.column("_lbucket").to_numpy()
+    tl = out.column("token_length").to_numpy()
+    segments = {}
+    for key in sorted(set(zip(s.tolist(), lb.tolist()))):
+        segments[key] = int(np.count_nonzero((s == key[0]) & (lb == key[1])))
+    seg_start, pos = {}, 0
+    for key in sorted(segments):
+        seg_start[key] = pos
+        pos += segments[key]
+    text_bytes = sum(pc.sum(pc.binary_length(out.column(c))).as_py() or 0
+                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "scaffold", "source"))
+    return {
+        "index": result["index"],
+        "path": path,
+        "segments": segments,
+        "segment_start": seg_start,
+        "stats": stats,
+        "bytes": int(text_bytes + 2 * int(tl.sum()) + out.num_rows * (16 + 4 * _num_labels(out))),
+        "length_hist": {k: np.bincount(tl[s == k]).tolist() for k in range(3)},
+        "unknown_rows": {k: int(np.count_nonzero(out.column("_unk").to_numpy(zero_copy_only=False) & (s == k)))
+                         for k in range(3)},
+        "scaffolds": {k: int(len(np.unique(out.column("_group_hash").to_numpy()[s == k]))) for k in range(3)},
+    }
+
+
+def _num_labels(table: pa.Table) -> int:
+    if "labels" not in table.column_names or table.num_rows == 0:
+        return 0
+    first = table.column("labels")[0].as_py()
+    return len(first) if first else 0
+
+
+# ---------------------------------------------------------------- assemble
+
+def write_shard(pieces, path: str, row_group_rows: int = 8192) -> dict:
+    """Concatenate (final partition path, start, length) slices into one Parquet shard."""
+    parts = [read_ipc(p).slice(start, length) for p, start, length in pieces]
+    table = pa.concat_tables(parts)
+    table = table.select([c for c in SHARD_COLUMNS if c in table.column_names])
+    tmp = path + ".part"
+    pq.write_table(table, tmp, row_group_size=row_group_rows, compression="zstd")
+    os.replace(tmp, path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return {
+        "num_rows": table.num_rows,
+        "token_count": int(pc.sum(table.column("token_length")).as_py() or 0),
+        "sha256": digest.hexdigest(),
+    }

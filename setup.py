@@ -1,0 +1,47 @@
+"""molds: DeepSpeed-backed, configuration-driven trainer for chemical language models.
+
+Install with ``bash .ci/install`` (it puts a CPU build of torch on machines without a
+GPU before anything asks for a bare ``torch``), or ``pip install -e .[dev]`` when torch
+is already installed.
+"""
+
+from setuptools import setup
+
+setup(
+    name="molds",
+    version="0.1.0",
+    description="Configuration-driven trainer for chemical language models (DeepSpeed, RDKit, Arrow)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["molds", "molds.data", "molds.preprocessing"],
+    package_dir={"molds": "molds", "molds.preprocessing": "preprocessing"},
+    package_data={"molds": ["sample_data/*"]},
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.15",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "datasets>=2.20",
+        "rdkit>=2023.9",
+        "pyarrow>=15",
+        "numpy>=1.24",
+        "fsspec>=2023.1",
+        "xxhash>=3.0",
+        "jsonargparse[signatures]>=4.30",
+        "tensorboard>=2.14",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "ray": ["ray[data]>=2.9"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9"],
+    },
+    entry_points={
+        "console_scripts": [
+            "molds-preprocess=molds.preprocessing.cli:main",
+        ]
+    },
+)
