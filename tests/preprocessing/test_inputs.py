@@ -1,0 +1,212 @@
+"""Input formats, option modes, and failures that must leave nothing half-written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from molds.data.manifest import manifest_hash
+from molds.preprocessing.readers import InputError
+
+from .conftest import run_etl, sample_smiles
+
+SMILES = sample_smiles(300, offset=5000)
+
+
+def canon_set(out: str, manifest: dict) -> set[str]:
+    got = set()
+    for shards in manifest["splits"].values():
+        for s in shards:
+            got.update(pq.read_table(os.path.join(out, s["uri"]), columns=["canonical_smiles"]).column(0).to_pylist())
+    return got
+
+
+def rdkit_canon(smiles) -> set[str]:
+    from rdkit import Chem
+
+    return {Chem.MolToSmiles(Chem.MolFromSmiles(s)) for s in smiles}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    path = d / "mols.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES) + "\n")
+    m = run_etl(str(d / "out"), [str(path)])
+    return str(d / "out"), m
+
+
+def split_sets(out: str, manifest: dict) -> dict:
+    return {split: {r for s in shards for r in pq.read_table(os.path.join(out, s["uri"]),
+                                                                columns=["canonical_smiles"]).column(0).to_pylist()}
+            for split, shards in manifest["splits"].items()}
+
+
+def _same_content(out: str, m: dict, ref: tuple):
+    """Same molecules in the same splits with the same vocabulary as the reference run."""
+    ref_out, ref_m = ref
+    assert m["stats"]["rows_out"] == ref_m["stats"]["rows_out"]
+    assert m["tokenizer"]["vocab_hash"] == ref_m["tokenizer"]["vocab_hash"]
+    assert split_sets(out, m) == split_sets(ref_out, ref_m)
+
+
+def test_every_format_gives_the_same_molecules(tmp_path, reference):
+    half = len(SMILES) // 2
+    (tmp_path / "a.tsv").write_text("name\tSmiles\n" + "".join(f"m{i}\t{s}\n" for i, s in enumerate(SMILES[:half])))
+    with gzip.open(tmp_path / "b.smi.gz", "wt") as fh:
+        fh.write("".join(f"{s} mol{i}\n" for i, s in enumerate(SMILES[half:])))
+    pq.write_table(pa.table({"SMILES": SMILES, "x": list(range(len(SMILES)))}), tmp_path / "c.parquet",
+                   row_group_size=50)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"smiles": s, "id": i}) + "\n" for i, s in enumerate(SMILES)))
+    import datasets
+
+    datasets.Dataset.from_dict({"smiles": SMILES}).save_to_disk(str(tmp_path / "e_hf"))
+    runs = {
+        "tsv+smi": [str(tmp_path / "a.tsv"), str(tmp_path / "b.smi.gz")],
+        "parquet": [str(tmp_path / "c.parquet")],
+        "jsonl": [str(tmp_path / "d.jsonl")],
+        "hf": [str(tmp_path / "e_hf")],
+    }
+    for name, inputs in runs.items():
+        m = run_etl(str(tmp_path / f"out-{name}"), inputs)
+        assert canon_set(str(tmp_path / f"out-{name}"), m) == rdkit_canon(SMILES), name
+        assert m["stats"]["rows_in"] == len(SMILES)
+    # a glob over several files: every molecule once, duplicates counted across files
+    m = run_etl(str(tmp_path / "out-glob"), [str(tmp_path / "*.parquet"), str(tmp_path / "d.jsonl")])
+    assert m["stats"]["rows_in"] == 2 * len(SMILES)
+    assert m["stats"]["duplicates"] == len(SMILES)
+    _same_content(str(tmp_path / "out-glob"), m, reference)
+
+
+def test_fsspec_uri_input(tmp_path, reference):
+    import fsspec
+
+    with fsspec.open("memory://bucket/mols.csv.gz", "wb", compression="gzip") as fh:
+        fh.write(("smiles\n" + "\n".join(SMILES) + "\n").encode())
+    m = run_etl(str(tmp_path / "out"), ["memory://bucket/*.csv.gz"])
+    assert canon_set(str(tmp_path / "out"), m) == rdkit_canon(SMILES)
+    _same_content(str(tmp_path / "out"), m, reference)
+
+
+def test_missing_column_names_file_and_columns(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("SMILE,id\nCCO,1\n")
+    with pytest.raises(InputError) as err:
+        run_etl(str(tmp_path / "out"), [str(path)], smiles_column="smiles_col")
+    assert "x.csv" in str(err.value) and "['SMILE', 'id']" in str(err.value)
+    assert not os.path.exists(tmp_path / "out")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_unreadable_file_leaves_no_output(tmp_path):
+    good = tmp_path / "a.csv"
+    good.write_text("smiles\n" + "\n".join(SMILES) + "\n")
+    bad = tmp_path / "b.csv.gz"
+    blob = gzip.compress(("smiles\n" + "\n".join(SMILES) + "\n").encode())
+    bad.write_bytes(blob[: len(blob) // 2])  # truncated gzip
+    with pytest.raises(InputError, match="b.csv.gz"):
+        run_etl(str(tmp_path / "out"), [str(good), str(bad)])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES[:50]) + "\n")
+    out = str(tmp_path / "out")
+    first = run_etl(out, [str(path)])
+    with pytest.raises(FileExistsError):
+        run_etl(out, [str(path)])
+    second = run_etl(out, [str(path)], overwrite=True, seed=3)
+    assert json.load(open(os.path.join(out, "manifest.json")))["split"]["seed"] == 3
+    assert first["split"]["seed"] == 0 and second["split"]["seed"] == 3
+
+
+def test_inchikey_dedupe_merges_tautomers_without_scaffold_leakage(tmp_path):
+    extra = ["Oc1ccccn1", "O=c1cccc[nH]1", "Oc1ccc(C)cn1", "O=c1ccc(C)c[nH]1"]
+    path = tmp_path / "a.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES + extra) + "\n")
+    canonical = run_etl(str(tmp_path / "canon"), [str(path)])
+    inchi = run_etl(str(tmp_path / "inchi"), [str(path)], dedupe_key="inchikey")
+    assert inchi["stats"]["duplicates"] == canonical["stats"]["duplicates"] + 2
+    rows = {}
+    for split, shards in inchi["splits"].items():
+        for s in shards:
+            t = pq.read_table(os.path.join(tmp_path / "inchi", s["uri"]))
+            rows[split] = set(t.column("scaffold").to_pylist()) | rows.get(split, set())
+    assert not (rows["train"] & rows["valid"]) and not (rows["train"] & rows["test"])
+
+
+@pytest.mark.parametrize("split", ["random", "scaffold_random"])
+def test_random_splits_are_seeded_and_leak_free(tmp_path, split):
+    path = tmp_path / "a.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES) + "\n")
+    a = run_etl(str(tmp_path / "a"), [str(path)], split=split, seed=1)
+    b = run_etl(str(tmp_path / "b"), [str(path)], split=split, seed=1, workers=1)
+    c = run_etl(str(tmp_path / "c"), [str(path)], split=split, seed=2)
+    assert manifest_hash(a) == manifest_hash(b)
+    assert a["splits"] != c["splits"]
+    sets = {}
+    for split_name, shards in a["splits"].items():
+        for s in shards:
+            t = pq.read_table(os.path.join(tmp_path / "a", s["uri"]))
+            key = "canonical_smiles" if split == "random" else "scaffold"
+            sets.setdefault(split_name, set()).update(t.column(key).to_pylist())
+    assert not (sets["train"] & sets["valid"]) and not (sets["train"] & sets["test"])
+    assert abs(a["stats"]["splits"]["train"]["rows"] / a["stats"]["rows_out"] - 0.8) < 0.05
+
+
+def test_vocab_from_train_counts_unknown_tokens(tmp_path):
+    path = tmp_path / "a.csv"
+    rare = ["C[Se]C", "[Te]1C=CC=C1", "CC[Si](C)(C)C"]
+    path.write_text("smiles\n" + "\n".join(SMILES + rare) + "\n")
+    m = run_etl(str(tmp_path / "out"), [str(path)], vocab_from="train", split="random", seed=0)
+    tok = json.load(open(tmp_path / "out" / "tokenizer" / "tokenizer.json"))["model"]["vocab"]
+    outside = {s for s in rare if not {"[Se]", "[Te]", "[Si]"} & set(tok)}
+    unknown = sum(m["stats"]["splits"][s]["rows_with_unknown_tokens"] for s in ("valid", "test"))
+    assert m["stats"]["rows_out"] == len(SMILES) + len(rare)
+    assert unknown >= 1 or not outside
+    assert m["stats"]["splits"]["train"]["rows_with_unknown_tokens"] == 0
+
+
+def test_bpe_and_external_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "a.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES) + "\n")
+    bpe = run_etl(str(tmp_path / "bpe"), [str(path)], tokenizer="bpe", bpe_vocab_size=120)
+    assert bpe["tokenizer"]["kind"] == "bpe" and bpe["tokenizer"]["vocab_size"] <= 120
+    ext = run_etl(str(tmp_path / "ext"), [str(path)], tokenizer=str(tmp_path / "bpe" / "tokenizer"))
+    assert ext["tokenizer"]["vocab_hash"] == bpe["tokenizer"]["vocab_hash"]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "ext" / "tokenizer"))
+    for shards in ext["splits"].values():
+        for s in shards:
+            for r in pq.read_table(os.path.join(tmp_path / "ext", s["uri"])).to_pylist():
+                assert tok.decode(r["token_ids"]) == r["canonical_smiles"]
+    assert ext["stats"]["rows_out"] == len(rdkit_canon(SMILES))
+
+
+def test_cli_with_dashes_json_config_and_print_config(tmp_path, capsys):
+    from molds.preprocessing.cli import main, parse
+
+    path = tmp_path / "a.csv"
+    path.write_text("smiles\n" + "\n".join(SMILES[:40]) + "\n")
+    cfg = parse(["--input", str(path), str(path), "--output", "o", "--split-fractions", "0.8,0.1,0.1",
+                 "--label-columns", "a,b", "--smiles-column", "smiles"])
+    assert cfg.input == [str(path), str(path)] and cfg.split_fractions == [0.8, 0.1, 0.1]
+    assert cfg.label_columns == ["a", "b"]
+    conf = tmp_path / "pre.json"
+    conf.write_text(json.dumps({"input": [str(path)], "output": str(tmp_path / "out"), "workers": 1,
+                                "progress": False}))
+    assert main(["--config", str(conf)]) == 0
+    assert os.path.exists(tmp_path / "out" / "manifest.json")
+    with pytest.raises(SystemExit):
+        main(["--config", str(conf), "--print_config"])
+    printed = capsys.readouterr().out
+    assert "smiles_column" in printed and str(path) in printed
+    with pytest.raises(SystemExit):
+        parse(["--input", str(path), "--output", "o", "--no_such_option", "1"])

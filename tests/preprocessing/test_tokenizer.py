@@ -1,0 +1,69 @@
+"""The regex tokenizer, its fast batch encoder, and the saved HF tokenizers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from molds.preprocessing.tokenizer import (RegexEncoder, build_regex_tokenizer, count_tokens, regex_covers,
+                                            save_tokenizer, split_smiles, train_bpe_tokenizer, vocab_from_counts)
+
+from .conftest import sample_smiles
+
+
+def test_regex_tokens():
+    assert split_smiles("C[C@@H](Cl)c1ccc(Br)cc1%10") == [
+        "C", "[C@@H]", "(", "Cl", ")", "c", "1", "c", "c", "c", "(", "Br", ")", "c", "c", "1", "%10"]
+    assert split_smiles("[Na+].[O-]C(=O)/C=C\\C#N") == [
+        "[Na+]", ".", "[O-]", "C", "(", "=", "O", ")", "/", "C", "=", "C", "\\", "C", "#", "N"]
+    assert split_smiles("C%(123)C") == ["C", "%(123)", "C"]
+    assert regex_covers("c1ccccc1") and not regex_covers("CC\u00e9")
+
+
+def test_batch_encoder_equals_hf_tokenizer(tmp_path):
+    smiles = sample_smiles(3000)
+    vocab = vocab_from_counts(count_tokens(smiles[:2000]))  # the rest may hold unknown tokens
+    tok = build_regex_tokenizer(vocab)
+    enc = RegexEncoder(vocab)
+    flat, lengths = enc.encode_batch(smiles)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    hf = tok.encode_batch(smiles, add_special_tokens=False)
+    for i, e in enumerate(hf):
+        assert flat[bounds[i]:bounds[i + 1]].tolist() == e.ids
+    ok = enc.roundtrip_ok(flat, lengths, smiles)
+    has_unk = [enc.unk_id in e.ids for e in hf]
+    assert ok.tolist() == [not u for u in has_unk]
+
+
+def test_roundtrip_check_finds_the_bad_row():
+    vocab = vocab_from_counts(count_tokens(["CCO", "c1ccccc1"]))
+    enc = RegexEncoder(vocab)
+    texts = ["CCO", "c1ccccc1", "CCN"]
+    flat, lengths = enc.encode_batch(texts)
+    assert enc.roundtrip_ok(flat, lengths, texts).tolist() == [True, True, False]
+
+
+def test_saved_tokenizers_load_with_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    smiles = sample_smiles(1000)
+    save_tokenizer(build_regex_tokenizer(vocab_from_counts(count_tokens(smiles))), str(tmp_path / "regex"))
+    save_tokenizer(train_bpe_tokenizer(iter(smiles), 200), str(tmp_path / "bpe"))
+    for kind in ("regex", "bpe"):
+        tok = AutoTokenizer.from_pretrained(str(tmp_path / kind))
+        assert [tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.mask_token_id,
+                tok.sep_token_id] == [0, 1, 2, 3, 4, 5]
+        for smi in smiles[:200]:
+            ids = tok(smi)["input_ids"]
+            assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+            assert tok.decode(ids, skip_special_tokens=True) == smi
+    bpe = AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
+    assert np.mean([len(bpe(s, add_special_tokens=False)["input_ids"]) for s in smiles[:200]]) < np.mean(
+        [len(split_smiles(s)) for s in smiles[:200]])
+
+
+def test_vocab_too_big_for_uint16():
+    from collections import Counter
+
+    with pytest.raises(ValueError, match="uint16"):
+        vocab_from_counts(Counter({f"[X{i}]": 1 for i in range(70000)}))
