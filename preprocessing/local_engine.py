@@ -111,6 +111,9 @@ class LocalEngine:
         spills.sort()
         return spills, stats, tokens
 
+    def close(self):
+        pass
+
     def run_tasks(self, fn, arg_tuples):
         """``fn(*args)`` for each tuple, in parallel; results in input order."""
         arg_tuples = list(arg_tuples)

@@ -126,11 +126,9 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
         fast = load_external_tokenizer(cfg.tokenizer)
         fast.save_pretrained(tok_dir)
     fast_file = os.path.join(tok_dir, "tokenizer.json")
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-    kind = "bpe" if cfg.tokenizer == "bpe" else "external"
-    return ("hf", fast_file, loaded.unk_token_id), {"kind": kind, "source": None if kind == "bpe" else cfg.tokenizer}
+    if cfg.tokenizer == "bpe":
+        return ("hf", fast_file, tok.token_to_id(SPECIAL_TOKENS["unk_token"])), {"kind": "bpe"}
+    return ("hf", fast_file, fast.unk_token_id), {"kind": "external", "source": cfg.tokenizer}
 
 
 def _plan_shards(finals, cfg):
@@ -242,6 +240,7 @@ def run(cfg: PreprocessConfig) -> str:
         raise
     finally:
         progress.close()
+        engine.close()
         shutil.rmtree(work_dir, ignore_errors=True)
 
 

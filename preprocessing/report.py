@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -28,10 +27,9 @@ def _merge_hist(finals, split: int) -> list[int]:
 
 def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, plans, written, finals, timings,
                   special_tokens) -> str:
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizer"), local_files_only=True)
-    vocab = tok.get_vocab()
+    vocab = Tokenizer.from_file(os.path.join(out_dir, "tokenizer", "tokenizer.json")).get_vocab(with_added_tokens=True)
     splits = {name: [] for name in SPLITS}
     for (split, lbucket, uri, _), res in zip(plans, written):
         splits[split].append({"uri": uri, "num_rows": res["num_rows"], "token_count": res["token_count"],

@@ -107,6 +107,7 @@ class MapStage:
         self.stats = Stats()
         self.tokens = Counter()
         self.spills: list[tuple[str, list[int]]] = []
+        self._written = 0
         self._cols = self._empty()
 
     def _empty(self) -> dict:
@@ -185,7 +186,9 @@ class MapStage:
         if opts.num_labels:
             table = table.append_column("labels", pa.array(cols["labels"], pa.list_(pa.float32())))
         self._cols = self._empty()
-        self.spills.append(spill_sorted(table, os.path.join(self.work_dir, f"spill-{self.name}-{len(self.spills)}.arrow")))
+        path = os.path.join(self.work_dir, f"spill-{self.name}-{self._written}.arrow")
+        self._written += 1
+        self.spills.append(spill_sorted(table, path))
 
 
 def spill_sorted(table: pa.Table, path: str) -> tuple[str, list[int]]:

@@ -116,16 +116,27 @@ def train_bpe_tokenizer(smiles_iter, vocab_size: int):
 
 
 def save_tokenizer(tok, directory: str, model_max_length: int = 2048) -> None:
-    """Save as a ``transformers`` fast tokenizer directory (AutoTokenizer-loadable)."""
-    from transformers import PreTrainedTokenizerFast
+    """Save as a fast-tokenizer directory that ``AutoTokenizer.from_pretrained`` loads.
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        clean_up_tokenization_spaces=False,
-        model_max_length=model_max_length,
+    Written with ``tokenizers`` alone (tokenizer.json + tokenizer_config.json), so the
+    ETL does not pay for importing ``transformers``.
+    """
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS.values()])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "right",
         **SPECIAL_TOKENS,
-    )
-    fast.save_pretrained(directory)
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    with open(os.path.join(directory, "special_tokens_map.json"), "w", encoding="utf-8") as fh:
+        json.dump(SPECIAL_TOKENS, fh, indent=2)
 
 
 def load_external_tokenizer(path: str):

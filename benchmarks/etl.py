@@ -1,0 +1,146 @@
+"""ETL throughput against bare RDKit, and peak memory, in one run.
+
+    python benchmarks/etl.py [--input moses_train.csv.gz] [--n 200000] [--workers 2]
+
+Times bare RDKit (parse + canonical SMILES + Murcko scaffold, plus the standardization
+calls when they are switched on) on one core, on a sample, before and after the ETL;
+runs ``molds-preprocess`` on the first N molecules in a subprocess while sampling the
+resident memory of its whole process tree. Prints one JSON line:
+molecules_per_s, rdkit_floor_per_core, workers, ratio_to_floor, peak_rss_mb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "..", "shared", "data", "moses_train.csv.gz")
+SAMPLE = os.path.join(HERE, "..", "molds", "sample_data", "moses_sample.csv.gz")
+
+
+def rdkit_floor(smiles: list[str], standardize: dict) -> float:
+    """Molecules per second on one core for the work the ETL cannot avoid."""
+    from rdkit import Chem, RDLogger
+    from rdkit.Chem.MolStandardize import rdMolStandardize
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    RDLogger.DisableLog("rdApp.*")
+    steps = []
+    if standardize.get("normalize"):
+        steps.append(rdMolStandardize.Normalizer().normalize)
+    if standardize.get("largest_fragment"):
+        steps.append(rdMolStandardize.LargestFragmentChooser(preferOrganic=True).choose)
+    if standardize.get("uncharge"):
+        steps.append(rdMolStandardize.Uncharger().uncharge)
+    start = time.perf_counter()
+    for s in smiles:
+        mol = Chem.MolFromSmiles(s)
+        if mol is None:
+            continue
+        for step in steps:
+            mol = step(mol)
+        Chem.MolToSmiles(mol)
+        Chem.MolToSmiles(MurckoScaffold.GetScaffoldForMol(mol), isomericSmiles=False)
+    return len(smiles) / (time.perf_counter() - start)
+
+
+def tree_rss_mb(pid: int) -> float:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", default=SHARED if os.path.exists(SHARED) else SAMPLE)
+    ap.add_argument("--smiles-column", default="SMILES")
+    ap.add_argument("--n", type=int, default=0, help="first N molecules (0: all)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--floor-sample", type=int, default=5000)
+    ap.add_argument("--engine", default="local")
+    for flag in ("largest-fragment", "uncharge", "normalize"):
+        ap.add_argument(f"--{flag}", action="store_true")
+    args = ap.parse_args()
+    standardize = {k: getattr(args, k) for k in ("largest_fragment", "uncharge", "normalize")}
+
+    tmp = tempfile.mkdtemp(prefix="molds-bench-etl-")
+    data = args.input
+    if args.n:
+        data = os.path.join(tmp, "input.csv.gz")
+        with gzip.open(args.input, "rt") as src, gzip.open(data, "wt", compresslevel=1) as dst:
+            dst.write(next(src))
+            for i, line in enumerate(src):
+                if i >= args.n:
+                    break
+                dst.write(line)
+    with gzip.open(data, "rt") as fh:
+        next(fh)
+        sample = [next(fh).split(",")[0].strip() for _ in range(args.floor_sample)]
+
+    floor_before = rdkit_floor(sample, standardize)
+    cmd = [sys.executable, "-m", "molds.preprocessing.cli", "--input", data, "--smiles_column", args.smiles_column,
+           "--output", os.path.join(tmp, "out"), "--workers", str(args.workers), "--engine", args.engine,
+           "--progress", "false"]
+    for k, v in standardize.items():
+        if v:
+            cmd += [f"--{k}", "true"]
+    peak = [0.0]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+
+    def sample_rss():
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - start
+    sampler.join()
+    if proc.returncode:
+        sys.exit(f"molds-preprocess failed with exit code {proc.returncode}")
+    floor_after = rdkit_floor(sample, standardize)
+    manifest = json.load(open(out.decode().strip().splitlines()[-1]))
+    floor = (floor_before + floor_after) / 2
+    rows = manifest["stats"]["rows_in"]
+    mps = rows / wall
+    print(json.dumps({
+        "molecules": rows,
+        "rows_out": manifest["stats"]["rows_out"],
+        "wall_s": round(wall, 2),
+        "molecules_per_s": round(mps, 1),
+        "rdkit_floor_per_core": round(floor, 1),
+        "rdkit_floor_before_after": [round(floor_before, 1), round(floor_after, 1)],
+        "workers": args.workers,
+        "ratio_to_floor": round(mps / (args.workers * floor), 3),
+        "peak_rss_mb": round(peak[0], 1),
+        "standardize": standardize,
+        "engine": args.engine,
+    }))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

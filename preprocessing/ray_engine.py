@@ -1,0 +1,147 @@
+"""``--engine ray``: the same stages on Ray Data, for inputs that outgrow one machine.
+
+Reading is a Ray Data ``map_batches`` over the input files (each file streamed in
+record batches by the same readers as the local engine, so fsspec URIs work and bad
+rows are counted the same way); canonicalization is ``map_batches`` over an actor pool
+of CPU workers, each batch spilled by shuffle bucket to ``work_dir``; the reduce,
+finalize and Parquet-writing stages run as Ray tasks. ``work_dir`` must be reachable
+from every node (a shared filesystem) when the cluster has more than one.
+
+The output is identical in content to the local engine's: every order is derived
+from content hashes, not from which worker saw a row first.
+
+Connects to ``RAY_ADDRESS`` when it is set, else starts a local Ray with ``workers`` CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import uuid
+
+from .readers import RawChunk, read_chunks
+from .stages import MapStage, Stats
+
+_BATCH_CHUNKS = 2  # raw chunks per canonicalize batch (= per spill file)
+
+
+def _read_file_batches(batch):
+    """One input file in, its records out as Arrow tables (generator UDF)."""
+    import pyarrow as pa
+
+    from .readers import Columns
+
+    rows = zip(*(batch.column(c).to_pylist() for c in ("file_index", "path", "format", "options")))
+    for file_index, path, fmt, opts in rows:
+        o = json.loads(opts)
+        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]))
+        for chunk in read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"], o["delimiter"],
+                                 o["smi_header"]):
+            yield pa.table({
+                "file_index": pa.array([chunk.file_index] * len(chunk), pa.int64()),
+                "path": pa.array([chunk.path] * len(chunk), pa.string()),
+                "row": pa.array(chunk.rows, pa.int64()),
+                "smiles": pa.array(chunk.smiles, pa.string()),
+                "id": pa.array(chunk.ids, pa.string()),
+                "labels": pa.array([None if v is None else json.dumps(v) for v in chunk.labels], pa.string()),
+                "reason": pa.array([chunk.reasons.get(i) for i in range(len(chunk))], pa.string()),
+            })
+
+
+def _chunks_of(table) -> list[RawChunk]:
+    """Arrow records back into RawChunks, one per input file present in the batch."""
+    cols = {name: table.column(name).to_pylist() for name in table.column_names}
+    chunks: dict[tuple, RawChunk] = {}
+    for i in range(table.num_rows):
+        key = (cols["file_index"][i], cols["path"][i])
+        c = chunks.get(key)
+        if c is None:
+            c = chunks[key] = RawChunk(key[0], key[1])
+        if cols["reason"][i] is not None:
+            c.reasons[len(c.rows)] = cols["reason"][i]
+        c.rows.append(cols["row"][i])
+        c.smiles.append(cols["smiles"][i])
+        c.ids.append(cols["id"][i])
+        c.labels.append(None if cols["labels"][i] is None else json.loads(cols["labels"][i]))
+    return list(chunks.values())
+
+
+class _Canonicalize:
+    """Ray Data actor: canonicalizes a batch, spills it, returns what it wrote."""
+
+    def __init__(self, options, work_dir):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.stage = MapStage(options, work_dir, f"ray-{uuid.uuid4().hex[:12]}", spill_rows=1 << 62)
+
+    def __call__(self, table):
+        import pyarrow as pa
+
+        stage = self.stage
+        stage.stats, stage.tokens, stage.spills = Stats(), type(stage.tokens)(), []
+        for chunk in _chunks_of(table):
+            stage.process(chunk)
+        stage.flush()
+        return pa.table({
+            "spills": [pickle.dumps(stage.spills)],
+            "stats": [pickle.dumps(stage.stats)],
+            "tokens": [pickle.dumps(stage.tokens)],
+        })
+
+
+def _call(fn, args):
+    return fn(*args)
+
+
+class RayEngine:
+    def __init__(self, workers: int):
+        import ray
+
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self._started = False
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            kwargs = {"address": address} if address else {"num_cpus": self.workers}
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level="warning", **kwargs)
+            self._started = True
+        self._remote = ray.remote(_call)
+
+    def map_inputs(self, inputs, cols, cfg, options, work_dir, progress):
+        import ray
+        import ray.data
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = bool(cfg.progress)
+        # Small blocks out of the reader, so one big file feeds every actor, not one.
+        ctx.target_max_block_size = 1 << 20
+        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels),
+                           "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header})
+        files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}
+                                     for i, p, f in inputs], override_num_blocks=max(1, len(inputs)))
+        # num_cpus=0 keeps the (light) reader a separate operator from the actor pool:
+        # fused, one actor would read and canonicalize a whole file by itself.
+        ds = files.map_batches(_read_file_batches, batch_size=1, batch_format="pyarrow", num_cpus=0)
+        ds = ds.map_batches(_Canonicalize, fn_constructor_args=(options, work_dir),
+                            batch_size=_BATCH_CHUNKS * cfg.chunk_rows,
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=self.workers))
+        spills, stats, tokens = [], Stats(), None
+        for row in ds.iter_rows():
+            spills.extend(pickle.loads(row["spills"]))
+            part = pickle.loads(row["stats"])
+            stats.merge(part)
+            progress.advance(part.rows_in, sum(part.rejected.values()))
+            t = pickle.loads(row["tokens"])
+            tokens = t if tokens is None else tokens + t
+        spills.sort()
+        return spills, stats, tokens
+
+    def run_tasks(self, fn, arg_tuples):
+        import ray
+
+        return ray.get([self._remote.remote(fn, args) for args in arg_tuples])
+
+    def close(self):
+        if self._started:
+            import ray
+
+            ray.shutdown()
