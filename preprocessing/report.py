@@ -1,4 +1,4 @@
-"""manifest.json and report.md of an ETL run."""
+"""manifest.json, report.md and report.json (timings, rejection examples) of an ETL run."""
 
 from __future__ import annotations
 
@@ -86,6 +86,10 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         fh.write("\n")
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(_report(manifest, stats, finals, timings, cfg))
+    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as fh:
+        json.dump({"engine": cfg.engine, "workers": cfg.workers or os.cpu_count(),
+                   "timings_s": {k: round(v, 3) for k, v in timings.items()},
+                   "rejected_examples": stats.examples}, fh, indent=2)
     return path
 
 
