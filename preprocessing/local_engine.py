@@ -108,7 +108,7 @@ class LocalEngine:
             spills.extend(worker_spills)
             stats.merge(worker_stats)
             tokens = worker_tokens if tokens is None else tokens + worker_tokens
-        spills.sort()
+        spills.sort(key=lambda spill: spill[0])
         return spills, stats, tokens
 
     def close(self):

@@ -63,11 +63,12 @@ def _validate(cfg: PreprocessConfig) -> None:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
 
 
-def plan_partitions(spills, target_rows: int) -> list[tuple[int, int]]:
-    """Contiguous bucket ranges of about ``target_rows`` rows each."""
+def plan_partitions(spills, target_rows: int) -> list[list[tuple[str, int, int]]]:
+    """Contiguous bucket ranges of about ``target_rows`` rows each, as the
+    (spill path, first row, row count) slices each reduce task reads."""
     counts = np.zeros(NUM_BUCKETS, dtype=np.int64)
     for _, offsets in spills:
-        counts += np.diff(np.asarray(offsets))
+        counts += np.diff(offsets)
     ranges, lo, acc = [], 0, 0
     for b in range(NUM_BUCKETS):
         acc += int(counts[b])
@@ -76,15 +77,15 @@ def plan_partitions(spills, target_rows: int) -> list[tuple[int, int]]:
             lo, acc = b + 1, 0
     if lo < NUM_BUCKETS and acc > 0:
         ranges.append((lo, NUM_BUCKETS))
-    return ranges
+    return [[(path, int(off[lo]), int(off[hi] - off[lo])) for path, off in spills if off[hi] > off[lo]]
+            for lo, hi in ranges]
 
 
 def _reduce(engine, spills, options, work_dir, cfg, stage):
-    total = sum(o[-1] for _, o in spills)
+    total = sum(int(o[-1]) for _, o in spills)
     target = max(1, min(cfg.partition_rows, -(-total // (4 * engine.workers))))
-    ranges = plan_partitions(spills, target)
-    return engine.run_tasks(reduce_partition, [(spills, lo, hi, options, work_dir, i, stage)
-                                               for i, (lo, hi) in enumerate(ranges)])
+    return engine.run_tasks(reduce_partition, [(pieces, options, work_dir, i, stage)
+                                               for i, pieces in enumerate(plan_partitions(spills, target))])
 
 
 def _make_engine(cfg: PreprocessConfig):

@@ -132,7 +132,7 @@ class RayEngine:
             progress.advance(part.rows_in, sum(part.rejected.values()))
             t = pickle.loads(row["tokens"])
             tokens = t if tokens is None else tokens + t
-        spills.sort()
+        spills.sort(key=lambda spill: spill[0])
         return spills, stats, tokens
 
     def run_tasks(self, fn, arg_tuples):

@@ -106,7 +106,7 @@ class MapStage:
         self.canonicalize = Canonicalizer(options.chem)
         self.stats = Stats()
         self.tokens = Counter()
-        self.spills: list[tuple[str, list[int]]] = []
+        self.spills: list[tuple[str, np.ndarray]] = []
         self._written = 0
         self._cols = self._empty()
 
@@ -192,21 +192,18 @@ class MapStage:
 
 
 def spill_sorted(table: pa.Table, path: str) -> tuple[str, list[int]]:
-    """Write ``table`` sorted by bucket; return (path, bucket offsets)."""
+    """Write ``table`` sorted by bucket; return (path, bucket offsets as int64 array)."""
     table = table.sort_by([("bucket", "ascending"), ("order", "ascending")])
     offsets = bucket_offsets(table.column("bucket").to_numpy())
     _write_ipc(table, path)
-    return path, offsets.tolist()
+    return path, offsets
 
 
 # ---------------------------------------------------------------- reduce
 
-def read_bucket_range(spills, lo: int, hi: int) -> pa.Table:
-    parts = []
-    for path, offsets in spills:
-        a, b = offsets[lo], offsets[hi]
-        if b > a:
-            parts.append(read_ipc(path).slice(a, b - a))
+def read_pieces(pieces) -> pa.Table | None:
+    """Concatenate (spill path, first row, row count) slices."""
+    parts = [read_ipc(path).slice(start, length) for path, start, length in pieces]
     return pa.concat_tables(parts) if parts else None
 
 
@@ -222,12 +219,13 @@ def _first_of_each(table: pa.Table, key: str) -> tuple[pa.Table, int]:
     return kept, len(keys) - len(kept)
 
 
-def reduce_partition(spills, lo: int, hi: int, options: StageOptions, work_dir: str, index: int, stage: str):
+def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, stage: str):
     """``stage`` is ``regroup`` (InChIKey dedupe, re-spill by group) or ``final``.
 
+    ``pieces``: the (spill path, first row, row count) slices of one bucket range.
     Returns a dict: rows, duplicates, and either ``spill`` or ``staged``+``groups``.
     """
-    table = read_bucket_range(spills, lo, hi)
+    table = read_pieces(pieces)
     if table is None:
         return {"index": index, "rows": 0, "duplicates": 0}
     duplicates = 0
