@@ -57,8 +57,8 @@ def _validate(cfg: PreprocessConfig) -> None:
     check_fractions(cfg.split_fractions)
     if sorted(set(cfg.length_buckets)) != list(cfg.length_buckets) or not cfg.length_buckets:
         raise ValueError(f"--length_buckets must be strictly increasing, got {cfg.length_buckets}")
-    if cfg.shard_size_mb <= 0 or cfg.chunk_rows < 1 or cfg.partition_rows < 1:
-        raise ValueError("--shard_size_mb, --chunk_rows and --partition_rows must be positive")
+    if cfg.shard_size_mb <= 0 or min(cfg.chunk_rows, cfg.partition_rows, cfg.row_group_rows) < 1:
+        raise ValueError("--shard_size_mb, --chunk_rows, --partition_rows and --row_group_rows must be positive")
     if cfg.tokenizer == "bpe" and not 16 < cfg.bpe_vocab_size <= 65535:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
 
@@ -225,7 +225,8 @@ def run(cfg: PreprocessConfig) -> str:
         plans = _plan_shards(finals, cfg)
         for split in SPLITS:
             os.makedirs(os.path.join(tmp_dir, split), exist_ok=True)
-        written = engine.run_tasks(write_shard, [(pieces, os.path.join(tmp_dir, uri)) for _, _, uri, pieces in plans])
+        written = engine.run_tasks(write_shard, [(pieces, os.path.join(tmp_dir, uri), cfg.row_group_rows)
+                                                 for _, _, uri, pieces in plans])
         timings["write_s"] = time.time() - t
         timings["total_s"] = time.time() - started
         manifest_path = write_outputs(

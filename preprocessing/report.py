@@ -7,11 +7,10 @@ import json
 import os
 
 from molds import __version__
-from molds.data.manifest import FORMAT_VERSION
+from molds.data.manifest import FORMAT_VERSION, vocab_hash
 
 from .chem import REJECT_REASONS
 from .split import SPLITS
-from .tokenizer import vocab_hash
 
 
 def _merge_hist(finals, split: int) -> list[int]:
@@ -38,7 +37,11 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
     rejected = {reason: int(stats.rejected[reason]) for reason in REJECT_REASONS if stats.rejected.get(reason)}
     split_stats = {}
     for i, name in enumerate(SPLITS):
+        hist = _merge_hist(finals, i)
+        nonzero = [n for n, c in enumerate(hist) if c]
         split_stats[name] = {
+            "min_token_length": nonzero[0] if nonzero else 0,
+            "max_token_length": nonzero[-1] if nonzero else 0,
             "rows": sum(s["num_rows"] for s in splits[name]),
             "tokens": sum(s["token_count"] for s in splits[name]),
             "groups": sum(f["scaffolds"][i] for f in finals),

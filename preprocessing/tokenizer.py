@@ -14,7 +14,6 @@ saved HF tokenizer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -63,11 +62,6 @@ def vocab_from_counts(counts: Counter) -> dict[str, int]:
     if len(vocab) > MAX_VOCAB:
         raise ValueError(f"vocabulary of {len(vocab)} tokens does not fit uint16 ids")
     return vocab
-
-
-def vocab_hash(vocab: dict[str, int]) -> str:
-    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _post_processor(vocab: dict[str, int]):

@@ -38,6 +38,12 @@ def _join(base: str, rel: str) -> str:
     return posixpath.join(base, rel) if "://" in base else os.path.join(base, rel)
 
 
+def vocab_hash(vocab: dict[str, int]) -> str:
+    """Hash of a token -> id mapping (the manifest's ``tokenizer.vocab_hash``)."""
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def manifest_hash(manifest: dict) -> str:
     """Content hash of a manifest, independent of when it was written."""
     content = {k: v for k, v in manifest.items() if k not in ("created", "timings")}
@@ -82,6 +88,30 @@ class Manifest:
     @property
     def tokenizer_path(self) -> str:
         return _join(self.base, self.data["tokenizer"]["path"])
+
+    def check_tokenizer(self) -> dict[str, int]:
+        """The tokenizer files' vocabulary, refused if it is not the manifest's."""
+        import fsspec
+        from tokenizers import Tokenizer
+
+        path = self.tokenizer_path.rstrip("/") + "/tokenizer.json"
+        try:
+            with fsspec.open(path, "rt", encoding="utf-8") as fh:
+                vocab = Tokenizer.from_str(fh.read()).get_vocab(with_added_tokens=True)
+        except FileNotFoundError as exc:
+            raise ManifestError(f"{self.path}: tokenizer file {path} is missing") from exc
+        expected = self.data["tokenizer"].get("vocab_hash")
+        if expected and vocab_hash(vocab) != expected:
+            raise ManifestError(f"{path}: vocabulary hash {vocab_hash(vocab)[:12]} does not match the manifest's "
+                                f"{expected[:12]} (tokenizer files replaced after preprocessing?)")
+        return vocab
+
+    def length_range(self, split: str) -> tuple[int, int] | None:
+        """(shortest, longest) token_length of a split, when the manifest records it."""
+        st = self.data.get("stats", {}).get("splits", {}).get(split, {})
+        if "min_token_length" in st:
+            return int(st["min_token_length"]), int(st["max_token_length"])
+        return None
 
     def shards(self, split: str) -> list[Shard]:
         if split not in self.data["splits"]:

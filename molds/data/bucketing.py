@@ -1,0 +1,113 @@
+"""Length-grouped, token-budget batches for encoders and property prediction.
+
+Molecules are gathered in pools of ``pool_size``, sorted by length, cut into batches
+whose padded size (rows x longest) stays within ``max_tokens_per_batch``, and the
+batches of a pool are emitted in a seeded random order: HuggingFace's length-grouped
+sampler, with a token budget instead of a fixed count. ``fixed_shape`` gives every
+batch ``batch_size`` rows padded (or truncated) to ``fixed_length``, as a pipeline
+engine needs.
+
+MLM masking (BERT: 15 % of molecule tokens; 80 % <mask>, 10 % random, 10 % kept; never
+BOS/EOS/padding) is drawn from a generator seeded by (seed, step, virtual rank), so a
+resumed run masks exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .packing import IGNORE_INDEX
+from .plan import _rng
+
+
+class Bucketer:
+    def __init__(self, source, *, max_tokens_per_batch: int, pool_size: int, max_length: int,
+                 fixed_shape: bool = False, batch_size: int = 32, fixed_length: int = 0, too_long: str = "truncate"):
+        self.source, self.max_tokens, self.pool_size = source, max_tokens_per_batch, pool_size
+        self.max_length = max_length
+        self.fixed_shape, self.batch_size = fixed_shape, batch_size
+        self.fixed_length = fixed_length or max_length
+        self.too_long = too_long
+        self.truncated = 0
+        self.rejected = 0
+        if not fixed_shape and max_tokens_per_batch < max_length:
+            raise ValueError(f"data.max_tokens_per_batch ({max_tokens_per_batch}) is smaller than "
+                             f"data.max_length ({max_length}): a longest molecule would not fit a batch")
+
+    def _length(self, gid: int) -> int:
+        unit, row = self.source.molecule(gid)
+        a, b = unit.span(row)
+        return b - a
+
+    def make_batches(self, gids: np.ndarray, seed_key: tuple) -> list[np.ndarray]:
+        """One pool of gids -> batches of gids, in the order they are to be emitted."""
+        limit = self.fixed_length if self.fixed_shape else self.max_length
+        lengths = np.array([self._length(g) for g in gids.tolist()], dtype=np.int64)
+        too_long = lengths > limit
+        if too_long.any():
+            if self.too_long == "reject":
+                self.rejected += int(too_long.sum())
+                gids, lengths = gids[~too_long], lengths[~too_long]
+            else:
+                self.truncated += int(too_long.sum())
+                lengths = np.minimum(lengths, limit)
+        order = np.argsort(lengths, kind="stable")
+        gids, lengths = gids[order], lengths[order]
+        batches = []
+        if self.fixed_shape:
+            batches = [gids[i:i + self.batch_size] for i in range(0, len(gids), self.batch_size)]
+        else:
+            start = 0
+            for i in range(len(gids)):
+                if (i - start + 1) * lengths[i] > self.max_tokens:
+                    batches.append(gids[start:i])
+                    start = i
+            if start < len(gids):
+                batches.append(gids[start:])
+        perm = _rng(*seed_key).permutation(len(batches))
+        return [batches[i] for i in perm]
+
+    def collate(self, gids: np.ndarray, mlm: dict | None, mask_key: tuple, with_labels: bool) -> dict:
+        limit = self.fixed_length if self.fixed_shape else self.max_length
+        pieces = []
+        for gid in gids.tolist():
+            unit, row = self.source.molecule(gid)
+            a, b = unit.span(row)
+            pieces.append((unit, row, unit.tokens[a:min(b, a + limit)]))
+        width = self.fixed_length if self.fixed_shape else max(len(p[2]) for p in pieces)
+        rows = self.batch_size if self.fixed_shape else len(pieces)
+        pad = self.source.pad_id
+        input_ids = np.full((rows, width), pad, dtype=np.int64)
+        attention = np.zeros((rows, width), dtype=np.int64)
+        for i, (_, _, toks) in enumerate(pieces):
+            input_ids[i, :len(toks)] = toks
+            attention[i, :len(toks)] = 1
+        real = int(attention.sum())
+        out = {"input_ids": input_ids, "attention_mask": attention, "gids": np.asarray(gids, np.int64),
+               "stats": {"tokens": rows * width, "real_tokens": real, "molecules": len(pieces),
+                         "padding_ratio": 1.0 - real / (rows * width)}}
+        if with_labels:
+            width_l = pieces[0][0].labels.shape[1] if pieces else 0
+            labels = np.full((rows, width_l), np.nan, dtype=np.float32)
+            for i, (unit, row, _) in enumerate(pieces):
+                labels[i] = unit.labels[row]
+            out["labels"] = np.nan_to_num(labels, nan=0.0)
+            out["label_mask"] = ~np.isnan(labels)
+        if mlm is not None:
+            out.update(mask_tokens(input_ids, attention, mask_key, **mlm))
+        return out
+
+
+def mask_tokens(input_ids: np.ndarray, attention: np.ndarray, key: tuple, *, probability: float, mask_id: int,
+                vocab_size: int, first_regular_id: int, special_ids: tuple) -> dict:
+    """BERT masking, deterministic in ``key``. Returns masked ``input_ids`` and ``mlm_labels``."""
+    rng = _rng(*key)
+    candidates = attention.astype(bool) & ~np.isin(input_ids, np.asarray(special_ids))
+    chosen = candidates & (rng.random(input_ids.shape) < probability)
+    labels = np.where(chosen, input_ids, IGNORE_INDEX)
+    roll = rng.random(input_ids.shape)
+    masked = input_ids.copy()
+    masked[chosen & (roll < 0.8)] = mask_id
+    random_pos = chosen & (roll >= 0.8) & (roll < 0.9)
+    masked[random_pos] = rng.integers(first_regular_id, vocab_size, size=int(random_pos.sum()))
+    return {"input_ids": masked, "mlm_labels": labels}

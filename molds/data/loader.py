@@ -1,0 +1,305 @@
+"""The data plane's entry: ``MoleculeLoader`` feeds one rank its share, as batches.
+
+Each rank runs ``num_workers`` (or one) *virtual ranks*; virtual rank v = rank x K + w
+owns a disjoint share of every epoch (plan.py). A virtual rank's whole state after a
+batch is small: epoch, share, molecules taken from its stream, the gids waiting in the
+packer's lookahead (or the bucketer's pending batches), and its step. ``state_dict()``
+records it per virtual rank for the last batch the trainer *received*, so prefetched
+batches are never lost; ``load_state_dict`` seeks instead of replaying.
+
+Resume on the same topology yields exactly the batches of an uninterrupted run. Resume
+on another topology (say 4 ranks -> 2, or another worker count) needs the states of
+all old ranks (``merge_states``): everything they had not yet emitted in a batch is
+dealt out again, so within the epoch no molecule is trained twice and none is skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from ..config import DataConfig
+from .bucketing import Bucketer
+from .manifest import Manifest, ManifestError
+from .packing import Packer
+from .plan import EpochPlan, Share, resplit
+from .source import SplitSource
+from .stream import MoleculeStream
+
+STATE_FORMAT = 1
+
+
+class VirtualRank:
+    """Batches of one virtual rank, epoch after epoch, resumable from ``state``."""
+
+    def __init__(self, source: SplitSource, cfg: DataConfig, vrank: int, vworld: int, specials: dict,
+                 state: dict | None = None):
+        self.source, self.cfg, self.vrank, self.vworld, self.specials = source, cfg, vrank, vworld, specials
+        st = state or {}
+        self.epoch = st.get("epoch", 0)
+        self.share_state = st.get("share")
+        self.generation = st.get("generation", 0)
+        self.taken = st.get("taken", 0)
+        self.buffer = st.get("buffer", [])
+        self.max_len = st.get("max_len", 1)
+        self.pool_index = st.get("pool_index", 0)
+        self.step = st.get("step", 0)
+        self.truncated = st.get("truncated", 0)
+        self.rejected = st.get("rejected", 0)
+
+    def last_epoch(self) -> float:
+        cfg = self.cfg
+        last = float("inf")
+        if cfg.max_epochs is not None:
+            last = cfg.max_epochs - 1
+        if cfg.stop_after_epoch is not None:
+            last = min(last, cfg.stop_after_epoch)
+        return last
+
+    def _stream(self, plan: EpochPlan) -> MoleculeStream:
+        share = Share.from_state(self.share_state) if self.share_state else plan.fresh_share(self.vrank, self.vworld)
+        self.share_state = share.to_state()
+        window = self.cfg.shuffle_window if self.cfg.shuffle else 1
+        stream = MoleculeStream(self.source, plan, share, window=window,
+                                key=(self.vrank, self.vworld, self.generation))
+        stream.seek(self.taken)
+        return stream
+
+    def state(self, stream: MoleculeStream, buffer) -> dict:
+        return {"epoch": self.epoch, "share": self.share_state, "generation": self.generation,
+                "taken": stream.taken, "buffer": buffer, "max_len": self.max_len, "pool_index": self.pool_index,
+                "step": self.step, "truncated": self.truncated, "rejected": self.rejected}
+
+    def batches(self):
+        """Yields (batch of numpy arrays, state after it)."""
+        cfg = self.cfg
+        while self.epoch <= self.last_epoch():
+            plan = EpochPlan(self.source.units, cfg.seed, self.epoch, cfg.shuffle)
+            stream = self._stream(plan)
+            body = self._packed(stream) if cfg.mode == "packed" else self._bucketed(stream)
+            for batch, state in body:
+                yield batch, state
+            self.epoch += 1
+            self.share_state, self.taken, self.buffer, self.pool_index = None, 0, [], 0
+
+    def _packed(self, stream: MoleculeStream):
+        cfg = self.cfg
+        packer = Packer(self.source, cfg.seq_len, lookahead=cfg.lookahead, too_long=cfg.too_long,
+                        pad_id=self.specials["pad"])
+        packer.add(np.asarray(self.buffer, np.int64))
+        packer.max_len, packer.truncated, packer.rejected = self.max_len, self.truncated, self.rejected
+
+        def refill():
+            while packer.size < cfg.lookahead and not stream.exhausted:
+                packer.add(stream.take(cfg.lookahead - packer.size))
+
+        while True:
+            rows = []
+            for _ in range(cfg.micro_batch_size):
+                refill()
+                row = packer.next_row()
+                if not row:
+                    break
+                rows.append(row)
+            if not rows:
+                return
+            rows += [[] for _ in range(cfg.micro_batch_size - len(rows))]  # a fixed shape, even at the end
+            batch = packer.collate(rows)
+            self.step += 1
+            self.max_len, self.truncated, self.rejected = packer.max_len, packer.truncated, packer.rejected
+            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, rejected=self.rejected)
+            yield batch, self.state(stream, packer.gids())
+
+    def _bucketed(self, stream: MoleculeStream):
+        cfg, sp = self.cfg, self.specials
+        bucketer = Bucketer(self.source, max_tokens_per_batch=cfg.max_tokens_per_batch, pool_size=cfg.bucket_pool,
+                            max_length=cfg.max_length, fixed_shape=cfg.fixed_shape, batch_size=cfg.micro_batch_size,
+                            fixed_length=cfg.max_length, too_long=cfg.too_long)
+        bucketer.truncated, bucketer.rejected = self.truncated, self.rejected
+        pending = [np.asarray(b, np.int64) for b in self.buffer]
+        mlm = None
+        if cfg.mlm_probability > 0:
+            mlm = {"probability": cfg.mlm_probability, "mask_id": sp["mask"], "vocab_size": sp["vocab_size"],
+                   "first_regular_id": sp["first_regular"], "special_ids": sp["ids"]}
+        while True:
+            if not pending:
+                gids = stream.take(cfg.bucket_pool)
+                if not len(gids):
+                    return
+                pending = bucketer.make_batches(gids, (cfg.seed, self.epoch, self.vrank, self.vworld,
+                                                       self.generation, self.pool_index))
+                self.pool_index += 1
+                if not pending:
+                    continue
+            gids = pending.pop(0)
+            batch = bucketer.collate(gids, mlm, (cfg.seed, self.step, self.vrank, self.vworld), cfg.with_labels)
+            self.step += 1
+            self.truncated, self.rejected = bucketer.truncated, bucketer.rejected
+            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, rejected=self.rejected)
+            yield batch, self.state(stream, [b.tolist() for b in pending])
+
+    def leftover(self) -> Share:
+        """What this virtual rank has not emitted in a batch, in its current epoch."""
+        plan = EpochPlan(self.source.units, self.cfg.seed, self.epoch, self.cfg.shuffle)
+        stream = self._stream(plan)
+        rest = stream.untaken()
+        held = np.asarray([g for b in self.buffer for g in (b if isinstance(b, list) else [b])], np.int64)
+        return Share(np.concatenate([held, rest.explicit]), rest.intervals)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Union of the ``state_dict()`` of every rank: what a topology change needs."""
+    merged = {"format": STATE_FORMAT, "vworld": None, "world_size": None, "vranks": {}, "rotation": {},
+              "batches": {}}
+    for st in states:
+        if merged["vworld"] not in (None, st["vworld"]):
+            raise ValueError("data states of different runs cannot be merged")
+        merged["vworld"], merged["world_size"] = st["vworld"], st["world_size"]
+        for key in ("vranks", "rotation", "batches"):
+            merged[key].update(st.get(key, {}))
+    return merged
+
+
+class MoleculeLoader:
+    """Iterate batches (dicts of torch tensors plus ``stats``) for one rank."""
+
+    def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.manifest = Manifest.load(cfg.manifest)
+        vocab = self.manifest.check_tokenizer()
+        tok = self.manifest.data["tokenizer"]["special_tokens"]
+        ids = {k: vocab[v] for k, v in tok.items()}
+        self.specials = {"pad": ids["pad_token"], "bos": ids["bos_token"], "eos": ids["eos_token"],
+                         "mask": ids["mask_token"], "vocab_size": len(vocab), "ids": tuple(sorted(ids.values())),
+                         "first_regular": max(ids.values()) + 1}
+        self._check(cfg)
+        self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
+                                  bos_id=ids["bos_token"], eos_id=ids["eos_token"], pad_id=ids["pad_token"],
+                                  with_labels=cfg.mode == "bucketed" and cfg.with_labels)
+        self.k = max(1, cfg.num_workers)
+        self.vworld = world_size * self.k
+        self.vranks = [rank * self.k + w for w in range(self.k)]
+        self.states: dict[int, dict] = {}
+        self.rotation = 0  # logical worker that yields next
+        self.batches = 0
+
+    def _check(self, cfg: DataConfig) -> None:
+        if cfg.mode == "packed" and cfg.micro_batch_size < 1:
+            raise ValueError("data.micro_batch_size must be >= 1")
+        span = self.manifest.length_range(cfg.split)
+        if span is not None:
+            shortest = span[0] + 2
+            limit = cfg.seq_len if cfg.mode == "packed" else cfg.max_length
+            key = "data.seq_len" if cfg.mode == "packed" else "data.max_length"
+            if limit < shortest:
+                raise ValueError(f"{key}={limit} is shorter than the shortest molecule of split "
+                                 f"{cfg.split!r} ({shortest} tokens with BOS/EOS)")
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "vworld": self.vworld, "world_size": self.world, "vranks": dict(self.states),
+                "rotation": {self.rank: self.rotation}, "batches": {self.rank: self.batches},
+                "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"unknown data state format {state.get('format')!r}")
+        vranks = {int(k): v for k, v in state["vranks"].items()}
+        ranks = {int(r) for r in state.get("batches", {})}
+        if state["vworld"] == self.vworld and state["world_size"] == self.world:
+            if self.rank not in ranks:
+                raise ValueError(f"data state holds no entry for rank {self.rank}; pass merge_states() of all ranks")
+            # a virtual rank with no entry had not produced a batch yet: it starts fresh
+            self.states = {v: vranks[v] for v in self.vranks if v in vranks}
+            self.rotation = int(state.get("rotation", {}).get(self.rank, state.get("rotation", {}).get(str(self.rank), 0)))
+            batches = state.get("batches", {})
+            self.batches = int(batches.get(self.rank, batches.get(str(self.rank), 0)))
+            return
+        if ranks != set(range(state["world_size"])):
+            raise ValueError(f"changing topology needs the data state of every old rank (have ranks "
+                             f"{sorted(ranks)} of {state['world_size']}); use merge_states()")
+        self.states = self._resplit(vranks, state["vworld"])
+        self.rotation = 0
+
+    def _resplit(self, old: dict, old_vworld: int) -> dict:
+        epochs = {st["epoch"] for st in old.values()}
+        if not epochs:
+            return {}
+        old = {v: old.get(v, {"epoch": min(epochs)}) for v in range(old_vworld)}  # not started: whole share left
+        epochs = {st["epoch"] for st in old.values()}
+        if len(epochs) != 1:
+            raise ValueError(f"cannot change topology while ranks are in different epochs {sorted(epochs)}")
+        remaining = [VirtualRank(self.source, self.cfg, v, old_vworld, self.specials, st).leftover()
+                     for v, st in sorted(old.items())]
+        shares = resplit(remaining, self.vworld)
+        gen = max(st.get("generation", 0) for st in old.values()) + 1
+        step = max(st.get("step", 0) for st in old.values())
+        epoch = epochs.pop()
+        return {v: {"epoch": epoch, "share": shares[v].to_state(), "generation": gen, "taken": 0, "buffer": [],
+                    "max_len": 1, "pool_index": 0, "step": step} for v in self.vranks}
+
+    # ------------------------------------------------------------ iteration
+    def _local_iter(self):
+        vr = VirtualRank(self.source, self.cfg, self.vranks[0], self.vworld, self.specials,
+                         self.states.get(self.vranks[0]))
+        for batch, state in vr.batches():
+            yield self.vranks[0], batch, state
+
+    def _worker_iter(self):
+        import torch
+
+        dataset = _WorkerDataset(self.source, self.cfg, self.rank, self.k, self.vworld, self.specials, self.states,
+                                 self.rotation)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.k, collate_fn=_identity,
+                                             prefetch_factor=2, persistent_workers=False)
+        yield from loader
+
+    def __iter__(self):
+        import torch
+
+        it = self._local_iter() if self.cfg.num_workers == 0 else self._worker_iter()
+        while self.cfg.max_steps is None or self.batches < self.cfg.max_steps:
+            t0 = time.perf_counter()
+            try:
+                vrank, batch, state = next(it)
+            except StopIteration:
+                return
+            wait = time.perf_counter() - t0
+            self.states[vrank] = state
+            self.rotation = (vrank - self.rank * self.k + 1) % self.k
+            self.batches += 1
+            stats = batch.pop("stats")
+            stats["wait_s"] = wait
+            out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+            out["stats"] = stats
+            yield out
+
+
+def _identity(x):
+    return x
+
+
+class _WorkerDataset(IterableDataset):
+    """What each DataLoader worker runs: one virtual rank."""
+
+    def __init__(self, source, cfg, rank, k, vworld, specials, states, rotation):
+        self.source, self.cfg, self.rank, self.k, self.vworld = source, cfg, rank, k, vworld
+        self.specials, self.states, self.rotation = specials, states, rotation
+
+    def __iter__(self):
+        import torch
+
+        info = torch.utils.data.get_worker_info()
+        slot = info.id if info is not None else 0
+        vrank = self.rank * self.k + (slot + self.rotation) % self.k
+        vr = VirtualRank(self.source, self.cfg, vrank, self.vworld, self.specials, self.states.get(vrank))
+        for batch, state in vr.batches():
+            yield vrank, batch, state
+
+
+__all__ = ["MoleculeLoader", "merge_states", "ManifestError"]

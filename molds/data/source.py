@@ -1,0 +1,175 @@
+"""Reading a split's shards: verification, row groups as units, molecules by gid.
+
+A loaded unit keeps its token ids as one flat array with BOS/EOS already put around
+every molecule, so a molecule is a slice and a packed row a concatenation of slices.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .manifest import Manifest, ManifestError, Shard
+from .plan import Unit
+
+
+@dataclass
+class LoadedUnit:
+    unit: Unit
+    tokens: np.ndarray  # int32, BOS t1 .. tn EOS for each molecule, back to back
+    offsets: np.ndarray  # int64, len num_rows + 1, into ``tokens``
+    labels: np.ndarray | None  # float32 [num_rows, num_labels] (NaN = missing)
+
+    def span(self, row: int) -> tuple[int, int]:
+        return int(self.offsets[row]), int(self.offsets[row + 1])
+
+
+class SplitSource:
+    """The shards of one split of a manifest, verified, with a small row-group cache."""
+
+    def __init__(self, manifest: Manifest, split: str, *, verify: str = "eager", on_bad_shard: str = "error",
+                 bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, with_labels: bool = False, cache_units: int = 8):
+        if verify not in ("eager", "lazy", "off"):
+            raise ValueError(f"data.verify must be eager, lazy or off, got {verify!r}")
+        if on_bad_shard not in ("error", "skip"):
+            raise ValueError(f"data.on_bad_shard must be error or skip, got {on_bad_shard!r}")
+        if on_bad_shard == "skip" and verify != "eager":
+            raise ValueError("data.on_bad_shard=skip needs data.verify=eager (every rank must skip the same shards)")
+        self.manifest, self.split = manifest, split
+        self.verify, self.with_labels = verify, with_labels
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        shards = manifest.shards(split)
+        if not shards or sum(s.num_rows for s in shards) == 0:
+            raise ManifestError(f"{manifest.path}: split {split!r} is empty")
+        self.skipped: list[tuple[str, str]] = []
+        if verify == "eager":
+            kept = []
+            for shard in shards:
+                try:
+                    manifest.verify_shard(shard)
+                    kept.append(shard)
+                except ManifestError as exc:
+                    if on_bad_shard == "error":
+                        raise
+                    self.skipped.append((shard.uri, str(exc)))
+            shards = kept
+            if not shards:
+                raise ManifestError(f"{manifest.path}: every shard of split {split!r} failed verification")
+        self.shards: list[Shard] = shards
+        self._verified = set(range(len(shards))) if verify == "eager" else set()
+        self._files: dict[int, object] = {}
+        self.units = self._list_units()
+        self.num_rows = sum(u.num_rows for u in self.units)
+        self._gid_starts = np.array([u.first_gid for u in self.units] + [self.num_rows], dtype=np.int64)
+        self._cache: OrderedDict[int, LoadedUnit] = OrderedDict()
+        self._cache_size = cache_units
+
+    def __getstate__(self):  # DataLoader workers get the verified shard list, not open files
+        state = dict(self.__dict__)
+        state["_files"], state["_cache"] = {}, OrderedDict()
+        return state
+
+    def _file(self, shard_index: int):
+        import fsspec
+        import pyarrow.parquet as pq
+
+        f = self._files.get(shard_index)
+        if f is None:
+            shard = self.shards[shard_index]
+            if self.verify == "lazy" and shard_index not in self._verified:
+                self.manifest.verify_shard(shard)
+                self._verified.add(shard_index)
+            try:
+                f = pq.ParquetFile(fsspec.open(shard.path, "rb").open())
+            except FileNotFoundError as exc:
+                raise ManifestError(f"shard {shard.uri} listed in {self.manifest.path} is missing") from exc
+            self._files[shard_index] = f
+        return f
+
+    def _list_units(self) -> list[Unit]:
+        import fsspec
+        import pyarrow.parquet as pq
+
+        units, gid = [], 0
+        for i, shard in enumerate(self.shards):
+            try:
+                with fsspec.open(shard.path, "rb") as fh:
+                    meta = pq.ParquetFile(fh).metadata
+            except FileNotFoundError as exc:
+                raise ManifestError(f"shard {shard.uri} listed in {self.manifest.path} is missing") from exc
+            if meta.num_rows != shard.num_rows:
+                raise ManifestError(f"shard {shard.uri}: {meta.num_rows} rows, the manifest says {shard.num_rows}")
+            first = 0
+            for rg in range(meta.num_row_groups):
+                n = meta.row_group(rg).num_rows
+                if n:
+                    units.append(Unit(i, rg, first, n, gid + first))
+                first += n
+            gid += shard.num_rows
+        return units
+
+    def unit_of_gid(self, gid: int) -> int:
+        return int(np.searchsorted(self._gid_starts, gid, side="right") - 1)
+
+    def load(self, unit_index: int) -> LoadedUnit:
+        hit = self._cache.get(unit_index)
+        if hit is not None:
+            self._cache.move_to_end(unit_index)
+            return hit
+        unit = self.units[unit_index]
+        columns = ["token_ids"] + (["labels"] if self.with_labels else [])
+        table = self._file(unit.shard).read_row_group(unit.row_group, columns=columns)
+        ids = table.column("token_ids").combine_chunks()
+        offsets = ids.offsets.to_numpy().astype(np.int64)
+        offsets = offsets - offsets[0]
+        flat = ids.values.to_numpy(zero_copy_only=False).astype(np.int32)
+        lengths = np.diff(offsets)
+        n = len(lengths)
+        new_offsets = offsets + 2 * np.arange(n + 1)
+        tokens = np.empty(len(flat) + 2 * n, dtype=np.int32)
+        tokens[new_offsets[:-1]] = self.bos_id
+        tokens[new_offsets[1:] - 1] = self.eos_id
+        row_of = np.repeat(np.arange(n), lengths)
+        tokens[np.arange(len(flat)) + 2 * row_of + 1] = flat
+        labels = None
+        if self.with_labels:
+            lab = table.column("labels").combine_chunks()
+            width = len(lab[0].as_py()) if n else 0
+            labels = lab.values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, width)
+        loaded = LoadedUnit(unit, tokens, new_offsets, labels)
+        self._cache[unit_index] = loaded
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return loaded
+
+    def spans(self, gids: np.ndarray):
+        """For many gids at once: (unit index, start, length) arrays in gid order, and
+        the loaded units by index."""
+        units = np.searchsorted(self._gid_starts, gids, side="right") - 1
+        starts = np.empty(len(gids), np.int64)
+        lengths = np.empty(len(gids), np.int64)
+        loaded = {}
+        for u in np.unique(units).tolist():
+            sel = units == u
+            lu = loaded[u] = self.load(u)
+            rows = gids[sel] - self.units[u].first_gid
+            starts[sel] = lu.offsets[rows]
+            lengths[sel] = lu.offsets[rows + 1] - starts[sel]
+        return units, starts, lengths, loaded
+
+    def molecule(self, gid: int) -> tuple[LoadedUnit, int]:
+        """(loaded unit, row inside it) of one molecule, by global id."""
+        u = self.unit_of_gid(gid)
+        return self.load(u), gid - self.units[u].first_gid
+
+    def compound_ids(self, gids) -> list[str]:
+        """The ``compound_id`` of molecules (for tests and audits; reads the column)."""
+        out = []
+        for gid in gids:
+            u = self.unit_of_gid(int(gid))
+            unit = self.units[u]
+            col = self._file(unit.shard).read_row_group(unit.row_group, columns=["compound_id"]).column(0)
+            out.append(col[int(gid) - unit.first_gid].as_py())
+        return out

@@ -1,0 +1,46 @@
+"""A small preprocessed dataset with many row groups (units) and shards."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+
+from tests.preprocessing.conftest import sample_smiles
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> str:
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    d = tmp_path_factory.mktemp("dp")
+    path = d / "mols.csv"
+    smiles = sample_smiles(3000, offset=2000)
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["smiles", "y1", "y2"])
+        for i, s in enumerate(smiles):
+            w.writerow([s, i % 2 if i % 3 else "", (i % 7) / 7.0])
+    out = str(d / "data")
+    run(PreprocessConfig(input=[str(path)], output=out, label_columns=["y1", "y2"], workers=2, progress=False,
+                         split="random", row_group_rows=97, shard_size_mb=0.1))
+    return out
+
+
+def make_loader(dataset: str, rank: int = 0, world: int = 1, **overrides):
+    from molds.config import DataConfig
+    from molds.data.loader import MoleculeLoader
+
+    options = dict(manifest=dataset, seq_len=128, micro_batch_size=4, lookahead=64, shuffle_window=300,
+                   max_epochs=1)
+    options.update(overrides)
+    return MoleculeLoader(DataConfig(**options), rank=rank, world_size=world)
+
+
+def train_rows(dataset: str) -> int:
+    import json
+
+    with open(os.path.join(dataset, "manifest.json")) as fh:
+        return json.load(fh)["stats"]["splits"]["train"]["rows"]
