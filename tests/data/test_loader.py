@@ -242,3 +242,17 @@ def test_stop_conditions(dataset):
     for _ in range(3 * one):
         epochs.add(next(forever)["stats"]["epoch"])
     assert epochs == {0, 1, 2}
+
+
+def test_manifest_and_shards_through_fsspec(dataset):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for root, _, files in os.walk(dataset):
+        for name in files:
+            local = os.path.join(root, name)
+            with open(local, "rb") as src, fs.open("/dp/" + os.path.relpath(local, dataset), "wb") as dst:
+                dst.write(src.read())
+    remote = epoch_gids([make_loader("memory://dp")])[0]
+    local = epoch_gids([make_loader(dataset)])[0]
+    np.testing.assert_array_equal(remote, local)
