@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from .chem import Canonicalizer, ChemOptions, Molecule
 from .readers import RawChunk, parse_labels
 from .split import assign_split, group_major
-from .tokenizer import count_tokens, make_encoder, regex_covers
+from .tokenizer import make_encoder, regex_covers, split_smiles
 
 NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
@@ -118,7 +118,7 @@ class MapStage:
         """Returns (rows, rejected) of this chunk, for progress reporting."""
         opts, stats, cols = self.options, self.stats, self._cols
         rejected_before = sum(stats.rejected.values())
-        canonical_batch = []
+        accepted = []
         for pos, row in enumerate(chunk.rows):
             source = f"{chunk.path}:{row}"
             stats.rows_in += 1
@@ -136,23 +136,39 @@ class MapStage:
             if not isinstance(mol, Molecule):
                 stats.reject(mol, source, raw)
                 continue
-            if opts.check_regex and not regex_covers(mol.canonical):
-                stats.reject("tokenizer_roundtrip", source, raw)
-                continue
-            cols["order"].append((chunk.file_index << 40) | row)
+            accepted.append(((chunk.file_index << 40) | row, raw, mol, chunk.ids[pos] or source, source, labels))
+        if opts.check_regex and accepted:
+            accepted = self._check_regex(accepted)
+        for order, raw, mol, cid, source, labels in accepted:
+            cols["order"].append(order)
             cols["raw_smiles"].append(raw)
             cols["canonical_smiles"].append(mol.canonical)
             cols["scaffold"].append(mol.scaffold)
             cols["dedupe_key"].append(mol.dedupe_key)
-            cols["compound_id"].append(chunk.ids[pos] if chunk.ids[pos] else source)
+            cols["compound_id"].append(cid)
             cols["source"].append(source)
             cols["labels"].append(labels)
-            canonical_batch.append(mol.canonical)
-        if opts.check_regex and canonical_batch:
-            self.tokens.update(count_tokens(canonical_batch))
         if len(cols["order"]) >= self.spill_rows:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
+
+    def _check_regex(self, accepted: list) -> list:
+        """Reject rows whose canonical SMILES the tokenizer regex does not cover, and
+        count the tokens of the rest: one regex pass over the whole chunk, per-row
+        checks only when the chunk as a whole does not round-trip."""
+        canonical = [a[2].canonical for a in accepted]
+        tokens = split_smiles(" ".join(canonical))
+        if "".join(tokens) != "".join(canonical):
+            good = []
+            for a, text in zip(accepted, canonical):
+                if regex_covers(text):
+                    good.append(a)
+                else:
+                    self.stats.reject("tokenizer_roundtrip", a[4], a[1])
+            accepted = good
+            tokens = split_smiles(" ".join(a[2].canonical for a in accepted))
+        self.tokens.update(Counter(tokens))
+        return accepted
 
     def flush(self) -> None:
         cols = self._cols
