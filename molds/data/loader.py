@@ -92,9 +92,10 @@ class VirtualRank:
         packer.add(np.asarray(self.buffer, np.int64))
         packer.max_len, packer.truncated, packer.rejected = self.max_len, self.truncated, self.rejected
 
-        def refill():
-            while packer.size < cfg.lookahead and not stream.exhausted:
-                packer.add(stream.take(cfg.lookahead - packer.size))
+        def refill():  # in half-lookahead steps: fewer, larger reads
+            if packer.size < cfg.lookahead // 2 + 1:
+                while packer.size < cfg.lookahead and not stream.exhausted:
+                    packer.add(stream.take(cfg.lookahead - packer.size))
 
         while True:
             rows = []

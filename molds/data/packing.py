@@ -152,26 +152,37 @@ class Packer:
         labels = np.full((b, s), IGNORE_INDEX, dtype=np.int64)
         position_ids = np.zeros((b, s), dtype=np.int64)
         document_ids = np.full((b, s), -1, dtype=np.int64)
+        entries = [e for row in rows for e in row]
+        per_row = np.fromiter((len(row) for row in rows), np.int64, count=b)
+        lens = np.fromiter((e[1] for e in entries), np.int64, count=len(entries))
+        if len(entries):
+            flat = np.concatenate([unit.tokens[start:start + length] for _, length, unit, start, _ in entries])
+            row_of = np.repeat(np.arange(b), per_row)
+            first_entry = np.concatenate([[0], np.cumsum(per_row)[:-1]])
+            ends = np.cumsum(lens)
+            starts_global = ends - lens  # where each molecule starts in ``flat``
+            row_base = starts_global[np.minimum(first_entry, len(entries) - 1)]  # flat offset of each row
+            within = starts_global - row_base[row_of]  # molecule start inside its row
+            dest_start = row_of * s + within
+            offset_in_mol = np.arange(len(flat)) - np.repeat(starts_global, lens)
+            dest = np.repeat(dest_start, lens) + offset_in_mol
+            input_ids.flat[dest] = flat
+            labels.flat[dest] = flat
+            labels.flat[dest_start] = IGNORE_INDEX
+            position_ids.flat[dest] = offset_in_mol
+            doc_in_row = np.arange(len(entries)) - first_entry[row_of]
+            document_ids.flat[dest] = np.repeat(doc_in_row, lens)
+        filled = np.bincount(np.repeat(np.arange(b), per_row), weights=lens, minlength=b).astype(np.int64) \
+            if len(entries) else np.zeros(b, np.int64)
         seqlens = []
-        gids = []
-        for i, row in enumerate(rows):
-            if not row:
-                seqlens.append(s)
-                continue
-            flat = np.concatenate([unit.tokens[start:start + length] for _, length, unit, start, _ in row])
-            lens = np.fromiter((e[1] for e in row), np.int64, count=len(row))
-            n = len(flat)
-            starts = np.cumsum(lens) - lens
-            input_ids[i, :n] = flat
-            labels[i, :n] = flat
-            labels[i, starts] = IGNORE_INDEX
-            position_ids[i, :n] = np.arange(n) - np.repeat(starts, lens)
-            document_ids[i, :n] = np.repeat(np.arange(len(row)), lens)
-            seqlens.extend(lens.tolist())
-            gids.extend(e[0] for e in row)
-            if n < s:
-                seqlens.append(s - n)
-        real = int(sum(len_ for row in rows for _, len_, *_ in row))
+        k = 0
+        for i in range(b):
+            seqlens.extend(lens[k:k + per_row[i]].tolist())
+            k += per_row[i]
+            if filled[i] < s:
+                seqlens.append(s - int(filled[i]))
+        gids = [e[0] for e in entries]
+        real = int(lens.sum())
         cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
         return {
             "input_ids": input_ids,
