@@ -80,3 +80,201 @@ class DataConfig:
 
     stop_after_epoch: Optional[int] = None
     """Stop when this epoch (0-based) is finished, whatever ``max_epochs`` says."""
+
+
+@dataclass
+class RunConfig:
+    """Names and places of a run."""
+
+    name: str = "molds"
+    """Run name (TensorBoard and checkpoint directory names)."""
+
+    output_dir: str = "runs/molds"
+    """Where checkpoints, TensorBoard events, metrics.jsonl and the resolved recipe go."""
+
+    seed: int = 0
+    """Seed of model initialization and of every training-side random choice."""
+
+
+@dataclass
+class ModelConfig:
+    """The network, built from this config (no weights are downloaded)."""
+
+    family: Literal["decoder", "encoder"] = "decoder"
+    """``decoder``: causal LM (Llama-style); ``encoder``: RoBERTa-style MLM / property prediction."""
+
+    hidden_size: int = 256
+    """Width of the residual stream."""
+
+    num_layers: int = 4
+    """Transformer blocks."""
+
+    num_heads: int = 8
+    """Attention heads."""
+
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention; decoder only)."""
+
+    intermediate_size: int = 0
+    """MLP width (0: 8/3 x hidden for the decoder, 4 x hidden for the encoder)."""
+
+    max_position_embeddings: int = 2048
+    """Longest position the model supports."""
+
+    rope_theta: float = 10000.0
+    """RoPE base (decoder)."""
+
+    dropout: float = 0.0
+    """Dropout (encoder)."""
+
+    num_tasks: int = 0
+    """Encoder property heads: number of label columns (0: MLM only)."""
+
+    task_type: Literal["classification", "regression"] = "classification"
+    """Encoder property heads: masked BCE (classification) or masked MSE (regression)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is driven across ranks."""
+
+    engine: Literal["ddp", "zero", "pipeline"] = "ddp"
+    """``ddp``: torch DistributedDataParallel; ``zero``: DeepSpeed ZeRO; ``pipeline``: DeepSpeed pipeline."""
+
+    zero_stage: int = 2
+    """ZeRO stage 0-3 (engine zero)."""
+
+    ds_config: Optional[str] = None
+    """DeepSpeed JSON from ds_configs/ (batch-size fields are filled from the recipe)."""
+
+    offload_optimizer: bool = False
+    """ZeRO: keep optimizer state on the CPU."""
+
+    offload_params: bool = False
+    """ZeRO-3: keep parameters on the CPU."""
+
+    pp_size: int = 1
+    """Pipeline stages (engine pipeline)."""
+
+    ep_size: int = 1
+    """Expert-parallel group size (MoE models)."""
+
+    num_experts: int = 0
+    """Experts per MoE layer (0: dense)."""
+
+    schedule: Literal["1f1b", "dualpipev"] = "1f1b"
+    """Pipeline schedule (engine pipeline)."""
+
+    ddp_bucket_mb: int = 25
+    """DDP gradient bucket size in MB."""
+
+    static_graph: bool = True
+    """DDP static_graph (the graph of these models does not change between steps)."""
+
+    compile: bool = False
+    """torch.compile the model (ddp engine)."""
+
+
+@dataclass
+class KernelsConfig:
+    """Custom operators."""
+
+    fp8: bool = False
+    """FP8 matmuls (needs the FP8 kernels; not available yet)."""
+
+    triton: bool = False
+    """Triton kernels (not available yet)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+
+    warmup_steps: int = 100
+    """Linear warmup length in optimizer steps."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The loop."""
+
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+
+    global_batch_size: int = 0
+    """Micro-batches x data-parallel ranks x accumulation (0: micro_batch_size x data-parallel size)."""
+
+    grad_accum: int = 0
+    """Micro-batches per optimizer step on each rank (0: derived from global_batch_size)."""
+
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """``auto``: bf16 autocast on a CUDA device that supports it, fp32 otherwise."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training."""
+
+    interval_steps: int = 0
+    """Validation loss every N steps (0: off)."""
+
+    split: str = "valid"
+    """Split evaluated."""
+
+    max_batches: int = 50
+    """Validation batches per evaluation."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    interval_steps: int = 0
+    """Save every N steps (0: only at the end)."""
+
+    keep_last: int = 3
+    """Keep this many checkpoints (0: all)."""
+
+    resume: Optional[str] = None
+    """``auto`` (the latest under output_dir), a checkpoint directory, or None."""
+
+    fork: bool = False
+    """Allow resuming on a different manifest or tokenizer."""
+
+
+@dataclass
+class LoggingConfig:
+    """TensorBoard, JSONL and the progress bar."""
+
+    interval_steps: int = 10
+    """Log every N optimizer steps."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events under output_dir/tensorboard."""
+
+    progress: bool = True
+    """Progress bar on rank 0."""
+
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device for MFU (None: known GPUs are looked up; CPU: no MFU)."""

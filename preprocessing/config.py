@@ -87,7 +87,7 @@ class PreprocessConfig:
     shard_size_mb: float = 256.0
     """Target uncompressed size of a Parquet shard."""
 
-    row_group_rows: int = 8192
+    row_group_rows: int = 2048
     """Rows per Parquet row group: the unit the data plane reads, shuffles and assigns to ranks."""
 
     workers: int = 0

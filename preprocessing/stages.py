@@ -373,7 +373,7 @@ def _num_labels(table: pa.Table) -> int:
 
 # ---------------------------------------------------------------- assemble
 
-def write_shard(pieces, path: str, row_group_rows: int = 8192) -> dict:
+def write_shard(pieces, path: str, row_group_rows: int = 2048) -> dict:
     """Concatenate (final partition path, start, length) slices into one Parquet shard."""
     parts = [read_ipc(p).slice(start, length) for p, start, length in pieces]
     table = pa.concat_tables(parts)

@@ -1,0 +1,1 @@
+"""TensorBoard writer with a JSONL mirror, throughput and MFU."""

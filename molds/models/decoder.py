@@ -1,0 +1,184 @@
+"""Causal decoder for SMILES generation (Llama-style: RMSNorm, RoPE, SwiGLU, GQA).
+
+Single-device code that knows nothing of parallelism. Parameter names and the math
+match ``transformers.LlamaForCausalLM``, so a checkpoint exports to it as is
+(``molds.export``). The blocks are a plain ``ModuleList`` so a pipeline engine can cut
+the model into stages between them.
+
+Packed rows: pass ``position_ids`` (restarting per molecule) and ``document_ids`` (-1
+on padding): attention is causal *within* each molecule only, so a packed row computes
+exactly what each molecule alone would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.packing import IGNORE_INDEX, block_causal_mask
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int = 0
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 0  # 0: 8/3 x hidden, rounded up to a multiple of 64
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size {self.hidden_size} is not a multiple of model.num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads {self.num_heads} is not a multiple of model.num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if not self.intermediate_size:
+            self.intermediate_size = -(-int(self.hidden_size * 8 / 3) // 64) * 64
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # [B, S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, S, D]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = cfg.num_heads // cfg.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """``model.*`` of the HF layout: embeddings, blocks, final norm."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalDecoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (the trainer takes it from the manifest's tokenizer)")
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _init(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    def forward(self, input_ids, position_ids=None, document_ids=None, labels=None, **_):
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        mask = None if document_ids is None else block_causal_mask(document_ids)[:, None]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        logits = self.lm_head(self.model.norm(x))
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels)
+        return {"logits": logits, "loss": loss}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x parameters (embeddings excluded) + attention."""
+        cfg = self.config
+        params = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n)
+        if cfg.tie_word_embeddings:
+            params += self.lm_head.weight.numel()
+        return 6 * params + 12 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, HF convention: position i predicts labels[i + 1]."""
+    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
