@@ -15,7 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["molds", "molds.data", "molds.preprocessing"],
+    packages=["molds", "molds.data", "molds.engines", "molds.metrics", "molds.models", "molds.preprocessing"],
     package_dir={"molds": "molds", "molds.preprocessing": "preprocessing"},
     package_data={"molds": ["sample_data/*"]},
     install_requires=[
@@ -42,6 +42,7 @@ setup(
     entry_points={
         "console_scripts": [
             "molds-preprocess=molds.preprocessing.cli:main",
+            "molds-train=molds.train:cli",
         ]
     },
 )
