@@ -43,6 +43,7 @@ setup(
         "console_scripts": [
             "molds-preprocess=molds.preprocessing.cli:main",
             "molds-train=molds.train:cli",
+            "molds-export=molds.export:main",
         ]
     },
 )
