@@ -37,7 +37,7 @@ setup(
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1"],
     },
     entry_points={
         "console_scripts": [

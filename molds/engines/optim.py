@@ -18,9 +18,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                             eps=optim.eps)
+def build_optimizer(model: torch.nn.Module, optim, fused: bool | None = None) -> torch.optim.Optimizer:
+    """torch AdamW, fused (one kernel over all parameters) unless told otherwise."""
+    groups = param_groups(model, optim.weight_decay)
+    kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    if fused is not False:
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError):
+            if fused:
+                raise
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_lambda(optim, max_steps: int):

@@ -6,8 +6,8 @@ match ``transformers.LlamaForCausalLM``, so a checkpoint exports to it as is
 the model into stages between them.
 
 Packed rows: pass ``position_ids`` (restarting per molecule) and ``document_ids`` (-1
-on padding): attention is causal *within* each molecule only, so a packed row computes
-exactly what each molecule alone would.
+on padding): attention is causal *within* each molecule only (``PackedLayout``), so a
+packed row computes exactly what each molecule alone would.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.packing import IGNORE_INDEX, block_causal_mask
+from ..data.packing import IGNORE_INDEX
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, layout):
         b, s, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
@@ -96,11 +96,58 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if layout is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+            out = layout.attend(q, k, v)
+        return self.o_proj(out.reshape(b, s, -1))
+
+
+class PackedLayout:
+    """Where each token of packed rows sits when every molecule is its own sequence.
+
+    Attention over a packed row is computed per molecule: queries, keys and values are
+    gathered into [molecules, longest molecule] (right-padded), attended with a plain
+    causal mask, and scattered back. Cost grows with the sum of squared molecule
+    lengths, not with seq_len squared, and the result is exactly the block-diagonal
+    causal attention of ``molds.data.packing.block_causal_mask`` for every real token.
+    Padding tokens get a zero attention output (they carry no loss and nobody attends
+    to them).
+    """
+
+    def __init__(self, document_ids: torch.Tensor, position_ids: torch.Tensor):
+        b, s = document_ids.shape
+        valid = document_ids >= 0
+        docs_per_row = (document_ids.max(dim=1).values + 1).clamp(min=0)
+        first_doc = torch.cumsum(docs_per_row, 0) - docs_per_row
+        self.num_docs = int(docs_per_row.sum())
+        self.max_len = int(position_ids[valid].max()) + 1 if self.num_docs else 1
+        token = torch.nonzero(valid.reshape(-1)).squeeze(1)  # flat index of every real token
+        rows = token // s
+        doc = first_doc[rows] + document_ids.reshape(-1)[token]
+        slot = doc * self.max_len + position_ids.reshape(-1)[token]
+        slots = self.num_docs * self.max_len
+        # Both directions are gathers (index_select), with one appended zero row standing
+        # for "nothing here": padded slots read it going in, padding tokens coming out.
+        self.slot_source = torch.full((slots,), b * s, dtype=torch.long, device=document_ids.device)
+        self.slot_source[slot] = token
+        self.token_source = torch.full((b * s,), slots, dtype=torch.long, device=document_ids.device)
+        self.token_source[token] = slot
+        self.shape = (b, s)
+
+    def attend(self, q, k, v):
+        """q, k, v: [B, H, S, D] -> [B, S, H, D]."""
+        b, h, s, d = q.shape
+        zero = q.new_zeros(1, h, d)
+
+        def gather(t):
+            flat = torch.cat([t.transpose(1, 2).reshape(b * s, h, d), zero])
+            docs = flat.index_select(0, self.slot_source)
+            return docs.view(self.num_docs, self.max_len, h, d).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), is_causal=True)
+        out = torch.cat([out.transpose(1, 2).reshape(self.num_docs * self.max_len, h, d), zero])
+        return out.index_select(0, self.token_source).view(b, s, h, d)
 
 
 class MLP(nn.Module):
@@ -122,8 +169,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, layout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -159,9 +206,9 @@ class CausalDecoder(nn.Module):
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        mask = None if document_ids is None else block_causal_mask(document_ids)[:, None]
+        layout = None if document_ids is None else PackedLayout(document_ids, position_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, layout)
         logits = self.lm_head(self.model.norm(x))
         loss = None
         if labels is not None:
