@@ -1,10 +1,10 @@
 """``molds-export CHECKPOINT OUT``: a checkpoint as a HuggingFace model directory.
 
 Writes safetensors weights, ``config.json`` and the manifest's tokenizer, so that
-``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``
-load it with no molds installed. The decoder's parameter names are those of
-``LlamaForCausalLM``; ZeRO checkpoints are consolidated to fp32 first
-(DeepSpeed's ``zero_to_fp32``).
+``AutoModelForCausalLM`` (decoder), ``AutoModelForMaskedLM`` (encoder) or
+``AutoModelForSequenceClassification`` (encoder with property heads) and
+``AutoTokenizer`` load it with no molds installed. Parameter names already match those
+classes; ZeRO checkpoints are consolidated to fp32 first (DeepSpeed's ``zero_to_fp32``).
 """
 
 from __future__ import annotations
@@ -45,32 +45,65 @@ def llama_config(recipe: dict, vocab: dict, specials: dict):
         pad_token_id=vocab[specials["pad_token"]])
 
 
+def _load_strict(model, state: dict, allowed_missing=()):
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in allowed_missing]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint and {type(model).__name__} disagree: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
+
+
+def _decoder_model(recipe, vocab, manifest, state):
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(recipe, vocab, manifest.data["tokenizer"]["special_tokens"])
+    if config.tie_word_embeddings:  # safetensors keeps one name of a tied pair
+        state["model.embed_tokens.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+        state.pop("lm_head.weight", None)
+    return _load_strict(LlamaForCausalLM(config), state, ("lm_head.weight",))
+
+
+def _encoder_model(recipe, vocab, manifest, state):
+    """RobertaForSequenceClassification when the model has property heads, else
+    RobertaForMaskedLM."""
+    from transformers import RobertaForMaskedLM, RobertaForSequenceClassification
+
+    from molds.models.encoder import EncoderConfig
+
+    m, sp = recipe["model"], manifest.data["tokenizer"]["special_tokens"]
+    cfg = EncoderConfig(vocab_size=len(vocab), hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+                        num_heads=m["num_heads"], intermediate_size=m["intermediate_size"],
+                        max_position_embeddings=m["max_position_embeddings"], dropout=m["dropout"],
+                        num_tasks=m["num_tasks"], task_type=m["task_type"], pad_token_id=vocab[sp["pad_token"]],
+                        bos_token_id=vocab[sp["bos_token"]], eos_token_id=vocab[sp["eos_token"]])
+    pair = ("mlm.lm_head.decoder.weight", "mlm.roberta.embeddings.word_embeddings.weight")
+    shared = state.get(pair[0], state.get(pair[1]))  # tied: safetensors keeps one of the two names
+    for name in pair:
+        state[name] = shared
+    if m["num_tasks"]:
+        wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.roberta.")}
+        wanted.update({k: v for k, v in state.items() if k.startswith("classifier.")})
+        return _load_strict(RobertaForSequenceClassification(cfg.hf_config()), wanted)
+    wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.")}
+    return _load_strict(RobertaForMaskedLM(cfg.hf_config()), wanted, ("lm_head.decoder.bias",))
+
+
 def export(checkpoint: str, out: str) -> str:
     from molds.data.manifest import Manifest
 
     with open(os.path.join(checkpoint, "lineage.json")) as fh:
         lineage = json.load(fh)
     recipe = lineage["recipe"]
-    if recipe["model"]["family"] != "decoder":
-        raise ValueError(f"export of model.family={recipe['model']['family']!r} is not built yet")
     manifest = Manifest.load(recipe["data"]["manifest"])
     vocab = manifest.check_tokenizer()
     if manifest.data["tokenizer"]["vocab_hash"] != lineage["vocab_hash"]:
         raise ValueError(f"{checkpoint} was trained with another tokenizer than {manifest.path} now holds")
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(recipe, vocab, manifest.data["tokenizer"]["special_tokens"])
-    state = _state_dict(checkpoint, lineage.get("engine", "ddp"))
-    if config.tie_word_embeddings:  # safetensors keeps one name of a tied pair
-        tied = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
-        state["model.embed_tokens.weight"] = tied
-        state.pop("lm_head.weight", None)
-    model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint and LlamaForCausalLM disagree: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    state = {k: v.float() for k, v in _state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
+    if recipe["model"]["family"] == "decoder":
+        model = _decoder_model(recipe, vocab, manifest, state)
+    else:
+        model = _encoder_model(recipe, vocab, manifest, state)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

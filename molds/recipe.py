@@ -118,6 +118,14 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("model.family=decoder trains on data.mode=packed")
     if m.family == "encoder" and recipe.data.mode != "bucketed":
         raise RecipeError("model.family=encoder trains on data.mode=bucketed")
+    if m.family == "encoder":
+        if m.num_tasks and not recipe.data.with_labels:
+            raise RecipeError("model.num_tasks > 0 needs data.with_labels=true")
+        if not m.num_tasks and recipe.data.mlm_probability <= 0:
+            raise RecipeError("an encoder with model.num_tasks=0 needs data.mlm_probability > 0 (nothing to learn)")
+        if recipe.data.max_length > m.max_position_embeddings:
+            raise RecipeError(f"data.max_length={recipe.data.max_length} exceeds model.max_position_embeddings="
+                              f"{m.max_position_embeddings}")
     if recipe.data.mode == "packed" and recipe.data.seq_len > m.max_position_embeddings:
         raise RecipeError(f"data.seq_len={recipe.data.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings}")

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     global_batch, accum = resolve_batching(recipe, dist.world_size)
     data_cfg = dataclasses.replace(recipe.data, seed=recipe.data.seed, max_steps=None)
     loader = MoleculeLoader(data_cfg, rank=dist.rank, world_size=dist.world_size)
-    model = build_model(recipe, len(vocab))
+    model = build_model(recipe, len(vocab), loader.specials)
     engine = build_engine(recipe, model, dist)
     lineage = {
         "recipe": recipe.to_dict(),
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     peak, peak_note = device_peak_tflops(dist.device, recipe.logging.peak_tflops)
     log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
     log.text("run/mfu_peak", peak_note)
-    flops_per_token = model.flops_per_token(recipe.data.seq_len) if hasattr(model, "flops_per_token") else None
+    span = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
+    flops_per_token = model.flops_per_token(span) if hasattr(model, "flops_per_token") else None
     bar = None
     if dist.is_main and recipe.logging.progress:
         from tqdm import tqdm

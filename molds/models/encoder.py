@@ -1,0 +1,95 @@
+"""RoBERTa-style encoder for MLM pre-training and property prediction (ChemBERTa /
+MoLFormer's job), built from a config with HuggingFace ``transformers`` modules.
+
+Heads: the MLM head of ``RobertaForMaskedLM`` and, with ``num_tasks > 0``, a
+``RobertaClassificationHead`` on the <bos> token: masked binary cross-entropy for
+sparse multi-task classification, or masked MSE for regression (missing labels carry
+no loss). The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
+so ``molds-export`` writes either without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.packing import IGNORE_INDEX
+
+
+@dataclass
+class EncoderConfig:
+    vocab_size: int
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    intermediate_size: int = 0
+    max_position_embeddings: int = 512
+    dropout: float = 0.1
+    num_tasks: int = 0
+    task_type: str = "classification"
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int = 3
+
+    def hf_config(self):
+        from transformers import RobertaConfig
+
+        return RobertaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, intermediate_size=self.intermediate_size or 4 * self.hidden_size,
+            max_position_embeddings=self.max_position_embeddings + self.pad_token_id + 2, type_vocab_size=1,
+            hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout,
+            classifier_dropout=self.dropout, pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id, num_labels=max(1, self.num_tasks),
+            problem_type="multi_label_classification" if self.task_type == "classification" else "regression")
+
+
+class MoleculeEncoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        from transformers import RobertaForMaskedLM
+        from transformers.models.roberta.modeling_roberta import RobertaClassificationHead
+
+        self.config = cfg
+        hf = cfg.hf_config()
+        self.mlm = RobertaForMaskedLM(hf)
+        self.classifier = RobertaClassificationHead(hf) if cfg.num_tasks else None
+
+    def forward(self, input_ids, attention_mask=None, mlm_labels=None, labels=None, label_mask=None, **_):
+        hidden = self.mlm.roberta(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out = {"loss": None}
+        losses = []
+        if mlm_labels is not None:
+            logits = self.mlm.lm_head(hidden)
+            out["logits"] = logits
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), mlm_labels.reshape(-1),
+                                          ignore_index=IGNORE_INDEX))
+        if self.classifier is not None:
+            pred = self.classifier(hidden)
+            out["predictions"] = pred
+            if labels is not None:
+                losses.append(masked_task_loss(pred.float(), labels.float(), label_mask, self.config.task_type))
+        if losses:
+            out["loss"] = sum(losses)
+        return out
+
+    def flops_per_token(self, seq_len: int) -> float:
+        cfg = self.config
+        params = sum(p.numel() for n, p in self.named_parameters() if "embeddings" not in n)
+        return 6 * params + 12 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, task_type: str):
+    """Mean over the labels that are present (``mask``): BCE with logits, or MSE."""
+    if mask is None:
+        mask = torch.ones_like(labels, dtype=torch.bool)
+    mask = mask.bool()
+    if task_type == "classification":
+        per = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
+    else:
+        per = (pred - labels) ** 2
+    per = per * mask
+    return per.sum() / mask.sum().clamp(min=1)
