@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if argv is None:
         argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    # short forms: --resume auto / --fork true stand for --checkpoint.resume / --checkpoint.fork
+    argv = ["--checkpoint." + a[2:] if a.split("=")[0] in ("--resume", "--fork") else a for a in argv]
     recipe = parse_recipe(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(recipe, world)  # before any process group starts

@@ -1,0 +1,66 @@
+"""torchrun runs the same entry; a rank that dies ends the job quickly, no hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _cmd(launcher, dataset, out, steps):
+    args = ["molds/train.py", "--data.manifest", dataset, "--data.seq_len", "128", "--data.micro_batch_size", "2",
+            "--data.lookahead", "64", "--model.hidden_size", "64", "--model.num_layers", "2",
+            "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.max_position_embeddings", "256",
+            "--trainer.max_steps", str(steps), "--trainer.precision", "fp32", "--logging.interval_steps", "1",
+            "--logging.progress", "false", "--run.output_dir", out]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"] + args
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29534"] + args + [
+        "--parallel.engine", "zero"]
+
+
+def test_torchrun_trains_and_resumes(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    subprocess.run(_cmd("torchrun", dataset, out, 3), cwd=ROOT, check=True, capture_output=True, timeout=600)
+    subprocess.run(_cmd("torchrun", dataset, out, 5) + ["--resume", "auto"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert steps == [1, 2, 3, 4, 5]
+    lineage = json.load(open(os.path.join(out, "checkpoints", "step-00000005", "lineage.json")))
+    assert lineage["world_size"] == 2
+
+
+def _workers(proc):
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "molds/train.py" in " ".join(p.cmdline())]
+
+
+def test_a_dead_rank_ends_the_job(dataset, tmp_path):
+    for launcher in ("torchrun", "deepspeed"):
+        out = str(tmp_path / launcher)
+        proc = subprocess.Popen(_cmd(launcher, dataset, out, 100000), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            metrics = os.path.join(out, "metrics.jsonl")
+            deadline = time.time() + 300
+            while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+                time.sleep(0.5)
+            assert os.path.exists(metrics), "training never started"
+            victims = _workers(proc)
+            assert len(victims) >= 2
+            killed = time.time()
+            victims[-1].send_signal(signal.SIGKILL)
+            code = proc.wait(timeout=120)
+            assert code != 0
+            assert time.time() - killed < 60, f"{launcher}: the job took too long to end"
+            time.sleep(1)
+            assert not [p for p in victims if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
