@@ -2,7 +2,8 @@
 
 The DeepSpeed config comes from ``parallel.ds_config`` with its batch fields derived
 from the recipe (molds.recipe.deepspeed_config). DeepSpeed scales the loss for
-accumulation and steps the optimizer at the accumulation boundary itself.
+accumulation and steps the optimizer at the accumulation boundary itself. Checkpoints
+are read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,31 @@ import torch
 from ..recipe import deepspeed_config
 from .ddp import autocast_dtype
 from .optim import build_optimizer, build_scheduler
+
+
+def _safe_globals():
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def _load_weights_only(engine) -> None:
+    """DeepSpeed's checkpoint engine unpickles with weights_only=False; ours loads with
+    weights_only=True, allowing only the three DeepSpeed classes its files contain."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    ce = engine.checkpoint_engine
+    if not isinstance(ce, TorchCheckpointEngine):
+        return
+    allowed = _safe_globals()
+
+    def load(path: str, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    ce.load = load
 
 
 class ZeroEngine:
@@ -31,6 +57,7 @@ class ZeroEngine:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False)
         self.model = self.engine.module
         self.ds_config = cfg
+        _load_weights_only(self.engine)
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         total = 0.0

@@ -11,12 +11,12 @@ import pytest
 from tests.dist.spawn import run_ranks
 
 
-def _argv(dataset, out, engine, steps, extra=()):
+def _argv(dataset, out, engine, steps, extra=(), stage=2):
     return ["--data.manifest", dataset, "--data.seq_len", "128", "--data.micro_batch_size", "2",
             "--data.lookahead", "64", "--data.shuffle_window", "300",
             "--model.hidden_size", "64", "--model.num_layers", "2", "--model.num_heads", "4",
             "--model.num_kv_heads", "2", "--model.max_position_embeddings", "256",
-            "--parallel.engine", engine, "--parallel.zero_stage", "2",
+            "--parallel.engine", engine, "--parallel.zero_stage", str(stage),
             "--optim.lr", "3e-3", "--optim.warmup_steps", "2",
             "--trainer.max_steps", str(steps), "--trainer.grad_accum", "2", "--trainer.precision", "fp32",
             "--checkpoint.interval_steps", "3", "--checkpoint.keep_last", "0",
@@ -35,10 +35,10 @@ def _losses(out):
         return {r["step"]: r["train/loss"] for r in map(json.loads, fh)}
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero"])
-def test_resume_matches_uninterrupted(dataset, tmp_path, engine):
+@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)], ids=["ddp", "zero2", "zero3"])
+def test_resume_matches_uninterrupted(dataset, tmp_path, engine, stage):
     full = str(tmp_path / "full")
-    run_ranks(_main, 2, _argv(dataset, full, engine, 7))
+    run_ranks(_main, 2, _argv(dataset, full, engine, 7, stage=stage))
     ckpts = sorted(os.listdir(os.path.join(full, "checkpoints")))
     assert ckpts == ["latest", "step-00000003", "step-00000006", "step-00000007"]
     lineage = json.load(open(os.path.join(full, "checkpoints", "step-00000003", "lineage.json")))
@@ -53,7 +53,7 @@ def test_resume_matches_uninterrupted(dataset, tmp_path, engine):
                     os.path.join(resumed, "checkpoints", "step-00000003"))
     with open(os.path.join(resumed, "checkpoints", "latest"), "w") as fh:
         fh.write("step-00000003")
-    run_ranks(_main, 2, _argv(dataset, resumed, engine, 7, ["--checkpoint.resume", "auto"]))
+    run_ranks(_main, 2, _argv(dataset, resumed, engine, 7, ["--checkpoint.resume", "auto"], stage=stage))
     a, b = _losses(full), _losses(resumed)
     assert sorted(b) == [4, 5, 6, 7]
     for step in b:
