@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
                       "data/wait_s_per_step": wait / dist.world_size / window["steps"], "train/mfu": mfu}
             if dist.device.type == "cuda":
                 values["train/peak_memory_mb"] = torch.cuda.max_memory_allocated(dist.device) / 2**20
+            else:  # the peak resident memory of this process (rank 0)
+                import resource
+
+                values["train/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             log.scalars(step, values)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
