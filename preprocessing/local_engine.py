@@ -79,23 +79,21 @@ class LocalEngine:
                 if block:
                     return
 
+        def put(item):
+            while True:
+                try:
+                    tasks.put(item, timeout=_POLL_S)
+                    return
+                except queue.Full:
+                    drain(block=True)
+
         try:
-            for path, reader in inputs:
-                for index_path_chunk in reader:
-                    while True:
-                        try:
-                            tasks.put(index_path_chunk, timeout=_POLL_S)
-                            break
-                        except queue.Full:
-                            drain(block=True)
+            for _, reader in inputs:
+                for chunk in reader:
+                    put(chunk)
                     drain(block=False)
             for _ in procs:
-                while True:
-                    try:
-                        tasks.put(None, timeout=_POLL_S)
-                        break
-                    except queue.Full:
-                        drain(block=True)
+                put(None)
             while len(done) < len(procs):
                 drain(block=True)
         finally:

@@ -144,31 +144,25 @@ def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
     raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}")
 
 
-class _ChunkBuilder:
-    def __init__(self, file_index: int, path: str, chunk_rows: int):
-        self.file_index, self.path, self.chunk_rows = file_index, path, chunk_rows
-        self.chunk = RawChunk(file_index, path)
-
-    def add(self, row: int, smiles, cid=None, labels=None, reason: str | None = None):
-        c = self.chunk
+def _chunked(file_index: int, path: str, records, chunk_rows: int):
+    """Group (row, smiles, id, labels, reason) records into RawChunks."""
+    chunk = RawChunk(file_index, path)
+    for row, smiles, cid, labels, reason in records:
         if reason is not None:
-            c.reasons[len(c.rows)] = reason
+            chunk.reasons[len(chunk.rows)] = reason
             smiles = None
-        c.rows.append(row)
-        c.smiles.append(smiles)
-        c.ids.append(cid)
-        c.labels.append(labels)
-        if len(c.rows) >= self.chunk_rows:
-            return self.flush()
-        return None
-
-    def flush(self):
-        c = self.chunk
-        self.chunk = RawChunk(self.file_index, self.path)
-        return c if c.rows else None
+        chunk.rows.append(row)
+        chunk.smiles.append(smiles)
+        chunk.ids.append(cid)
+        chunk.labels.append(labels)
+        if len(chunk.rows) >= chunk_rows:
+            yield chunk
+            chunk = RawChunk(file_index, path)
+    if chunk.rows:
+        yield chunk
 
 
-def _read_delimited(file_index, path, cols: Columns, delimiter: str, chunk_rows: int):
+def _read_delimited(path, cols: Columns, delimiter: str):
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with _open_text(path) as fh:
         lines = (line.replace("\0", "\udc80") if "\0" in line else line for line in fh)
@@ -180,91 +174,65 @@ def _read_delimited(file_index, path, cols: Columns, delimiter: str, chunk_rows:
         i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
         l_idx = [_resolve(path, header, name, "label") for name in cols.labels]
         width = len(header)
-        builder = _ChunkBuilder(file_index, path, chunk_rows)
         row = 0
         for record in reader:
             if not record:
                 continue  # a blank line is not a record
             row += 1
             if len(record) != width:
-                out = builder.add(row, None, reason="malformed_row")
+                yield row, None, None, None, "malformed_row"
             elif not all(map(_is_clean, record)):
-                out = builder.add(row, None, reason="non_utf8")
+                yield row, None, None, None, "non_utf8"
             else:
-                out = builder.add(
-                    row,
-                    record[s_idx],
-                    record[i_idx].strip() if i_idx is not None else None,
-                    [record[i] for i in l_idx] if l_idx else None,
-                )
-            if out is not None:
-                yield out
-        last = builder.flush()
-        if last is not None:
-            yield last
+                yield (row, record[s_idx], record[i_idx].strip() if i_idx is not None else None,
+                       [record[i] for i in l_idx] if l_idx else None, None)
 
 
-def _read_smi(file_index, path, cols: Columns, has_header: bool, chunk_rows: int):
+def _read_smi(path, has_header: bool):
     with _open_text(path) as fh:
-        builder = _ChunkBuilder(file_index, path, chunk_rows)
         row = 0
-        first = True
-        for line in fh:
-            if first and has_header:
-                first = False
+        for n, line in enumerate(fh):
+            if n == 0 and has_header:
                 continue
-            first = False
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             row += 1
             if not _is_clean(line):
-                out = builder.add(row, None, reason="non_utf8")
+                yield row, None, None, None, "non_utf8"
             else:
                 parts = line.strip().split(None, 1)
-                out = builder.add(row, parts[0], parts[1].strip() if len(parts) > 1 else None)
-            if out is not None:
-                yield out
-        last = builder.flush()
-        if last is not None:
-            yield last
+                yield row, parts[0], parts[1].strip() if len(parts) > 1 else None, None, None
 
 
-def _read_jsonl(file_index, path, cols: Columns, chunk_rows: int):
+def _read_jsonl(path, cols: Columns):
     with _open_text(path) as fh:
-        builder = _ChunkBuilder(file_index, path, chunk_rows)
         row = 0
         for line in fh:
             if not line.strip():
                 continue
             row += 1
             if not _is_clean(line):
-                out = builder.add(row, None, reason="non_utf8")
+                yield row, None, None, None, "non_utf8"
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict):
+                yield row, None, None, None, "malformed_row"
+            elif not isinstance(rec.get(cols.smiles), str):
+                yield row, None, None, None, "missing_field"
             else:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    rec = None
-                if not isinstance(rec, dict):
-                    out = builder.add(row, None, reason="malformed_row")
-                elif not isinstance(rec.get(cols.smiles), str):
-                    out = builder.add(row, None, reason="missing_field")
-                else:
-                    cid = rec.get(cols.id) if cols.id else None
-                    labels = [rec.get(name) for name in cols.labels] if cols.labels else None
-                    out = builder.add(row, rec[cols.smiles], None if cid is None else str(cid), labels)
-            if out is not None:
-                yield out
-        last = builder.flush()
-        if last is not None:
-            yield last
+                cid = rec.get(cols.id) if cols.id else None
+                labels = [rec.get(name) for name in cols.labels] if cols.labels else None
+                yield row, rec[cols.smiles], None if cid is None else str(cid), labels, None
 
 
-def _read_arrow_batches(file_index, path, batches, names: list[str], cols: Columns, chunk_rows: int):
+def _read_arrow_batches(path, batches, names: list[str], cols: Columns):
     s_name = names[_resolve(path, names, cols.smiles, "SMILES")]
     i_name = names[_resolve(path, names, cols.id, "id")] if cols.id else None
     l_names = [names[_resolve(path, names, n, "label")] for n in cols.labels]
-    builder = _ChunkBuilder(file_index, path, chunk_rows)
     row = 0
     for batch in batches:
         smiles = batch.column(s_name).to_pylist()
@@ -273,20 +241,14 @@ def _read_arrow_batches(file_index, path, batches, names: list[str], cols: Colum
         for j, smi in enumerate(smiles):
             row += 1
             if not isinstance(smi, str):
-                out = builder.add(row, None, reason="missing_field")
+                yield row, None, None, None, "missing_field"
             else:
                 cid = ids[j]
-                out = builder.add(
-                    row, smi, None if cid is None else str(cid), [col[j] for col in labels] if labels else None
-                )
-            if out is not None:
-                yield out
-    last = builder.flush()
-    if last is not None:
-        yield last
+                yield (row, smi, None if cid is None else str(cid),
+                       [col[j] for col in labels] if labels else None, None)
 
 
-def _read_parquet(file_index, path, cols: Columns, chunk_rows: int):
+def _read_parquet(path, cols: Columns, chunk_rows: int):
     import pyarrow.parquet as pq
 
     with _open_binary(path) as fh:
@@ -294,9 +256,7 @@ def _read_parquet(file_index, path, cols: Columns, chunk_rows: int):
         names = pf.schema_arrow.names
         wanted = [cols.smiles] + ([cols.id] if cols.id else []) + list(cols.labels)
         resolved = sorted({names[_resolve(path, names, w, "requested")] for w in wanted})
-        yield from _read_arrow_batches(
-            file_index, path, pf.iter_batches(batch_size=chunk_rows, columns=resolved), names, cols, chunk_rows
-        )
+        yield from _read_arrow_batches(path, pf.iter_batches(batch_size=chunk_rows, columns=resolved), names, cols)
 
 
 def _load_hf(path: str):
@@ -315,7 +275,8 @@ def _load_hf(path: str):
     return datasets.load_from_disk(path)
 
 
-def _read_hf(file_index, path, cols: Columns, chunk_rows: int):
+def _read_hf(path, cols: Columns, chunk_rows: int):
+    """Records of every split of a saved dataset; yields (label, records) per split."""
     ds = _load_hf(path)
     parts = [(None, ds)] if not hasattr(ds, "keys") else [(k, ds[k]) for k in sorted(ds.keys())]
     for split_name, part in parts:
@@ -324,9 +285,7 @@ def _read_hf(file_index, path, cols: Columns, chunk_rows: int):
         if getattr(part, "_indices", None) is not None:
             part = part.flatten_indices()
             table = part.data.table
-        yield from _read_arrow_batches(
-            file_index, label, table.to_batches(max_chunksize=chunk_rows), table.schema.names, cols, chunk_rows
-        )
+        yield label, _read_arrow_batches(label, table.to_batches(max_chunksize=chunk_rows), table.schema.names, cols)
 
 
 def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows: int,
@@ -334,18 +293,20 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
     """Yield the records of one input as ``RawChunk``s; raise ``InputError`` naming it."""
     try:
         if fmt in ("csv", "tsv"):
-            delim = delimiter or ("\t" if fmt == "tsv" else ",")
-            yield from _read_delimited(file_index, path, cols, delim, chunk_rows)
+            records = _read_delimited(path, cols, delimiter or ("\t" if fmt == "tsv" else ","))
         elif fmt == "smi":
-            yield from _read_smi(file_index, path, cols, bool(has_header), chunk_rows)
+            records = _read_smi(path, bool(has_header))
         elif fmt == "jsonl":
-            yield from _read_jsonl(file_index, path, cols, chunk_rows)
+            records = _read_jsonl(path, cols)
         elif fmt == "parquet":
-            yield from _read_parquet(file_index, path, cols, chunk_rows)
+            records = _read_parquet(path, cols, chunk_rows)
         elif fmt == "hf":
-            yield from _read_hf(file_index, path, cols, chunk_rows)
+            for label, split_records in _read_hf(path, cols, chunk_rows):
+                yield from _chunked(file_index, label, split_records, chunk_rows)
+            return
         else:
             raise InputError(f"{path}: unknown input format {fmt!r}")
+        yield from _chunked(file_index, path, records, chunk_rows)
     except InputError:
         raise
     except (OSError, EOFError, csv.Error, ValueError, ImportError) as exc:
