@@ -104,15 +104,16 @@ class Attention(nn.Module):
 
 
 class PackedLayout:
-    """Where each token of packed rows sits when every molecule is its own sequence.
+    """Packed rows rearranged so that every molecule is its own sequence.
 
-    Attention over packed rows is computed per molecule: molecules are sorted by length
-    and cut into a few groups; each group's queries, keys and values are gathered into
-    [molecules, longest in the group] (right-padded), attended with a plain causal mask,
-    and gathered back. Cost follows the molecules' own lengths, not seq_len squared,
-    and the result is exactly the block-diagonal causal attention of
-    ``molds.data.packing.block_causal_mask`` for every real token. Padding tokens get a
-    zero attention output (they carry no loss and nobody attends to them).
+    Molecules are sorted by length and cut into a few groups; the model runs on a flat
+    "slot" sequence, group after group, each group [molecules, longest in the group]
+    right-padded. Embeddings are gathered into slots once, the loss is taken in slots,
+    and logits are gathered back once: the layers themselves never gather. Attention
+    is plain causal SDPA per group, so no molecule sees another, its cost follows the
+    molecules' own lengths (not seq_len squared), and every real token gets exactly
+    the block-diagonal causal attention of ``molds.data.packing.block_causal_mask``.
+    Padded slots carry no loss and nobody attends to them.
     """
 
     GROUPS = 4
@@ -131,36 +132,50 @@ class PackedLayout:
             0, doc, pos + 1, reduce="amax", include_self=True)
         order = torch.argsort(doc_len, stable=True)
         groups = [g for g in torch.tensor_split(order, min(self.GROUPS, max(1, num_docs))) if len(g)]
-        self.groups = []  # (molecules, longest) per group
+        self.groups = []  # (molecules, longest) per group, in slot order
         doc_base = torch.zeros(num_docs, dtype=torch.long, device=dev)
+        positions = []
         base = 0
         for g in groups:
             longest = int(doc_len[g].max())
             doc_base[g] = base + torch.arange(len(g), device=dev) * longest
             self.groups.append((len(g), longest))
+            positions.append(torch.arange(longest, device=dev).repeat(len(g)))
             base += len(g) * longest
         slot = doc_base[doc] + pos
         self.slots = base
-        # Both directions are gathers (index_select), with one appended zero row standing
-        # for "nothing here": padded slots read it going in, padding tokens coming out.
+        self.slot_positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=dev)
+        # gathers with one extra row standing for "nothing here": padded slots read it
+        # going in, padding tokens coming out
         self.slot_source = torch.full((base,), b * s, dtype=torch.long, device=dev)
         self.slot_source[slot] = token
         self.token_source = torch.full((b * s,), base, dtype=torch.long, device=dev)
         self.token_source[token] = slot
+        self.shape = (b, s)
+
+    def to_slots(self, t: torch.Tensor, fill) -> torch.Tensor:
+        """[B, S, ...] in packed rows -> [slots, ...]; padded slots get ``fill``."""
+        flat = t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])
+        pad = flat.new_full((1, *flat.shape[1:]), fill)
+        return torch.cat([flat, pad]).index_select(0, self.slot_source)
+
+    def to_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """[slots, ...] -> [B, S, ...] in packed rows (padding tokens get zeros)."""
+        pad = t.new_zeros((1, *t.shape[1:]))
+        return torch.cat([t, pad]).index_select(0, self.token_source).view(*self.shape, *t.shape[1:])
 
     def attend(self, q, k, v):
-        """q, k, v: [B, H, S, D] -> [B, S, H, D]."""
-        b, h, s, d = q.shape
-        qkv = torch.cat([q, k, v], dim=1).transpose(1, 2).reshape(b * s, 3 * h, d)  # one gather for all three
-        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * h, d)]).index_select(0, self.slot_source)
+        """q, k, v: [1, H, slots, D] -> [1, slots, H, D], causal within each molecule."""
+        h, d = q.shape[1], q.shape[3]
+        sizes = [n * longest for n, longest in self.groups]
         outs = []
-        # split (not slicing): its backward is one concatenation, not a zero-filled buffer per group
-        for (n, longest), part in zip(self.groups, qkv.split([n * longest for n, longest in self.groups])):
-            gq, gk, gv = part.view(n, longest, 3 * h, d).transpose(1, 2).split(h, dim=1)
-            o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=True)
-            outs.append(o.transpose(1, 2).reshape(n * longest, h, d))
-        out = torch.cat(outs + [q.new_zeros(1, h, d)])
-        return out.index_select(0, self.token_source).view(b, s, h, d)
+        for (n, longest), gq, gk, gv in zip(self.groups, *(t[0].split(sizes, dim=1) for t in (q, k, v))):
+            def per_molecule(t):
+                return t.reshape(h, n, longest, d).transpose(0, 1)
+
+            o = F.scaled_dot_product_attention(per_molecule(gq), per_molecule(gk), per_molecule(gv), is_causal=True)
+            outs.append(o.permute(0, 2, 1, 3).reshape(n * longest, h, d))
+        return torch.cat(outs)[None]
 
 
 class MLP(nn.Module):
@@ -217,15 +232,22 @@ class CausalDecoder(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        layout = None
+        if document_ids is not None:  # packed rows: run on one molecule-per-sequence slot layout
+            layout = PackedLayout(document_ids, position_ids)
+            input_ids, position_ids = layout.to_slots(input_ids, 0)[None], layout.slot_positions[None]
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        layout = None if document_ids is None else PackedLayout(document_ids, position_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, layout)
         logits = self.lm_head(self.model.norm(x))
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels)
+            # the same (prediction, target) pairs in either layout: targets across a
+            # molecule boundary and on padding are IGNORE_INDEX
+            loss = causal_lm_loss(logits, labels if layout is None else layout.to_slots(labels, IGNORE_INDEX)[None])
+        if layout is not None:
+            logits = layout.to_tokens(logits[0])
         return {"logits": logits, "loss": loss}
 
     def flops_per_token(self, seq_len: int) -> float:
