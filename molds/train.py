@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(recipe.to_dict(), fh, indent=2)
 
     global_batch, accum = resolve_batching(recipe, dist.world_size)
-    data_cfg = dataclasses.replace(recipe.data, seed=recipe.data.seed, max_steps=None)
+    data_cfg = dataclasses.replace(recipe.data, max_steps=None)  # the trainer counts steps itself
     loader = MoleculeLoader(data_cfg, rank=dist.rank, world_size=dist.world_size)
     model = build_model(recipe, len(vocab), loader.specials)
     engine = build_engine(recipe, model, dist)

@@ -15,7 +15,7 @@ from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_outputs
 from .split import SPLITS, check_fractions, plan_split
-from .stages import (NUM_BUCKETS, StageOptions, Stats, finalize_partition, load_group_table, partition_smiles,
+from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
                      reduce_partition, write_shard)
 from .tokenizer import (SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
                         train_bpe_tokenizer, vocab_from_counts)

@@ -217,9 +217,8 @@ class MoleculeLoader:
                 raise ValueError(f"data state holds no entry for rank {self.rank}; pass merge_states() of all ranks")
             # a virtual rank with no entry had not produced a batch yet: it starts fresh
             self.states = {v: vranks[v] for v in self.vranks if v in vranks}
-            self.rotation = int(state.get("rotation", {}).get(self.rank, state.get("rotation", {}).get(str(self.rank), 0)))
-            batches = state.get("batches", {})
-            self.batches = int(batches.get(self.rank, batches.get(str(self.rank), 0)))
+            self.rotation = _of_rank(state.get("rotation", {}), self.rank)
+            self.batches = _of_rank(state.get("batches", {}), self.rank)
             return
         if ranks != set(range(state["world_size"])):
             raise ValueError(f"changing topology needs the data state of every old rank (have ranks "
@@ -279,6 +278,11 @@ class MoleculeLoader:
             out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
             out["stats"] = stats
             yield out
+
+
+def _of_rank(per_rank: dict, rank: int) -> int:
+    """A per-rank entry; after a JSON round trip the keys are strings."""
+    return int(per_rank.get(rank, per_rank.get(str(rank), 0)))
 
 
 def _identity(x):

@@ -10,10 +10,8 @@ update at lr 3e-3).
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
-import torch
 
 from tests.dist.spawn import run_ranks
 
