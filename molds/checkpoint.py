@@ -73,9 +73,14 @@ def save_checkpoint(recipe, engine, dist, step: int, data_state: dict, lineage: 
                       world_size=dist.world_size, created=datetime.datetime.now(datetime.timezone.utc).isoformat())
         with open(os.path.join(tmp, "lineage.json"), "w") as fh:
             json.dump(record, fh, indent=2)
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        old = None
+        if os.path.exists(final):  # never delete the one `latest` may name before its successor is in place
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
         pointer = os.path.join(root, LATEST + ".tmp")
         with open(pointer, "w") as fh:
             fh.write(name)
@@ -88,7 +93,7 @@ def save_checkpoint(recipe, engine, dist, step: int, data_state: dict, lineage: 
 def _prune(root: str, keep: int) -> None:
     if keep <= 0:
         return
-    done = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
+    done = sorted(d for d in os.listdir(root) if d.startswith("step-") and "." not in d)
     for old in done[:-keep]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 

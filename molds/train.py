@@ -71,11 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
         "grad_accum": accum,
     }
 
-    step = 0
+    step = start_step = 0
     resume_from = find_checkpoint(recipe)
     if resume_from:
         check_lineage(resume_from, lineage, recipe.checkpoint.fork)
         step, data_state = load_checkpoint(resume_from, engine, dist)
+        start_step = step
         loader.load_state_dict(data_state)
         if dist.is_main:
             print(f"[molds] resumed from {resume_from} at step {step}", file=sys.stderr)
@@ -137,8 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
         if interval and step % interval == 0 and step < recipe.trainer.max_steps:
             save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
                             lineage)
-    final = save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
-                            lineage)
+    if resume_from and step == start_step:
+        final = resume_from  # nothing trained since: the checkpoint we started from is the last one
+    else:
+        final = save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
+                                lineage)
     if bar is not None:
         bar.close()
     log.close()
