@@ -26,23 +26,23 @@ def _state_dict(checkpoint: str, engine: str) -> dict:
     return load_file(os.path.join(checkpoint, "model.safetensors"))
 
 
-def llama_config(recipe: dict, vocab: dict, specials: dict):
+def _specials(vocab: dict, special_tokens: dict) -> dict:
+    return {k: vocab[special_tokens[f"{k}_token"]] for k in ("pad", "bos", "eos")}
+
+
+def llama_config(recipe: dict, vocab: dict, special_tokens: dict):
     from transformers import LlamaConfig
 
-    from molds.models.decoder import DecoderConfig
+    from molds.models import family_config
 
-    m = recipe["model"]
-    cfg = DecoderConfig(vocab_size=len(vocab), hidden_size=m["hidden_size"], num_layers=m["num_layers"],
-                        num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"],
-                        intermediate_size=m["intermediate_size"], max_position_embeddings=m["max_position_embeddings"],
-                        rope_theta=m["rope_theta"])
+    sp = _specials(vocab, special_tokens)
+    cfg = family_config(recipe["model"], len(vocab), sp)
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        head_dim=cfg.head_dim, bos_token_id=vocab[specials["bos_token"]], eos_token_id=vocab[specials["eos_token"]],
-        pad_token_id=vocab[specials["pad_token"]])
+        head_dim=cfg.head_dim, bos_token_id=sp["bos"], eos_token_id=sp["eos"], pad_token_id=sp["pad"])
 
 
 def _load_strict(model, state: dict, allowed_missing=()):
@@ -69,14 +69,10 @@ def _encoder_model(recipe, vocab, manifest, state):
     RobertaForMaskedLM."""
     from transformers import RobertaForMaskedLM, RobertaForSequenceClassification
 
-    from molds.models.encoder import EncoderConfig
+    from molds.models import family_config
 
-    m, sp = recipe["model"], manifest.data["tokenizer"]["special_tokens"]
-    cfg = EncoderConfig(vocab_size=len(vocab), hidden_size=m["hidden_size"], num_layers=m["num_layers"],
-                        num_heads=m["num_heads"], intermediate_size=m["intermediate_size"],
-                        max_position_embeddings=m["max_position_embeddings"], dropout=m["dropout"],
-                        num_tasks=m["num_tasks"], task_type=m["task_type"], pad_token_id=vocab[sp["pad_token"]],
-                        bos_token_id=vocab[sp["bos_token"]], eos_token_id=vocab[sp["eos_token"]])
+    m = recipe["model"]
+    cfg = family_config(m, len(vocab), _specials(vocab, manifest.data["tokenizer"]["special_tokens"]))
     pair = ("mlm.lm_head.decoder.weight", "mlm.roberta.embeddings.word_embeddings.weight")
     shared = state.get(pair[0], state.get(pair[1]))  # tied: safetensors keeps one of the two names
     for name in pair:
