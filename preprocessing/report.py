@@ -44,7 +44,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "max_token_length": nonzero[-1] if nonzero else 0,
             "rows": sum(s["num_rows"] for s in splits[name]),
             "tokens": sum(s["token_count"] for s in splits[name]),
-            "groups": sum(f["scaffolds"][i] for f in finals),
+            "groups": sum(f["groups"][i] for f in finals),
             "rows_with_unknown_tokens": sum(f["unknown_rows"][i] for f in finals),
         }
     manifest = {

@@ -341,13 +341,10 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
     s = out.column("_split").to_numpy()
     lb = out.column("_lbucket").to_numpy()
     tl = out.column("token_length").to_numpy()
-    segments = {}
-    for key in sorted(set(zip(s.tolist(), lb.tolist()))):
-        segments[key] = int(np.count_nonzero((s == key[0]) & (lb == key[1])))
-    seg_start, pos = {}, 0
-    for key in sorted(segments):
-        seg_start[key] = pos
-        pos += segments[key]
+    # rows are sorted by (split, length bucket): each segment is one contiguous run
+    keys, seg_first, seg_rows = np.unique(s.astype(np.int64) * 1024 + lb, return_index=True, return_counts=True)
+    segments = {(int(k) // 1024, int(k) % 1024): int(c) for k, c in zip(keys, seg_rows)}
+    seg_start = {(int(k) // 1024, int(k) % 1024): int(f) for k, f in zip(keys, seg_first)}
     text_bytes = sum(pc.sum(pc.binary_length(out.column(c))).as_py() or 0
                      for c in ("compound_id", "raw_smiles", "canonical_smiles", "scaffold", "source"))
     return {
@@ -360,7 +357,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "length_hist": {k: np.bincount(tl[s == k]).tolist() for k in range(3)},
         "unknown_rows": {k: int(np.count_nonzero(out.column("_unk").to_numpy(zero_copy_only=False) & (s == k)))
                          for k in range(3)},
-        "scaffolds": {k: int(len(np.unique(out.column("_group_hash").to_numpy()[s == k]))) for k in range(3)},
+        "groups": {k: int(len(np.unique(out.column("_group_hash").to_numpy()[s == k]))) for k in range(3)},
     }
 
 

@@ -147,7 +147,9 @@ class VirtualRank:
         plan = EpochPlan(self.source.units, self.cfg.seed, self.epoch, self.cfg.shuffle)
         stream = self._stream(plan)
         rest = stream.untaken()
-        held = np.asarray([g for b in self.buffer for g in (b if isinstance(b, list) else [b])], np.int64)
+        # the buffer holds gids (packed lookahead) or lists of gids (bucketed pending batches)
+        held = self.buffer if self.cfg.mode == "packed" else [g for batch in self.buffer for g in batch]
+        held = np.asarray(held, np.int64)
         return Share(np.concatenate([held, rest.explicit]), rest.intervals)
 
 
