@@ -16,7 +16,7 @@ from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
-                     reduce_partition, write_shard)
+                     partition_token_counts, reduce_partition, write_shard)
 from .tokenizer import (SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
                         train_bpe_tokenizer, vocab_from_counts)
 
@@ -106,16 +106,12 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
         if cfg.vocab_from == "all":
             counts = map_tokens or Counter()
         else:
-            from .tokenizer import count_tokens
-
-            counts = Counter()
-            for smiles in engine.run_tasks(partition_smiles, [(p["staged"], p["groups"], method, thresholds, splits)
-                                                             for p in parts]):
-                counts.update(count_tokens(smiles))
+            counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
+                                                                    splits) for p in parts]), Counter())
         vocab = vocab_from_counts(counts)
-        tok = build_regex_tokenizer(vocab)
-        save_tokenizer(tok, tok_dir)
+        save_tokenizer(build_regex_tokenizer(vocab), tok_dir)
         return ("regex", vocab), {"kind": "regex"}
+    fast_file = os.path.join(tok_dir, "tokenizer.json")
     if cfg.tokenizer == "bpe":
         def corpus():
             for p in parts:
@@ -123,12 +119,9 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
 
         tok = train_bpe_tokenizer(corpus(), cfg.bpe_vocab_size)
         save_tokenizer(tok, tok_dir)
-    else:
-        fast = load_external_tokenizer(cfg.tokenizer)
-        fast.save_pretrained(tok_dir)
-    fast_file = os.path.join(tok_dir, "tokenizer.json")
-    if cfg.tokenizer == "bpe":
         return ("hf", fast_file, tok.token_to_id(SPECIAL_TOKENS["unk_token"])), {"kind": "bpe"}
+    fast = load_external_tokenizer(cfg.tokenizer)
+    fast.save_pretrained(tok_dir)
     return ("hf", fast_file, fast.unk_token_id), {"kind": "external", "source": cfg.tokenizer}
 
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from .chem import Canonicalizer, ChemOptions, Molecule
 from .readers import RawChunk, parse_labels
 from .split import assign_split, group_major
-from .tokenizer import make_encoder, regex_covers, split_smiles
+from .tokenizer import count_tokens, make_encoder, regex_covers, split_smiles
 
 NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
@@ -283,6 +283,11 @@ def partition_smiles(staged: str, groups: str, method: str, thresholds, splits: 
     which = partition_splits(table, groups, method, thresholds)
     mask = np.isin(which, list(splits))
     return table.column("canonical_smiles").filter(pa.array(mask)).to_pylist()
+
+
+def partition_token_counts(staged: str, groups: str, method: str, thresholds, splits: set[int]) -> Counter:
+    """Regex token counts of a partition's rows in ``splits``, counted where they are read."""
+    return count_tokens(partition_smiles(staged, groups, method, thresholds, splits))
 
 
 # ---------------------------------------------------------------- finalize
