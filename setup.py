@@ -34,6 +34,10 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.60",
         "psutil>=5.9",
+        "scikit-learn>=1.3",
+        "scipy>=1.10",
+        "pillow>=9",
+        "fcd_torch>=1.0.7",
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],
@@ -44,6 +48,8 @@ setup(
             "molds-preprocess=molds.preprocessing.cli:main",
             "molds-train=molds.train:cli",
             "molds-export=molds.export:main",
+            "molds-sample=molds.eval.sampling:main",
+            "molds-eval=molds.eval.evaluate:main",
         ]
     },
 )

@@ -1,15 +1,19 @@
 """molds' packed decoder against what a user would otherwise run: HuggingFace Trainer.
 
-    python benchmarks/peer_hf_trainer.py [--manifest DIR] [--steps 40] [--batch 32]
+    python benchmarks/peer_hf_trainer.py [--manifest DIR] [--steps 80] [--batch 32]
 
 Both train the same Llama-style decoder config (hidden 256, 4 layers, 8 heads, 4 KV
 heads) on the same manifest's training molecules with AdamW, one process:
   hf     transformers.Trainer, group_by_length=True, dynamic padding (DataCollatorForLanguageModeling),
          ``--batch`` molecules per optimizer step
   molds  the ddp engine on 2 packed rows per step, their length chosen so a step holds
-         about ``--batch`` molecules (the figure reports the real mean)
-Real (non-padding) tokens per second for both (best of ``--rounds`` alternated runs),
-and their ratio. One JSON line.
+         about ``--batch`` molecules (the figure reports the real mean), with
+         kernels.compile_regions as the full-size decoder recipes ship (``--eager``: off;
+         the compile happens in the untimed warm-up steps)
+The two alternate step by step in one process (a callback of the HF Trainer runs one
+molds step after each HF step; each side's clock runs only while it works), so drift
+of a shared machine hits both alike. Real (non-padding) tokens per second for both and
+their ratio. One JSON line.
 """
 
 from __future__ import annotations
@@ -24,7 +28,56 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4)
 
 
-def hf_trainer(manifest_dir: str, steps: int, batch: int, warmup: int) -> dict:
+class MoldsSide:
+    """molds' packed decoder recipe on the ddp engine, one optimizer step at a time."""
+
+    def __init__(self, manifest_dir: str, batch: int, total_steps: int, compile_regions: bool):
+        from molds.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+        from molds.data.loader import MoleculeLoader
+        from molds.data.manifest import Manifest
+        from molds.distributed import init_distributed
+        from molds.engines.ddp import DDPEngine
+        from molds.models import build_model
+        from molds.recipe import Recipe
+
+        m = Manifest.load(manifest_dir)
+        st = m.data["stats"]["splits"]["train"]
+        mean_len = st["tokens"] / st["rows"] + 2
+        rows = 2  # packed rows per step, each long enough for half of ``batch`` mean-length molecules
+        self.seq_len = -(-int(batch * mean_len / rows) // 8) * 8
+        recipe = Recipe()
+        recipe.data = DataConfig(manifest=manifest_dir, seq_len=self.seq_len, micro_batch_size=rows)
+        recipe.model = ModelConfig(max_position_embeddings=1024, **MODEL)
+        recipe.optim = OptimConfig(lr=1e-3, warmup_steps=0)
+        recipe.trainer = TrainerConfig(max_steps=total_steps, precision="auto")
+        recipe.kernels.compile_regions = compile_regions  # as the full-size decoder recipes ship
+        self.dist = init_distributed()
+        self.engine = DDPEngine(recipe, build_model(recipe, len(m.check_tokenizer())), self.dist)
+        self.it = iter(MoleculeLoader(recipe.data))
+        self.rows = rows
+        self.time = 0.0
+        self.real = self.mols = self.steps = 0
+
+    def step(self, timed: bool) -> None:
+        import torch
+
+        keep = ("input_ids", "labels", "position_ids", "document_ids")
+        t0 = time.perf_counter()
+        b = next(self.it)  # the loader's time counts: it is part of what a user waits for
+        self.engine.train_step([{k: b[k].to(self.dist.device) for k in keep}])
+        if self.dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        if timed:
+            self.time += time.perf_counter() - t0
+            self.real += b["stats"]["real_tokens"]
+            self.mols += b["stats"]["molecules"]
+            self.steps += 1
+
+
+def run(manifest_dir: str, steps: int, batch: int, warmup: int, compile_regions: bool) -> dict:
+    """HF Trainer trains; after each of its optimizer steps, a callback runs one molds step.
+
+    Each side's clock runs only while it works, so a shared machine's drift hits both."""
     import numpy as np
     import pyarrow.parquet as pq
     import torch
@@ -49,16 +102,20 @@ def hf_trainer(manifest_dir: str, steps: int, batch: int, warmup: int) -> dict:
                       tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    seen = {"tokens": 0, "t0": None, "t1": None}
+    ours = MoldsSide(manifest_dir, batch, warmup + steps, compile_regions)
+    clock = {"hf": 0.0, "resume": None}
 
-    class Clock(TrainerCallback):
+    class Alternate(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == warmup:
-                seen["t0"] = time.perf_counter()
+            if clock["resume"] is None:
+                clock["resume"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == warmup + steps:
-                seen["t1"] = time.perf_counter()
+            timed = state.global_step > warmup
+            if timed:  # HF's time: from the end of the last molds step to the end of this HF step
+                clock["hf"] += time.perf_counter() - clock["resume"]
+            ours.step(timed)
+            clock["resume"] = time.perf_counter()
 
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch,
                              train_sampling_strategy="group_by_length",
@@ -74,75 +131,30 @@ def hf_trainer(manifest_dir: str, steps: int, batch: int, warmup: int) -> dict:
         per_batch.append((int(out["attention_mask"].sum()), int(out["attention_mask"].numel())))
         return out
 
-    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[Clock()])
+    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[Alternate()])
     trainer.train()
     timed = np.array(per_batch[warmup:warmup + steps])
-    elapsed = seen["t1"] - seen["t0"]
-    return {"real_tokens_per_s": float(timed[:, 0].sum()) / elapsed, "molecules_per_step": batch,
-            "s_per_step": elapsed / steps, "padding_ratio": 1 - float(timed[:, 0].sum() / timed[:, 1].sum())}
-
-
-def molds_packed(manifest_dir: str, steps: int, batch: int, warmup: int) -> dict:
-    import torch
-
-    from molds.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
-    from molds.data.loader import MoleculeLoader
-    from molds.data.manifest import Manifest
-    from molds.distributed import init_distributed
-    from molds.engines.ddp import DDPEngine
-    from molds.models import build_model
-    from molds.recipe import Recipe
-
-    m = Manifest.load(manifest_dir)
-    st = m.data["stats"]["splits"]["train"]
-    mean_len = st["tokens"] / st["rows"] + 2
-    rows = 2  # packed rows per step, each long enough for half of ``batch`` mean-length molecules
-    seq_len = -(-int(batch * mean_len / rows) // 8) * 8
-    recipe = Recipe()
-    recipe.data = DataConfig(manifest=manifest_dir, seq_len=seq_len, micro_batch_size=rows)
-    recipe.model = ModelConfig(max_position_embeddings=1024, **MODEL)
-    recipe.optim = OptimConfig(lr=1e-3, warmup_steps=0)
-    recipe.trainer = TrainerConfig(max_steps=warmup + steps, precision="auto")
-    dist = init_distributed()
-    engine = DDPEngine(recipe, build_model(recipe, len(m.check_tokenizer())), dist)
-    keep = ("input_ids", "labels", "position_ids", "document_ids")
-    it = iter(MoleculeLoader(recipe.data))
-    for _ in range(warmup):
-        b = next(it)
-        engine.train_step([{k: b[k].to(dist.device) for k in keep}])
-    real = mols = 0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        b = next(it)  # the loader's time counts: it is part of what a user waits for
-        real += b["stats"]["real_tokens"]
-        mols += b["stats"]["molecules"]
-        engine.train_step([{k: b[k].to(dist.device) for k in keep}])
-    if dist.device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    return {"real_tokens_per_s": real / elapsed, "molecules_per_step": mols / steps, "s_per_step": elapsed / steps,
-            "rows_per_step": rows, "seq_len": seq_len}
+    hf = {"real_tokens_per_s": float(timed[:, 0].sum()) / clock["hf"], "molecules_per_step": batch,
+          "s_per_step": clock["hf"] / steps, "padding_ratio": 1 - float(timed[:, 0].sum() / timed[:, 1].sum())}
+    mine = {"real_tokens_per_s": ours.real / ours.time, "molecules_per_step": ours.mols / ours.steps,
+            "s_per_step": ours.time / ours.steps, "rows_per_step": ours.rows, "seq_len": ours.seq_len}
+    return {"hf_trainer": hf, "molds": mine}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", default=os.path.join(HERE, "..", "runs", "quickstart", "data"))
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2, help="alternate hf / molds this many times; best of each")
+    ap.add_argument("--eager", action="store_true", help="molds without kernels.compile_regions")
     args = ap.parse_args()
-    hfs, ourss = [], []
-    for _ in range(args.rounds):  # alternated, so drift of a shared machine hits both
-        hfs.append(hf_trainer(args.manifest, args.steps, args.batch, args.warmup))
-        ourss.append(molds_packed(args.manifest, args.steps, args.batch, args.warmup))
-    hf = max(hfs, key=lambda r: r["real_tokens_per_s"])
-    ours = max(ourss, key=lambda r: r["real_tokens_per_s"])
+    r = run(args.manifest, args.steps, args.batch, args.warmup, not args.eager)
     import torch
 
-    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "hf_trainer": hf, "molds": ours,
-                      "rounds_real_tokens_per_s": {"hf": [round(r["real_tokens_per_s"]) for r in hfs],
-                                                   "molds": [round(r["real_tokens_per_s"]) for r in ourss]},
+    hf, ours = r["hf_trainer"], r["molds"]
+    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "steps": args.steps,
+                      "molds_compile_regions": not args.eager, **r,
                       "hf_real_tokens_per_s": round(hf["real_tokens_per_s"]),
                       "molds_real_tokens_per_s": round(ours["real_tokens_per_s"]),
                       "molds_over_hf": round(ours["real_tokens_per_s"] / hf["real_tokens_per_s"], 3)}))

@@ -42,7 +42,9 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
         torch.cuda.set_device(device)
     backend = None
     if world > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        # small host-side collectives (flags, counters, objects) use CPU tensors: gloo
+        # carries those, NCCL the CUDA tensors
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=timeout_s))
     elif torch.distributed.is_initialized():

@@ -118,6 +118,15 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("model.family=decoder trains on data.mode=packed")
     if m.family == "encoder" and recipe.data.mode != "bucketed":
         raise RecipeError("model.family=encoder trains on data.mode=bucketed")
+    ev = recipe.eval
+    if ev.interval_steps < 0 or ev.full_interval_steps < 0:
+        raise RecipeError("eval.interval_steps and eval.full_interval_steps must be >= 0")
+    if ev.temperature <= 0:
+        raise RecipeError(f"eval.temperature={ev.temperature} must be > 0")
+    if ev.samples < 1 or ev.full_samples < 1 or ev.top_k < 0 or ev.max_batches < 0:
+        raise RecipeError("eval.samples and eval.full_samples must be >= 1, eval.top_k and eval.max_batches >= 0")
+    if m.family == "encoder" and recipe.kernels.compile_regions:
+        raise RecipeError("kernels.compile_regions applies to model.family=decoder (the encoder is HF's RoBERTa)")
     if m.family == "encoder":
         if m.num_tasks and not recipe.data.with_labels:
             raise RecipeError("model.num_tasks > 0 needs data.with_labels=true")

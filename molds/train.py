@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     from molds.data.manifest import Manifest
     from molds.distributed import all_have, all_reduce_mean, all_reduce_sum, gather_objects, init_distributed
     from molds.engines import build_engine
+    from molds.eval.training import TrainingEvaluator
     from molds.metrics.logger import MetricsLogger, device_peak_tflops
     from molds.models import build_model
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak, peak_note = device_peak_tflops(dist.device, recipe.logging.peak_tflops)
     log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
     log.text("run/mfu_peak", peak_note)
+    evaluator = TrainingEvaluator(recipe, engine, dist, manifest, loader.specials, log)
     span = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
     flops_per_token = model.flops_per_token(span) if hasattr(model, "flops_per_token") else None
     bar = None
@@ -134,10 +136,16 @@ def main(argv: list[str] | None = None) -> dict:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             window = {"real": 0.0, "tokens": 0.0, "wait": 0.0, "time": time.perf_counter(), "steps": 0}
+        kind = evaluator.due(step) if step < recipe.trainer.max_steps else None
+        if kind:
+            evaluator.run(step, kind)
         interval = recipe.checkpoint.interval_steps
         if interval and step % interval == 0 and step < recipe.trainer.max_steps:
             save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
                             lineage)
+    if evaluator.enabled and step > start_step:  # the final evaluation, and hparams beside it
+        evaluator.run(step, "full")
+        log.hparams(_hparams(recipe), evaluator.final)
     if resume_from and step == start_step:
         final = resume_from  # nothing trained since: the checkpoint we started from is the last one
     else:
@@ -149,6 +157,17 @@ def main(argv: list[str] | None = None) -> dict:
     if dist.is_main:
         print(f"[molds] {step} steps; checkpoint {final}", file=sys.stderr)
     return {"step": step, "checkpoint": final, "last": last}
+
+
+def _hparams(recipe) -> dict:
+    """The recipe's scalar settings, flattened (``optim.lr``, ``model.hidden_size``, ...)."""
+    flat = {}
+    for section, values in recipe.to_dict().items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if isinstance(value, (int, float, str, bool)):
+                    flat[f"{section}.{key}"] = value
+    return flat
 
 
 def cli() -> None:

@@ -42,19 +42,23 @@ def test_packed_forward_equals_each_molecule_alone():
 def test_layout_equals_block_mask_attention():
     torch.manual_seed(1)
     ids, pos, doc, _ = _packed_batch([[4, 7, 2, 6], [19], [3, 3, 1, 5, 8]], 20, 30)
-    b, s, h, d = 3, 20, 3, 8
-    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    b, s, h, kv, d = 3, 20, 6, 2, 8  # grouped-query: 3 query heads per key/value head
+    q = torch.randn(b, s, h, d, dtype=torch.float64)
+    k, v = (torch.randn(b, s, kv, d, dtype=torch.float64) for _ in range(2))
     from molds.models.decoder import PackedLayout
 
     layout = PackedLayout(doc, pos)
+    assert len(layout.groups) > 1  # several attention groups, each padded to its own longest
+    got = layout.to_packed(layout.attend(layout.to_flat(q), layout.to_flat(k), layout.to_flat(v)))
 
-    def slots(t):  # [B, H, S, D] -> [1, H, slots, D]
-        return layout.to_slots(t.transpose(1, 2), 0.0).transpose(0, 1)[None]
+    def heads_first(t):
+        return t.repeat_interleave(h // t.shape[2], dim=2).transpose(1, 2)
 
-    got = layout.to_tokens(layout.attend(slots(q), slots(k), slots(v))[0])
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(doc)[:, None])
+    want = torch.nn.functional.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
+                                                            attn_mask=block_causal_mask(doc)[:, None])
     real = doc >= 0
     torch.testing.assert_close(got[real], want.transpose(1, 2)[real], rtol=0, atol=1e-12)
+    assert torch.all(got[~real] == 0)
 
 
 def test_packed_loss_equals_token_layout_loss():
@@ -70,3 +74,42 @@ def test_packed_loss_equals_token_layout_loss():
         labels[r, p] = -100
     out = model(ids, position_ids=pos, document_ids=doc, labels=labels)
     torch.testing.assert_close(out["loss"], causal_lm_loss(out["logits"], labels), rtol=0, atol=1e-12)
+
+
+def test_packed_loss_never_pairs_two_molecules():
+    """Even with labels that do not mask molecule starts, the packed loss is the mean
+    over each molecule's own next-token pairs (what HF computes molecule by molecule)."""
+    torch.manual_seed(3)
+    model = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2))
+    model = model.double()
+    ids, pos, doc, mols = _packed_batch([[5, 9, 3], [12, 1, 4]], 20, 40)
+    labels = ids.masked_fill(doc < 0, -100)
+    packed = model(ids, position_ids=pos, document_ids=doc, labels=labels)["loss"]
+    nll, pairs = 0.0, 0
+    for _, _, toks in mols:
+        logits = model(toks[None])["logits"][0]
+        nll = nll + torch.nn.functional.cross_entropy(logits[:-1], toks[1:], reduction="sum")
+        pairs += len(toks) - 1
+    torch.testing.assert_close(packed, nll / pairs, rtol=0, atol=1e-12)
+
+
+def test_compiled_regions_match_eager():
+    """kernels.compile_regions: the inductor-fused RoPE / SwiGLU / RMSNorm give the eager
+    model's loss and gradients, on packed rows of a shape the compile never saw."""
+    torch.manual_seed(4)
+    cfg = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    eager = CausalDecoder(DecoderConfig(**cfg))
+    fused = CausalDecoder(DecoderConfig(compile_regions=True, **cfg))
+    fused.load_state_dict(eager.state_dict())
+    for lengths, seq_len in (([[5, 9, 3], [12, 1]], 20), ([[7, 7, 2, 11], [4, 13]], 28)):
+        ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
+        labels = ids.masked_fill(doc < 0, -100)
+        losses = []
+        for model in (eager, fused):
+            model.zero_grad()
+            loss = model(ids, position_ids=pos, document_ids=doc, labels=labels)["loss"]
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), fused.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

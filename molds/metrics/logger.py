@@ -41,6 +41,24 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
+    def image(self, tag: str, hwc, step: int) -> None:
+        """An HxWx3 uint8 image (e.g. RDKit's grid of molecules)."""
+        if self.writer is not None:
+            self.writer.add_image(tag, hwc, step, dataformats="HWC")
+
+    def histogram(self, tag: str, values, step: int) -> None:
+        if self.writer is not None and len(values):
+            import numpy as np
+
+            self.writer.add_histogram(tag, np.asarray(values), step)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        """The run's settings beside its final metrics (TensorBoard's HPARAMS tab)."""
+        if self.writer is not None:
+            keep = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool))}
+            final = {f"hparam/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+            self.writer.add_hparams(keep, final, run_name="hparams")
+
     def scalars(self, step: int, values: dict) -> None:
         if not self.enabled:
             return

@@ -33,6 +33,7 @@ def build_model(recipe, vocab_size: int, specials: dict | None = None):
     if recipe.model.family == "decoder":
         from .decoder import CausalDecoder
 
+        cfg.compile_regions = recipe.kernels.compile_regions
         return CausalDecoder(cfg)
     from .encoder import MoleculeEncoder
 

@@ -12,6 +12,7 @@ packed row computes exactly what each molecule alone would.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
+    compile_regions: bool = False  # torch.compile the elementwise regions (RoPE, SwiGLU, RMSNorm)
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
@@ -49,29 +51,48 @@ class DecoderConfig:
         return self.hidden_size // self.num_heads
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's math: normalise in fp32, scale in the input dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled once per process for every shape (these regions are elementwise:
+    inductor fuses each into one kernel forward and one backward)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _region(fn, cfg: DecoderConfig):
+    return _compiled(fn) if cfg.compile_regions else fn
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, compiled: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
+        self.norm = _compiled(rms_norm) if compiled else rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return self.norm(x, self.weight, self.variance_epsilon)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [*position_ids.shape, 1, head_dim] (broadcast over heads)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq  # [B, S, D/2]
+    freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, S, D]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    return emb.cos().to(dtype)[..., None, :], emb.sin().to(dtype)[..., None, :]
 
 
 class Attention(nn.Module):
@@ -83,37 +104,46 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.rope = _region(apply_rope, cfg)
 
-    def forward(self, x, cos, sin, layout):
-        b, s, _ = x.shape
+    def forward(self, x, cos, sin, layout, cache=None):
+        """x: [B, S, hidden] (one sequence per row), or [T, hidden] real tokens with ``layout``.
+
+        ``cache`` (generation): a dict holding this layer's keys and values so far; the
+        new keys and values are appended, and the new queries attend to all of them."""
         cfg = self.cfg
-        q = self.q_proj(x).view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        groups = cfg.num_heads // cfg.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        if layout is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if cache is not None:
+            past = "k" in cache
+            if past:
+                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+            cache["k"], cache["v"] = k, v
+            if past and q.shape[1] != 1:
+                raise ValueError("with a filled cache, decode one token at a time")
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=not past, enable_gqa=True).transpose(1, 2)
+        elif layout is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
             out = layout.attend(q, k, v)
-        return self.o_proj(out.reshape(b, s, -1))
+        return self.o_proj(out.reshape(*lead, -1))
 
 
 class PackedLayout:
-    """Packed rows rearranged so that every molecule is its own sequence.
+    """Packed rows as one flat sequence of their real tokens, molecule after molecule.
 
-    Molecules are sorted by length and cut into a few groups; the model runs on a flat
-    "slot" sequence, group after group, each group [molecules, longest in the group]
-    right-padded. Embeddings are gathered into slots once, the loss is taken in slots,
-    and logits are gathered back once: the layers themselves never gather. Attention
-    is plain causal SDPA per group, so no molecule sees another, its cost follows the
-    molecules' own lengths (not seq_len squared), and every real token gets exactly
-    the block-diagonal causal attention of ``molds.data.packing.block_causal_mask``.
-    Padded slots carry no loss and nobody attends to them.
+    Everything but attention (embeddings, projections, MLPs, norms, the loss) runs on
+    the real tokens only: no padding reaches a matrix multiply. For attention the
+    molecules, sorted by length, are cut into a few groups; each group is gathered into
+    [molecules, longest in the group] (right-padded) and runs plain causal SDPA, so no
+    molecule sees another and the cost follows the molecules' own lengths (not seq_len
+    squared). Every real token gets exactly the block-diagonal causal attention of
+    ``molds.data.packing.block_causal_mask``; padded slots are never read back.
     """
 
     GROUPS = 4
@@ -121,61 +151,85 @@ class PackedLayout:
     def __init__(self, document_ids: torch.Tensor, position_ids: torch.Tensor):
         b, s = document_ids.shape
         dev = document_ids.device
-        valid = (document_ids >= 0).reshape(-1)
+        flat_doc = document_ids.reshape(-1)
+        valid = flat_doc >= 0
         docs_per_row = (document_ids.max(dim=1).values + 1).clamp(min=0)
         first_doc = torch.cumsum(docs_per_row, 0) - docs_per_row
         num_docs = int(docs_per_row.sum())
-        token = torch.nonzero(valid).squeeze(1)  # flat index of every real token
-        doc = first_doc[token // s] + document_ids.reshape(-1)[token]
+        token = torch.nonzero(valid).squeeze(1)  # packed-row index of every real token
+        doc = first_doc[token // s] + flat_doc[token]
         pos = position_ids.reshape(-1)[token]
         doc_len = torch.zeros(num_docs, dtype=torch.long, device=dev).scatter_reduce(
             0, doc, pos + 1, reduce="amax", include_self=True)
-        order = torch.argsort(doc_len, stable=True)
-        groups = [g for g in torch.tensor_split(order, min(self.GROUPS, max(1, num_docs))) if len(g)]
-        self.groups = []  # (molecules, longest) per group, in slot order
-        doc_base = torch.zeros(num_docs, dtype=torch.long, device=dev)
-        positions = []
+        by_len = torch.argsort(doc_len, stable=True)
+        rank = torch.empty_like(by_len)
+        rank[by_len] = torch.arange(num_docs, device=dev)
+        # flat order: molecules by length, each molecule's tokens by position
+        doc_start = torch.zeros(num_docs, dtype=torch.long, device=dev)
+        doc_start[by_len] = torch.cumsum(doc_len[by_len], 0) - doc_len[by_len]
+        flat_index = doc_start[doc] + pos
+        t = len(token)
+        self.packed_source = torch.empty(t, dtype=torch.long, device=dev)  # flat -> packed row index
+        self.packed_source[flat_index] = token
+        self.positions = pos.new_empty(t)
+        self.positions[flat_index] = pos
+        # where each packed-row token went (``t``: a padding token, reads a zero row)
+        self.token_source = torch.full((b * s,), t, dtype=torch.long, device=dev)
+        self.token_source[token] = flat_index
+        # within-molecule successor: the next token of the same molecule, else none
+        nxt = torch.full((t,), -1, dtype=torch.long, device=dev)
+        last = pos + 1 == doc_len[doc]
+        nxt[flat_index[~last]] = flat_index[~last] + 1
+        self.successor = nxt
+        # attention groups over molecules in length order
+        self.groups = []  # (molecules, longest) per group
+        slot_of = torch.empty(t, dtype=torch.long, device=dev)
         base = 0
-        for g in groups:
-            longest = int(doc_len[g].max())
-            doc_base[g] = base + torch.arange(len(g), device=dev) * longest
+        for g in (g for g in torch.tensor_split(by_len, min(self.GROUPS, max(1, num_docs))) if len(g)):
+            longest = int(doc_len[g[-1]])
             self.groups.append((len(g), longest))
-            positions.append(torch.arange(longest, device=dev).repeat(len(g)))
+            in_group = (rank[doc] >= rank[g[0]]) & (rank[doc] <= rank[g[-1]])
+            slot_of[flat_index[in_group]] = base + (rank[doc[in_group]] - rank[g[0]]) * longest + pos[in_group]
             base += len(g) * longest
-        slot = doc_base[doc] + pos
         self.slots = base
-        self.slot_positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=dev)
-        # gathers with one extra row standing for "nothing here": padded slots read it
-        # going in, padding tokens coming out
-        self.slot_source = torch.full((base,), b * s, dtype=torch.long, device=dev)
-        self.slot_source[slot] = token
-        self.token_source = torch.full((b * s,), base, dtype=torch.long, device=dev)
-        self.token_source[token] = slot
+        # slot -> flat token; a padded slot (after its molecule's end) reads token 0, and
+        # causal attention keeps every real token clear of it
+        self.slot_source = torch.zeros(base, dtype=torch.long, device=dev)
+        self.slot_source[slot_of] = torch.arange(t, device=dev)
+        self.slot_of = slot_of
         self.shape = (b, s)
+        self.tokens = t
 
-    def to_slots(self, t: torch.Tensor, fill) -> torch.Tensor:
-        """[B, S, ...] in packed rows -> [slots, ...]; padded slots get ``fill``."""
-        flat = t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])
-        pad = flat.new_full((1, *flat.shape[1:]), fill)
-        return torch.cat([flat, pad]).index_select(0, self.slot_source)
+    def to_flat(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] in packed rows -> [T, ...] real tokens in flat order."""
+        return t.reshape(self.shape[0] * self.shape[1], *t.shape[2:]).index_select(0, self.packed_source)
 
-    def to_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """[slots, ...] -> [B, S, ...] in packed rows (padding tokens get zeros)."""
+    def to_packed(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, ...] flat -> [B, S, ...] in packed rows (padding tokens get zeros)."""
         pad = t.new_zeros((1, *t.shape[1:]))
         return torch.cat([t, pad]).index_select(0, self.token_source).view(*self.shape, *t.shape[1:])
 
-    def attend(self, q, k, v):
-        """q, k, v: [1, H, slots, D] -> [1, slots, H, D], causal within each molecule."""
-        h, d = q.shape[1], q.shape[3]
-        sizes = [n * longest for n, longest in self.groups]
-        outs = []
-        for (n, longest), gq, gk, gv in zip(self.groups, *(t[0].split(sizes, dim=1) for t in (q, k, v))):
-            def per_molecule(t):
-                return t.reshape(h, n, longest, d).transpose(0, 1)
+    def next_token_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """Packed-row labels -> the target of every flat token: the label of the next token
+        of the same molecule, IGNORE_INDEX on each molecule's last token."""
+        flat = self.to_flat(labels)
+        has = self.successor >= 0
+        return torch.where(has, flat[self.successor.clamp(min=0)], torch.full_like(flat, IGNORE_INDEX))
 
-            o = F.scaled_dot_product_attention(per_molecule(gq), per_molecule(gk), per_molecule(gv), is_causal=True)
-            outs.append(o.permute(0, 2, 1, 3).reshape(n * longest, h, d))
-        return torch.cat(outs)[None]
+    def attend(self, q, k, v):
+        """q [T, H, D], k and v [T, KV, D] -> [T, H, D], causal within each molecule."""
+        sizes = [n * longest for n, longest in self.groups]
+        # one gather per tensor for all groups (its backward is one scatter, not one per group)
+        per_group = [t.index_select(0, self.slot_source).split(sizes) for t in (q, k, v)]
+        outs = []
+        for (n, longest), gq, gk, gv in zip(self.groups, *per_group):
+            def per_molecule(t):  # [n, heads, longest, D]
+                return t.view(n, longest, *t.shape[1:]).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(per_molecule(gq), per_molecule(gk), per_molecule(gv), is_causal=True,
+                                               enable_gqa=True)
+            outs.append(o.transpose(1, 2).reshape(n * longest, o.shape[1], o.shape[3]))
+        return torch.cat(outs).index_select(0, self.slot_of)
 
 
 class MLP(nn.Module):
@@ -184,21 +238,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = _region(swiglu, cfg)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
+    def forward(self, x, cos, sin, layout, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -209,7 +264,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
 
 
 class CausalDecoder(nn.Module):
@@ -233,9 +288,9 @@ class CausalDecoder(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         layout = None
-        if document_ids is not None:  # packed rows: run on one molecule-per-sequence slot layout
+        if document_ids is not None:  # packed rows: run on the real tokens only
             layout = PackedLayout(document_ids, position_ids)
-            input_ids, position_ids = layout.to_slots(input_ids, 0)[None], layout.slot_positions[None]
+            input_ids, position_ids = layout.to_flat(input_ids), layout.positions
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
@@ -243,12 +298,25 @@ class CausalDecoder(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         loss = None
         if labels is not None:
-            # the same (prediction, target) pairs in either layout: targets across a
-            # molecule boundary and on padding are IGNORE_INDEX
-            loss = causal_lm_loss(logits, labels if layout is None else layout.to_slots(labels, IGNORE_INDEX)[None])
+            if layout is None:
+                loss = causal_lm_loss(logits, labels)
+            else:  # the same (prediction, target) pairs, never across molecules
+                loss = F.cross_entropy(_upcast(logits), layout.next_token_targets(labels), ignore_index=IGNORE_INDEX)
         if layout is not None:
-            logits = layout.to_tokens(logits[0])
+            logits = layout.to_packed(logits)
         return {"logits": logits, "loss": loss}
+
+    def decode(self, input_ids: torch.Tensor, cache: list[dict], start: int) -> torch.Tensor:
+        """Generation step with a key/value cache: ``input_ids`` [B, S] sit at positions
+        ``start ..``; returns the logits of the last position [B, vocab]. ``cache`` is a
+        list with one dict per layer (empty dicts to start)."""
+        b, s = input_ids.shape
+        position_ids = torch.arange(start, start + s, device=input_ids.device).expand(b, s)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, layer_cache in zip(self.model.layers, cache):
+            x = layer(x, cos, sin, None, layer_cache)
+        return self.lm_head(self.model.norm(x[:, -1]))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x parameters (embeddings excluded) + attention."""
@@ -261,6 +329,11 @@ class CausalDecoder(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, HF convention: position i predicts labels[i + 1]."""
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    shift_logits = _upcast(logits[:, :-1].reshape(-1, logits.shape[-1]))
     shift_labels = labels[:, 1:].reshape(-1)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Cross entropy in at least fp32 (bf16/fp16 logits are upcast, fp64 kept)."""
+    return logits.float() if logits.element_size() < 4 else logits

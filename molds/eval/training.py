@@ -1,0 +1,148 @@
+"""Evaluation during training: ``eval.interval_steps`` (smoke) and ``eval.full_interval_steps``.
+
+Runs on every rank inside the training loop; the metrics land as ``eval/*`` scalars in
+TensorBoard and ``metrics.jsonl``, beside a grid image of sampled molecules, their SMILES
+and length histograms, and at the end the run's hparams with the final metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+from .evaluate import _data_config, split_loss
+
+
+class TrainingEvaluator:
+    """``eval.*`` during training, on every rank (ranks agree on every forward, so it is
+    safe under ZeRO-3): loss / perplexity on the split, and for decoders samples drawn by
+    all ranks, gathered and scored on rank 0. Full evaluations add the metrics against
+    the training split and the pictures (grid, text, length histogram)."""
+
+    def __init__(self, recipe, engine, dist, manifest, specials: dict, log):
+        self.recipe, self.engine, self.dist, self.manifest, self.specials, self.log = (
+            recipe, engine, dist, manifest, specials, log)
+        ev = recipe.eval
+        self.enabled = bool(ev.interval_steps or ev.full_interval_steps)
+        if self.enabled and not manifest.shards(ev.split):
+            raise ValueError(f"eval.split={ev.split!r}: {manifest.path} has no rows in that split")
+        self.family = recipe.model.family
+        self.tokenizer = None
+        self.train_lengths = None
+        self.final: dict = {}
+        self.last_step = None
+
+    def due(self, step: int) -> str | None:
+        ev = self.recipe.eval
+        if not self.enabled:
+            return None
+        if ev.full_interval_steps and step % ev.full_interval_steps == 0:
+            return "full"
+        if ev.interval_steps and step % ev.interval_steps == 0:
+            return "smoke"
+        return None
+
+    def _agree(self, flag: bool) -> bool:
+        from molds.distributed import all_have
+
+        return all_have(flag, self.dist)
+
+    def _any(self, flag: bool) -> bool:
+        from molds.distributed import all_have
+
+        return not all_have(not flag, self.dist)
+
+    def run(self, step: int, kind: str) -> dict:
+        from molds.distributed import all_reduce_sum, gather_objects
+
+        ev, model, dist = self.recipe.eval, self.engine.model, self.dist
+        autocast = getattr(self.engine, "_autocast", contextlib.nullcontext)
+        was_training = model.training
+        model.eval()
+        values = {}
+        try:
+            extra = {"mlm_probability": self.recipe.data.mlm_probability or 0.15} if self.family == "encoder" else {}
+            cfg = _data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
+            total, count = split_loss(model, self.family, cfg, rank=dist.rank, world=dist.world_size,
+                                      max_batches=ev.max_batches, device=dist.device, autocast=autocast,
+                                      any_have=self._any)
+            total, count = all_reduce_sum([total, count], dist)
+            if count:
+                values["eval/loss"] = total / count
+                values["eval/perplexity"] = math.exp(min(total / count, 50.0))
+            samples = None
+            if self.family == "decoder":
+                samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step, autocast)
+                samples = [s for part in gather_objects(samples, dist) for s in part]
+        finally:
+            model.train(was_training)
+        if dist.is_main and samples is not None:
+            values.update(self._score(samples, step, kind))
+        self.log.scalars(step, values)
+        self.last_step = step
+        if kind == "full":
+            self.final = values
+        return values
+
+    def _sample(self, total: int, step: int, autocast) -> list:
+        from molds.eval.sampling import default_max_tokens, ids_to_smiles, sample_ids
+
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path)
+        ev, dist = self.recipe.eval, self.dist
+        per_rank = max(1, -(-total // dist.world_size))
+        with autocast():
+            ids = sample_ids(self.engine.model, per_rank, bos=self.specials["bos"], eos=self.specials["eos"],
+                             max_tokens=default_max_tokens(self.manifest, self.recipe.model.max_position_embeddings),
+                             temperature=ev.temperature, top_k=ev.top_k, batch_size=per_rank,
+                             seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,
+                             stop_together=self._agree)
+        return ids_to_smiles(self.tokenizer, ids)
+
+    def _score(self, smiles: list, step: int, kind: str) -> dict:
+        from molds.metrics.generation import generation_metrics, parse_samples, unique_at
+
+        ev = self.recipe.eval
+        if kind == "smoke":
+            parsed = parse_samples(smiles, self.manifest)
+            canon = [p["canonical"] for p in parsed if p is not None]
+            return {"eval/validity": len(canon) / len(smiles), "eval/unique": unique_at(canon, len(canon))}
+        m = generation_metrics(smiles, self.manifest, fcd_reference=ev.split if ev.fcd else None, seed=step)
+        values = {f"eval/{k.replace('@', '_at_')}": v for k, v in m.items()
+                  if isinstance(v, float) and k not in ("unique@1k", "unique@10k")}
+        values["eval/unfinished"] = sum(s is None for s in smiles) / len(smiles)
+        self._pictures(smiles, step)
+        return values
+
+    def _pictures(self, smiles: list, step: int) -> None:
+        import numpy as np
+        import pyarrow.parquet as pq
+        from rdkit import Chem
+        from rdkit.Chem import Draw
+
+        ev = self.recipe.eval
+        mols, legends = [], []
+        for s in smiles:
+            mol = Chem.MolFromSmiles(s) if s else None
+            if mol is not None:
+                mols.append(mol)
+                legends.append(s if len(s) <= 40 else s[:37] + "...")
+            if len(mols) == ev.grid:
+                break
+        if mols:
+            img = Draw.MolsToGridImage(mols, molsPerRow=4, subImgSize=(250, 250), legends=legends)
+            self.log.image("eval/samples_grid", np.asarray(img.convert("RGB")), step)
+        shown = "\n".join(f"    {s if s else '(unfinished)'}" for s in smiles[:64])
+        self.log.text("eval/samples", shown, step)
+        lengths = [len(self.tokenizer(s, add_special_tokens=False)["input_ids"]) for s in smiles if s]
+        self.log.histogram("eval/sample_token_length", lengths, step)
+        if self.train_lengths is None:  # up to ~20k training lengths, every shard in proportion
+            shards = self.manifest.shards("train")
+            total = sum(sh.num_rows for sh in shards) or 1
+            parts = [pq.read_table(sh.path, columns=["token_length"]).column(0).to_numpy()[
+                     :max(1, 20000 * sh.num_rows // total)] for sh in shards]
+            self.train_lengths = np.concatenate(parts) if parts else np.zeros(0)
+        self.log.histogram("eval/train_token_length", self.train_lengths, step)

@@ -1,1 +1,0 @@
-from tests.data.conftest import dataset  # noqa: F401  (the same small preprocessed dataset)

@@ -1,0 +1,127 @@
+"""Evaluation metrics against scikit-learn, the published formulas and hand-made cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from molds.metrics.property import (bedroc, classification_metrics, enrichment_factor, mean_std,
+                                    regression_metrics)
+
+
+def _bedroc_formula(scores, labels, alpha):
+    """Truchon & Bayly (2007), eqs. 18-20 and 36: RIE, its extremes, BEDROC = rescaled RIE."""
+    order = np.argsort(-np.asarray(scores), kind="stable")
+    ranks = np.nonzero(np.asarray(labels)[order])[0] + 1  # 1-based ranks of the actives
+    n, big_n = len(ranks), len(scores)
+    ra = n / big_n
+    rie = (np.exp(-alpha * ranks / big_n).sum() / n) / ((1 / big_n) * (1 - math.exp(-alpha))
+                                                          / (math.exp(alpha / big_n) - 1))
+    rie_max = (1 - math.exp(-alpha * ra)) / (ra * (1 - math.exp(-alpha)))
+    rie_min = (1 - math.exp(alpha * ra)) / (ra * (1 - math.exp(alpha)))
+    return (rie - rie_min) / (rie_max - rie_min)
+
+
+def test_bedroc_matches_the_formula_and_its_extremes():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        labels = (rng.random(300) < 0.1).astype(float)
+        scores = rng.random(300) + labels * rng.random() * 2
+        assert bedroc(scores, labels, 20.0) == pytest.approx(_bedroc_formula(scores, labels, 20.0), abs=1e-3)
+    labels = np.r_[np.ones(5), np.zeros(95)]
+    assert bedroc(-np.arange(100.0), labels) == pytest.approx(1.0, abs=1e-3)  # actives ranked first
+    assert bedroc(np.arange(100.0), labels) == pytest.approx(0.0, abs=1e-3)  # actives ranked last
+
+
+def test_enrichment_factor_at_one_percent_by_hand():
+    labels = np.zeros(200)
+    labels[[0, 1, 50, 120]] = 1  # 4 actives among 200; the top 1 % is 2 molecules
+    scores = -np.arange(200.0)  # molecule 0 scores best
+    assert enrichment_factor(scores, labels, 0.01) == pytest.approx((2 / 2) / (4 / 200))  # both actives: 50
+    scores[1] = -1000.0  # now the top 2 are molecules 0 and 2: one active
+    assert enrichment_factor(scores, labels, 0.01) == pytest.approx((1 / 2) / (4 / 200))
+
+
+def test_classification_matches_sklearn_with_missing_labels_masked():
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    rng = np.random.default_rng(1)
+    y = (rng.random((400, 3)) < 0.3).astype(float)
+    s = rng.normal(size=(400, 3)) + y
+    y[rng.random((400, 3)) < 0.25] = np.nan  # sparse labels
+    y[:, 2] = np.where(np.isnan(y[:, 2]), np.nan, 0.0)  # task 2 has one class only: no ranking metric
+    got = classification_metrics(y, s, ["a", "b", "c"])
+    for t, name in enumerate("ab"):
+        seen = ~np.isnan(y[:, t])
+        assert got["per_task"][name]["n"] == seen.sum()
+        assert got["per_task"][name]["auroc"] == pytest.approx(roc_auc_score(y[seen, t], s[seen, t]))
+        assert got["per_task"][name]["auprc"] == pytest.approx(average_precision_score(y[seen, t], s[seen, t]))
+    assert got["per_task"]["c"]["auroc"] is None
+    assert got["macro"]["auroc_tasks"] == 2
+    assert got["macro"]["auroc"] == pytest.approx((got["per_task"]["a"]["auroc"] + got["per_task"]["b"]["auroc"]) / 2)
+
+
+def test_regression_by_hand():
+    y = np.array([[1.0, np.nan], [2.0, 5.0], [3.0, 7.0], [np.nan, 9.0]])
+    p = np.array([[1.5, 0.0], [2.0, 6.0], [2.5, 6.0], [0.0, 10.0]])
+    got = regression_metrics(y, p)["per_task"]
+    assert got["task0"]["rmse"] == pytest.approx(math.sqrt((0.25 + 0 + 0.25) / 3))
+    assert got["task0"]["mae"] == pytest.approx(1 / 3)
+    assert got["task0"]["spearman"] == pytest.approx(1.0)
+    assert got["task1"]["mae"] == pytest.approx(1.0)
+    # Pearson of the ranks (1, 2, 3) and (1.5, 1.5, 3): 1.5 / sqrt(2 * 1.5)
+    assert got["task1"]["spearman"] == pytest.approx(1.5 / math.sqrt(3))
+
+
+def test_mean_std_over_seeds():
+    out = mean_std([{"a": 1.0, "b": None}, {"a": 3.0, "b": 2.0}])
+    assert out["a"]["mean"] == 2.0 and out["a"]["std"] == pytest.approx(math.sqrt(2))
+    assert "b" not in out  # a metric missing for a seed is not averaged
+
+
+def test_generation_metrics_by_hand(dataset):
+    import pyarrow.parquet as pq
+    from rdkit import Chem, DataStructs
+    from rdkit.Chem import rdFingerprintGenerator
+
+    from molds.data.manifest import Manifest
+    from molds.metrics.generation import BasicFilters, generation_metrics, internal_diversity
+
+    m = Manifest.load(dataset)
+    train = pq.read_table(m.shards("train")[0].path, columns=["canonical_smiles"]).column(0).to_pylist()[:3]
+    # raw spellings of two training molecules (RDKit round trip through a random atom order)
+    seen = [Chem.MolToSmiles(Chem.MolFromSmiles(s), doRandom=True, canonical=False) for s in train[:2]]
+    new = ["C1CC2(CCO1)CCNCC2", "OCC(F)(F)F"]  # not in a drug-like sample
+    samples = seen + new + [new[0], "C1CC(", None, "c1ccccc1[N+](=O)[O-]"]
+    got = generation_metrics(samples, m)
+    assert got["samples"] == 8 and got["valid"] == 6
+    assert got["validity"] == pytest.approx(6 / 8)
+    assert got["unique"] == pytest.approx(5 / 6)  # new[0] twice
+    distinct_new = {Chem.CanonSmiles(s) for s in new + ["c1ccccc1[N+](=O)[O-]"]}
+    train_all = set()
+    for shard in m.shards("train"):
+        train_all.update(pq.read_table(shard.path, columns=["canonical_smiles"]).column(0).to_pylist())
+    assert not distinct_new & train_all
+    assert got["novelty"] == pytest.approx(3 / 5)  # 5 distinct valid, 2 from training
+    assert got["filters"] == pytest.approx(5 / 6)  # the nitro group is charged
+    f = BasicFilters()
+    assert not f.passes(Chem.MolFromSmiles("O=C1C(=Cc2ccccc2)SC(=S)N1"))  # a PAINS rhodanine
+    assert not f.passes(Chem.MolFromSmiles("C1CCCCCCCCC1"))  # a 10-membered ring
+    assert not f.passes(Chem.MolFromSmiles("CCP(C)C"))  # phosphorus
+    assert f.passes(Chem.MolFromSmiles("CCOC(=O)c1ccccc1"))
+    a, b = Chem.MolFromSmiles("CCO"), Chem.MolFromSmiles("c1ccccc1O")
+    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
+    sim = DataStructs.TanimotoSimilarity(gen.GetFingerprint(a), gen.GetFingerprint(b))
+    assert internal_diversity([a, b]) == pytest.approx(1 - (2 + 2 * sim) / 4)
+    assert internal_diversity([a, a]) == pytest.approx(0.0)
+
+
+def test_fcd_is_computed_offline_and_ranks_sets():
+    from molds.metrics.generation import fcd_score
+
+    ref = ["CCO", "CCN", "CCC", "CCOC", "CC(C)O", "CCCN", "OCCO", "CC(=O)O"] * 4
+    near = ["CCCO", "CCNC", "CCCC", "COC", "CC(C)N", "CCCCN", "OCCN", "CC(=O)N"] * 4
+    far = ["c1ccc2ccccc2c1", "c1ccc(-c2ccccc2)cc1", "O=c1cc[nH]c(=O)[nH]1", "c1ccncc1"] * 8
+    assert fcd_score(near, ref) < fcd_score(far, ref)
