@@ -235,10 +235,13 @@ def markdown(report: dict) -> str:
         lines.append(f"- {report['split']} loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f}")
     lines += ["", "| metric | value |", "|---|---|"]
     for key, val in report["metrics"].items():
-        if isinstance(val, dict):
-            shown = f"{val['mean']:.4f} ± {val['std']:.4f} (n={len(val['values'])})"
+        def fmt(v):
+            return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.4f}"
+
+        if isinstance(val, dict) and len(val["values"]) > 1:
+            shown = f"{fmt(val['mean'])} ± {val['std']:.4f} (n={len(val['values'])})"
         else:
-            shown = "n/a" if val is None else f"{val:.4f}"
+            shown = fmt(val["mean"] if isinstance(val, dict) else val)
         lines.append(f"| {key} | {shown} |")
     if report.get("property"):
         lines += ["", "| task | n | " + " | ".join(k for k in next(iter(report["property"]["per_task"].values()))
@@ -248,7 +251,7 @@ def markdown(report: dict) -> str:
                      for k, v in vals.items() if k != "n"]
             lines.append(f"| {task} | {vals['n']} | " + " | ".join(cells) + " |")
     if report.get("examples"):
-        lines += ["", "Samples: " + ", ".join(f"`{s}`" for s in report["examples"][:10])]
+        lines += ["", "First samples (valid or not): " + ", ".join(f"`{s}`" for s in report["examples"][:10])]
     return "\n".join(lines) + "\n"
 
 
