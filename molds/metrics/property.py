@@ -42,19 +42,24 @@ def _macro(per_task: dict, keys) -> dict:
     return out
 
 
+def _tasks(labels, outputs, task_names):
+    """(name, labels, outputs) of every task, its missing (NaN) labels dropped."""
+    y, o = np.asarray(labels, float), np.asarray(outputs, float)
+    if y.ndim == 1:
+        y, o = y[:, None], o[:, None]
+    names = task_names or [f"task{t}" for t in range(y.shape[1])]
+    for t, name in enumerate(names):
+        seen = ~np.isnan(y[:, t])
+        yield name, y[seen, t], o[seen, t]
+
+
 def classification_metrics(labels, scores, task_names=None) -> dict:
     """``labels`` [N, T] in {0, 1, NaN}; ``scores`` [N, T] (probabilities or logits)."""
     from sklearn.metrics import average_precision_score, roc_auc_score
 
-    y, s = np.asarray(labels, float), np.asarray(scores, float)
-    if y.ndim == 1:
-        y, s = y[:, None], s[:, None]
-    names = task_names or [f"task{t}" for t in range(y.shape[1])]
     per_task = {}
-    for t, name in enumerate(names):
-        seen = ~np.isnan(y[:, t])
-        yt, st = y[seen, t], s[seen, t]
-        m = {"n": int(seen.sum()), "positives": int((yt == 1).sum())}
+    for name, yt, st in _tasks(labels, scores, task_names):
+        m = {"n": len(yt), "positives": int((yt == 1).sum())}
         if not np.isin(yt, (0.0, 1.0)).all():
             m.update(auroc=None, auprc=None, bedroc20=None, ef1=None, note="labels are not 0/1")
         elif 0 < yt.sum() < len(yt):
@@ -69,15 +74,9 @@ def classification_metrics(labels, scores, task_names=None) -> dict:
 def regression_metrics(labels, preds, task_names=None) -> dict:
     from scipy.stats import spearmanr
 
-    y, p = np.asarray(labels, float), np.asarray(preds, float)
-    if y.ndim == 1:
-        y, p = y[:, None], p[:, None]
-    names = task_names or [f"task{t}" for t in range(y.shape[1])]
     per_task = {}
-    for t, name in enumerate(names):
-        seen = ~np.isnan(y[:, t])
-        yt, pt = y[seen, t], p[seen, t]
-        m = {"n": int(seen.sum())}
+    for name, yt, pt in _tasks(labels, preds, task_names):
+        m = {"n": len(yt)}
         if len(yt):
             err = pt - yt
             m.update(rmse=float(np.sqrt(np.mean(err ** 2))), mae=float(np.mean(np.abs(err))))
