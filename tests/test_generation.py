@@ -87,6 +87,14 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     assert any(t.startswith("eval/samples") for t in tags["tensors"])
     assert any("hparams" in d for d in os.listdir(os.path.join(out, "tensorboard")))
 
+    # molds-sample: one line per sample, the same file again for the same seed
+    from molds.eval.sampling import main as sample_main
+
+    for name in ("a.smi", "b.smi"):
+        assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / name)]) == 0
+    lines = open(tmp_path / "a.smi").read().splitlines()
+    assert len(lines) == 40 and lines == open(tmp_path / "b.smi").read().splitlines()
+
     # molds-eval on the run directory: JSON and markdown reports
     assert eval_main([out, "--split", "test", "--num", "100", "--seeds", "0,1", "--max_batches", "3",
                       "--out", str(tmp_path / "ev")]) == 0
@@ -109,3 +117,20 @@ def test_property_eval_over_training_seeds(dataset, tmp_path):
     assert per_task["y1"]["auroc"] is not None and per_task["y2"]["note"] == "labels are not 0/1"
     assert set(rep["metrics"]["auroc"]) == {"mean", "std", "values"}
     assert rep["per_seed"][0]["property"] != rep["per_seed"][1]["property"]  # two differently seeded trainings
+
+
+def test_encoder_eval_during_training_matches_molds_eval(dataset, tmp_path):
+    """Encoders: masked-token loss at every eval, property metrics in the final full one,
+    equal to what molds-eval computes on the checkpoint."""
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.train import main
+    from tests.engines.test_encoder import _argv
+
+    out = str(tmp_path / "run")
+    result = main(_argv(dataset, out, "ddp", 6, extra=["--eval.interval_steps", "3", "--eval.max_batches", "0"]))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    evals = {r["step"]: r for r in rows if "eval/loss" in r}
+    assert sorted(evals) == [3, 6] and "eval/auroc" not in evals[3]
+    report = evaluate_checkpoint(result["checkpoint"], split="valid")
+    assert abs(evals[6]["eval/auroc"] - report["metrics"]["auroc"]) < 1e-6
+    assert abs(evals[6]["eval/bedroc20"] - report["metrics"]["bedroc20"]) < 1e-6

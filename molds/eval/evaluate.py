@@ -122,64 +122,88 @@ def _stand_in(family: str, specials: dict, device) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mlm_labels": torch.full_like(ids, -100)}
 
 
-@torch.no_grad()
-def split_loss(model, family: str, data_cfg, *, rank: int = 0, world: int = 1, max_batches: int = 0,
-               device=None, autocast=contextlib.nullcontext, any_have=None) -> tuple[float, float]:
-    """(summed loss over predicted tokens, number of predicted tokens) of this rank's share
-    of a split; the shares of all ranks cover the split once. ``any_have(flag)`` (a
-    collective: does any rank still have a batch?) keeps ranks in step under ZeRO-3."""
+def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, device, any_have):
+    """(loader batch or None, model inputs) for this rank's share of a split. With
+    ``any_have`` (a collective: does any rank still have a batch?) a rank whose share has
+    run out goes on with stand-in inputs until every rank is done."""
     from molds.data.loader import MoleculeLoader
-    from molds.data.packing import IGNORE_INDEX
 
-    device = device or next(model.parameters()).device
     loader = MoleculeLoader(data_cfg, rank=rank, world_size=world)
     it = iter(loader)
-    total = count = 0.0
     done = 0
     while not max_batches or done < max_batches:
         b = next(it, None)
         if not (any_have(b is not None) if any_have else b is not None):
-            break
-        batch = _keep(b, device) if b is not None else _stand_in(family, loader.specials, device)
+            return
+        yield b, (_keep(b, device) if b is not None else _stand_in(family, loader.specials, device))
+        done += 1
+
+
+@torch.no_grad()
+def split_loss(model, family: str, data_cfg, *, rank: int = 0, world: int = 1, max_batches: int = 0,
+               device=None, autocast=contextlib.nullcontext, any_have=None) -> tuple[float, float]:
+    """(summed loss over predicted tokens, number of predicted tokens) of this rank's share
+    of a split; the shares of all ranks cover the split once. ``any_have`` keeps ranks in
+    step under ZeRO-3 (every forward gathers parameters collectively)."""
+    from molds.data.packing import IGNORE_INDEX
+
+    device = device or next(model.parameters()).device
+    total = count = 0.0
+    for b, batch in _batches(data_cfg, family, rank=rank, world=world, max_batches=max_batches, device=device,
+                             any_have=any_have):
         with autocast():
             loss = model(**batch)["loss"]
-        if b is not None:
-            if family == "decoder":
-                n = b["stats"]["real_tokens"] - b["stats"]["molecules"]  # next-token pairs
-            else:
-                n = int((batch["mlm_labels"] != IGNORE_INDEX).sum())
-            if n:
-                total += float(loss) * n
-                count += n
-        done += 1
+        if b is None:
+            continue
+        if family == "decoder":
+            n = b["stats"]["real_tokens"] - b["stats"]["molecules"]  # next-token pairs
+        else:
+            n = int((batch["mlm_labels"] != IGNORE_INDEX).sum())
+        if n:
+            total += float(loss) * n
+            count += n
     return total, count
 
 
 @torch.no_grad()
-def property_predictions(model, data_cfg, device=None):
-    """(labels [N, T] with NaN, predictions [N, T]) over a labelled split."""
+def property_predictions(model, data_cfg, *, rank: int = 0, world: int = 1, device=None,
+                         autocast=contextlib.nullcontext, any_have=None):
+    """(labels [N, T] with NaN, predictions [N, T]) over this rank's share of a labelled split."""
     import numpy as np
-
-    from molds.data.loader import MoleculeLoader
 
     device = device or next(model.parameters()).device
     ys, ps = [], []
-    for b in MoleculeLoader(data_cfg):
-        batch = _keep(b, device)
+    for b, batch in _batches(data_cfg, "encoder", rank=rank, world=world, max_batches=0, device=device,
+                             any_have=any_have):
         batch.pop("labels", None)
-        pred = model(**batch)["predictions"].float().cpu().numpy()
+        batch.pop("mlm_labels", None)
+        with autocast():
+            pred = model(**batch)["predictions"].float().cpu().numpy()
+        if b is None:
+            continue
         y = b["labels"].numpy().astype(float)
         y[~b["label_mask"].numpy().astype(bool)] = np.nan
         ys.append(y)
         ps.append(pred)
+    if not ys:
+        return np.zeros((0, 0)), np.zeros((0, 0))
     return np.concatenate(ys), np.concatenate(ps)
+
+
+def property_report(labels, preds, model_cfg: dict, manifest) -> dict:
+    from molds.metrics.property import classification_metrics, regression_metrics
+
+    names = (manifest.data.get("labels") or {}).get("columns") or None
+    if model_cfg["task_type"] == "classification":
+        return classification_metrics(labels, preds, names)
+    return regression_metrics(labels, preds, names)
 
 
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512) -> dict:
     from molds.eval.sampling import default_max_tokens, ids_to_smiles, sample_ids
-    from molds.metrics.property import classification_metrics, mean_std, regression_metrics
+    from molds.metrics.property import mean_std
 
     loaded = load_model(checkpoint, manifest_dir)
     m = loaded.manifest
@@ -213,11 +237,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         cfg = _data_config(loaded.recipe["data"], m.path, split, mode="bucketed", with_labels=True,
                            mlm_probability=0.0)
         y, p = property_predictions(loaded.model, cfg)
-        names = (m.data.get("labels") or {}).get("columns") or None
-        if model_cfg["task_type"] == "classification":
-            report["property"] = classification_metrics(y, p, names)
-        else:
-            report["property"] = regression_metrics(y, p, names)
+        report["property"] = property_report(y, p, model_cfg, m)
         report["metrics"] = {k: v for k, v in report["property"]["macro"].items() if not k.endswith("_tasks")}
     else:
         prob = loaded.recipe["data"].get("mlm_probability") or 0.15

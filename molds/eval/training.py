@@ -1,8 +1,11 @@
 """Evaluation during training: ``eval.interval_steps`` (smoke) and ``eval.full_interval_steps``.
 
 Runs on every rank inside the training loop; the metrics land as ``eval/*`` scalars in
-TensorBoard and ``metrics.jsonl``, beside a grid image of sampled molecules, their SMILES
-and length histograms, and at the end the run's hparams with the final metrics.
+TensorBoard and ``metrics.jsonl``. Decoders: loss and perplexity, sampled molecules'
+metrics, a grid image of them, their SMILES and length histograms. Encoders: masked-token
+loss and perplexity, and in full evaluations the property metrics (macro AUROC, AUPRC,
+BEDROC, EF@1 %, or RMSE, MAE, Spearman) on the split's labels. At the end: the run's
+hparams with the final metrics.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import contextlib
 import dataclasses
 import math
 
-from .evaluate import _data_config, split_loss
+from .evaluate import _data_config, property_predictions, property_report, split_loss
 
 
 class TrainingEvaluator:
@@ -62,7 +65,9 @@ class TrainingEvaluator:
         model.eval()
         values = {}
         try:
-            extra = {"mlm_probability": self.recipe.data.mlm_probability or 0.15} if self.family == "encoder" else {}
+            # encoders: the masked-token loss alone (label losses are scored as metrics below)
+            extra = ({"mlm_probability": self.recipe.data.mlm_probability or 0.15, "with_labels": False}
+                     if self.family == "encoder" else {})
             cfg = _data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
             total, count = split_loss(model, self.family, cfg, rank=dist.rank, world=dist.world_size,
                                       max_batches=ev.max_batches, device=dist.device, autocast=autocast,
@@ -71,19 +76,37 @@ class TrainingEvaluator:
             if count:
                 values["eval/loss"] = total / count
                 values["eval/perplexity"] = math.exp(min(total / count, 50.0))
-            samples = None
+            samples = predictions = None
             if self.family == "decoder":
                 samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step, autocast)
                 samples = [s for part in gather_objects(samples, dist) for s in part]
+            elif kind == "full" and self.recipe.model.num_tasks:
+                cfg = _data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
+                                   mlm_probability=0.0, with_labels=True)
+                predictions = gather_objects(property_predictions(
+                    model, cfg, rank=dist.rank, world=dist.world_size, device=dist.device, autocast=autocast,
+                    any_have=self._any), dist)
         finally:
             model.train(was_training)
         if dist.is_main and samples is not None:
             values.update(self._score(samples, step, kind))
+        if dist.is_main and predictions is not None:
+            values.update(self._score_properties(predictions))
         self.log.scalars(step, values)
         self.last_step = step
         if kind == "full":
             self.final = values
         return values
+
+    def _score_properties(self, parts: list) -> dict:
+        import numpy as np
+
+        parts = [(y, p) for y, p in parts if len(y)]
+        if not parts:
+            return {}
+        labels, preds = np.concatenate([y for y, _ in parts]), np.concatenate([p for _, p in parts])
+        macro = property_report(labels, preds, dataclasses.asdict(self.recipe.model), self.manifest)["macro"]
+        return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
     def _sample(self, total: int, step: int, autocast) -> list:
         from molds.eval.sampling import default_max_tokens, ids_to_smiles, sample_ids

@@ -143,13 +143,19 @@ def reference_smiles(manifest, split: str, limit: int, seed: int = 0) -> list[st
 
 
 def fcd_score(generated: Sequence[str], reference: Sequence[str]) -> float | None:
-    try:
-        from fcd_torch import FCD
-    except ImportError:
-        return None
+    """FCD, or None (with the reason on stderr) when fcd_torch is missing or fails: a
+    metric must not end a training run."""
+    import sys
+
     if len(generated) < 2 or len(reference) < 2:
         return None
-    return float(FCD(device="cpu", n_jobs=1, batch_size=512)(list(generated), list(reference)))
+    try:
+        from fcd_torch import FCD
+
+        return float(FCD(device="cpu", n_jobs=1, batch_size=512)(list(generated), list(reference)))
+    except Exception as exc:  # an old fcd_torch against a newer NumPy / SciPy, or no fcd_torch
+        print(f"[molds] FCD not computed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_split: str = "train",

@@ -198,7 +198,6 @@ class PackedLayout:
         self.slot_source[slot_of] = torch.arange(t, device=dev)
         self.slot_of = slot_of
         self.shape = (b, s)
-        self.tokens = t
 
     def to_flat(self, t: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] in packed rows -> [T, ...] real tokens in flat order."""
@@ -218,6 +217,8 @@ class PackedLayout:
 
     def attend(self, q, k, v):
         """q [T, H, D], k and v [T, KV, D] -> [T, H, D], causal within each molecule."""
+        if not self.groups:  # no real token at all
+            return torch.zeros_like(q)
         sizes = [n * longest for n, longest in self.groups]
         # one gather per tensor for all groups (its backward is one scatter, not one per group)
         per_group = [t.index_select(0, self.slot_source).split(sizes) for t in (q, k, v)]
