@@ -120,7 +120,7 @@ class TrainingEvaluator:
         with autocast():
             ids = sample_ids(self.engine.model, per_rank, bos=self.specials["bos"], eos=self.specials["eos"],
                              max_tokens=default_max_tokens(self.manifest, self.recipe.model.max_position_embeddings),
-                             temperature=ev.temperature, top_k=ev.top_k, batch_size=per_rank,
+                             temperature=ev.temperature, top_k=ev.top_k, batch_size=min(per_rank, 1024),
                              seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,
                              stop_together=self._agree)
         return ids_to_smiles(self.tokenizer, ids)
