@@ -73,7 +73,7 @@ def main() -> None:
         "eval_s": round(eval_s, 1), "samples": m["samples"], f"{args.split}_loss": round(report["loss"], 4),
         "validity": m["validity"], "unique@10k": m["unique@10k"], "novelty": m.get("novelty"),
         "int_div": m["int_div"], "filters": m["filters"], "scaffold_novelty": m.get("scaffold_novelty"),
-        "fcd": m.get("fcd"), "unfinished": m["unfinished"], "moses_charrnn": MOSES_CHARRNN}))
+        "fcd": m.get("fcd"), "unfinished_or_special": m["unfinished_or_special"], "moses_charrnn": MOSES_CHARRNN}))
 
 
 if __name__ == "__main__":

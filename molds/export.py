@@ -16,7 +16,8 @@ import shutil
 import sys
 
 
-def _state_dict(checkpoint: str, engine: str) -> dict:
+def checkpoint_state_dict(checkpoint: str, engine: str) -> dict:
+    """The weights of a checkpoint (ZeRO ones consolidated to fp32), by parameter name."""
     if engine == "zero":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -26,7 +27,7 @@ def _state_dict(checkpoint: str, engine: str) -> dict:
     return load_file(os.path.join(checkpoint, "model.safetensors"))
 
 
-def _specials(vocab: dict, special_tokens: dict) -> dict:
+def special_ids(vocab: dict, special_tokens: dict) -> dict:
     return {k: vocab[special_tokens[f"{k}_token"]] for k in ("pad", "bos", "eos")}
 
 
@@ -35,7 +36,7 @@ def llama_config(recipe: dict, vocab: dict, special_tokens: dict):
 
     from molds.models import family_config
 
-    sp = _specials(vocab, special_tokens)
+    sp = special_ids(vocab, special_tokens)
     cfg = family_config(recipe["model"], len(vocab), sp)
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -72,7 +73,7 @@ def _encoder_model(recipe, vocab, manifest, state):
     from molds.models import family_config
 
     m = recipe["model"]
-    cfg = family_config(m, len(vocab), _specials(vocab, manifest.data["tokenizer"]["special_tokens"]))
+    cfg = family_config(m, len(vocab), special_ids(vocab, manifest.data["tokenizer"]["special_tokens"]))
     pair = ("mlm.lm_head.decoder.weight", "mlm.roberta.embeddings.word_embeddings.weight")
     shared = state.get(pair[0], state.get(pair[1]))  # tied: safetensors keeps one of the two names
     for name in pair:
@@ -95,7 +96,7 @@ def export(checkpoint: str, out: str) -> str:
     vocab = manifest.check_tokenizer()
     if manifest.data["tokenizer"]["vocab_hash"] != lineage["vocab_hash"]:
         raise ValueError(f"{checkpoint} was trained with another tokenizer than {manifest.path} now holds")
-    state = {k: v.float() for k, v in _state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
+    state = {k: v.float() for k, v in checkpoint_state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
     if recipe["model"]["family"] == "decoder":
         model = _decoder_model(recipe, vocab, manifest, state)
     else:

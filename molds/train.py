@@ -17,11 +17,6 @@ import sys
 import time
 
 
-def _to_device(batch: dict, device) -> dict:
-    keep = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask", "mlm_labels", "label_mask")
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in keep}
-
-
 def main(argv: list[str] | None = None) -> dict:
     from molds.recipe import parse_recipe, resolve_batching, validate
 
@@ -38,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from molds.checkpoint import check_lineage, find_checkpoint, load_checkpoint, save_checkpoint
-    from molds.data.loader import MoleculeLoader, merge_states
+    from molds.data.loader import MoleculeLoader, merge_states, model_inputs
     from molds.data.manifest import Manifest
     from molds.distributed import all_have, all_reduce_mean, all_reduce_sum, gather_objects, init_distributed
     from molds.engines import build_engine
@@ -112,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
             window["real"] += st["real_tokens"]
             window["tokens"] += st["tokens"]
             window["wait"] += st["wait_s"]
-        last = engine.train_step([_to_device(b, dist.device) for b in micro])
+        last = engine.train_step([model_inputs(b, dist.device) for b in micro])
         step += 1
         window["steps"] += 1
         if bar is not None:

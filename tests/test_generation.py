@@ -134,3 +134,15 @@ def test_encoder_eval_during_training_matches_molds_eval(dataset, tmp_path):
     report = evaluate_checkpoint(result["checkpoint"], split="valid")
     assert abs(evals[6]["eval/auroc"] - report["metrics"]["auroc"]) < 1e-6
     assert abs(evals[6]["eval/bedroc20"] - report["metrics"]["bedroc20"]) < 1e-6
+
+
+def test_a_sample_holding_a_special_token_is_no_smiles(dataset):
+    from transformers import AutoTokenizer
+
+    from molds.data.manifest import Manifest
+    from molds.eval.sampling import ids_to_smiles
+
+    tok = AutoTokenizer.from_pretrained(Manifest.load(dataset).tokenizer_path)
+    ids = tok("CC(=O)O", add_special_tokens=False)["input_ids"]
+    assert ids_to_smiles(tok, [ids, ids[:2] + [tok.pad_token_id] + ids[2:], ids + [tok.mask_token_id], None]) == [
+        "CC(=O)O", None, None, None]

@@ -310,3 +310,11 @@ class _WorkerDataset(IterableDataset):
 
 
 __all__ = ["MoleculeLoader", "merge_states", "ManifestError"]
+
+
+MODEL_INPUTS = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask", "mlm_labels", "label_mask")
+
+
+def model_inputs(batch: dict, device) -> dict:
+    """The tensors of a loader batch that the models take, moved to ``device``."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in MODEL_INPUTS}

@@ -1,4 +1,4 @@
-"""``molds-eval``: what a checkpoint knows about chemistry, and the evaluation run during training.
+"""``molds-eval``: what a checkpoint knows about chemistry.
 
     molds-eval runs/gpt-moses/checkpoints/step-2000 --split test --num 10000 --seeds 0,1,2
     molds-eval runs/mlm/checkpoints/step-500 --manifest data/bbbp --split test
@@ -10,8 +10,9 @@ manifest's training split, diversity, scaffold novelty, filters, FCD to the spli
 ``--fcd``), one sample set per seed. An encoder with property heads is scored on the
 split's labels (``molds.metrics.property``), an MLM-only encoder on its masked-token
 loss. With ``--recipe`` the recipe is trained once per seed (``--run.seed``) and every
-final checkpoint evaluated; further recipe overrides go as ``--key=value``. Seeds are reported as mean and standard deviation. Writes
-``eval.json`` and ``eval.md`` to ``--out`` (default: ``CHECKPOINT/eval-SPLIT``).
+final checkpoint evaluated; further recipe overrides go as ``--key=value``. Seeds are
+reported as mean and standard deviation. Writes ``eval.json`` and ``eval.md`` to ``--out``
+(default: ``CHECKPOINT/eval-SPLIT``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Loaded:
     tokenizer: object
     specials: dict
     lineage: dict
+    checkpoint: str  # the checkpoint directory itself (a run directory resolved to its latest)
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -58,7 +60,7 @@ def load_model(checkpoint: str, manifest_dir: str | None = None, device: str = "
     from transformers import AutoTokenizer
 
     from molds.data.manifest import Manifest
-    from molds.export import _specials, _state_dict
+    from molds.export import checkpoint_state_dict, special_ids
     from molds.models import family_config
 
     checkpoint = resolve_checkpoint(checkpoint)
@@ -71,7 +73,7 @@ def load_model(checkpoint: str, manifest_dir: str | None = None, device: str = "
     if manifest.data["tokenizer"]["vocab_hash"] != lineage["vocab_hash"]:
         raise ValueError(f"{manifest.path} has another tokenizer than {checkpoint} was trained with "
                          f"(vocab_hash {manifest.data['tokenizer']['vocab_hash'][:12]} != {lineage['vocab_hash'][:12]})")
-    specials = _specials(vocab, manifest.data["tokenizer"]["special_tokens"])
+    specials = special_ids(vocab, manifest.data["tokenizer"]["special_tokens"])
     cfg = family_config(recipe["model"], len(vocab), specials)
     family = recipe["model"]["family"]
     if family == "decoder":
@@ -82,7 +84,7 @@ def load_model(checkpoint: str, manifest_dir: str | None = None, device: str = "
         from molds.models.encoder import MoleculeEncoder
 
         model = MoleculeEncoder(cfg)
-    state = {k: v.float() for k, v in _state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
+    state = {k: v.float() for k, v in checkpoint_state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
     own = model.state_dict()
     for name, tensor in own.items():  # tied weights: a checkpoint keeps one name of each tied pair
         if name not in state:
@@ -94,21 +96,17 @@ def load_model(checkpoint: str, manifest_dir: str | None = None, device: str = "
         raise ValueError(f"{checkpoint} does not fit its recipe's model: missing {missing}, unexpected {unexpected}")
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(manifest.tokenizer_path)
-    return Loaded(model, family, recipe, manifest, tok, specials, lineage)
+    return Loaded(model, family, recipe, manifest, tok, specials, lineage, checkpoint)
 
 
-def _data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
+def split_data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
+    """The recipe's data section (a dict) set to read ``split`` once, in order, in-process."""
     from molds.config import DataConfig
 
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     cfg = DataConfig(**{k: v for k, v in recipe_data.items() if k in fields})
     return dataclasses.replace(cfg, manifest=manifest_dir, split=split, shuffle=False, max_epochs=1, max_steps=None,
                                stop_after_epoch=None, num_workers=0, **over)
-
-
-def _keep(batch: dict, device) -> dict:
-    keys = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask", "mlm_labels", "label_mask")
-    return {k: v.to(device) for k, v in batch.items() if k in keys}
 
 
 def _stand_in(family: str, specials: dict, device) -> dict:
@@ -126,7 +124,7 @@ def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, 
     """(loader batch or None, model inputs) for this rank's share of a split. With
     ``any_have`` (a collective: does any rank still have a batch?) a rank whose share has
     run out goes on with stand-in inputs until every rank is done."""
-    from molds.data.loader import MoleculeLoader
+    from molds.data.loader import MoleculeLoader, model_inputs
 
     loader = MoleculeLoader(data_cfg, rank=rank, world_size=world)
     it = iter(loader)
@@ -135,7 +133,7 @@ def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, 
         b = next(it, None)
         if not (any_have(b is not None) if any_have else b is not None):
             return
-        yield b, (_keep(b, device) if b is not None else _stand_in(family, loader.specials, device))
+        yield b, (model_inputs(b, device) if b is not None else _stand_in(family, loader.specials, device))
         done += 1
 
 
@@ -207,14 +205,15 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
 
     loaded = load_model(checkpoint, manifest_dir)
     m = loaded.manifest
-    report = {"checkpoint": os.path.abspath(resolve_checkpoint(checkpoint)), "manifest": m.path, "split": split, "family": loaded.family}
+    report = {"checkpoint": os.path.abspath(loaded.checkpoint), "manifest": m.path, "split": split,
+              "family": loaded.family}
     if not m.shards(split):
         raise ValueError(f"{m.path} has no rows in split {split!r}")
     model_cfg = loaded.recipe["model"]
     if loaded.family == "decoder":
         from molds.metrics.generation import generation_metrics
 
-        cfg = _data_config(loaded.recipe["data"], m.path, split, mode="packed")
+        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="packed")
         total, count = split_loss(loaded.model, "decoder", cfg, max_batches=max_batches)
         report["loss"] = total / count
         report["perplexity"] = math.exp(report["loss"])
@@ -226,7 +225,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                              batch_size=batch_size)
             smiles = ids_to_smiles(loaded.tokenizer, ids)
             metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed)
-            metrics["unfinished"] = sum(s is None for s in smiles)
+            metrics["unfinished_or_special"] = sum(s is None for s in smiles)
             per_seed.append(metrics)
             report.setdefault("examples", [s for s in smiles if s][:20])
         report["sampling"] = {"num": num, "temperature": temperature, "top_k": top_k, "max_tokens": max_tokens,
@@ -234,14 +233,14 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["per_seed"] = per_seed
         report["metrics"] = mean_std(per_seed)
     elif model_cfg["num_tasks"]:
-        cfg = _data_config(loaded.recipe["data"], m.path, split, mode="bucketed", with_labels=True,
+        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="bucketed", with_labels=True,
                            mlm_probability=0.0)
         y, p = property_predictions(loaded.model, cfg)
         report["property"] = property_report(y, p, model_cfg, m)
         report["metrics"] = {k: v for k, v in report["property"]["macro"].items() if not k.endswith("_tasks")}
     else:
         prob = loaded.recipe["data"].get("mlm_probability") or 0.15
-        cfg = _data_config(loaded.recipe["data"], m.path, split, mode="bucketed", mlm_probability=prob,
+        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="bucketed", mlm_probability=prob,
                            with_labels=False)
         total, count = split_loss(loaded.model, "encoder", cfg, max_batches=max_batches)
         report["metrics"] = {"mlm_loss": total / count, "mlm_perplexity": math.exp(total / count)}
@@ -254,10 +253,10 @@ def markdown(report: dict) -> str:
     if "loss" in report:
         lines.append(f"- {report['split']} loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f}")
     lines += ["", "| metric | value |", "|---|---|"]
-    for key, val in report["metrics"].items():
-        def fmt(v):
-            return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.4f}"
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.4f}"
 
+    for key, val in report["metrics"].items():
         if isinstance(val, dict) and len(val["values"]) > 1:
             shown = f"{fmt(val['mean'])} ± {val['std']:.4f} (n={len(val['values'])})"
         else:

@@ -58,7 +58,10 @@ def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperat
 
 
 def ids_to_smiles(tokenizer, samples: list[list[int] | None]) -> list[str | None]:
-    return [None if ids is None else tokenizer.decode(ids, skip_special_tokens=True).replace(" ", "")
+    """Decoded SMILES; None for an unfinished sample or one holding a special token
+    (<pad>, <mask>, ... inside a molecule is not a molecule)."""
+    special = set(tokenizer.all_special_ids)
+    return [None if ids is None or special.intersection(ids) else tokenizer.decode(ids).replace(" ", "")
             for ids in samples]
 
 

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import math
 
-from .evaluate import _data_config, property_predictions, property_report, split_loss
+from .evaluate import property_predictions, property_report, split_data_config, split_loss
 
 
 class TrainingEvaluator:
@@ -34,7 +34,6 @@ class TrainingEvaluator:
         self.tokenizer = None
         self.train_lengths = None
         self.final: dict = {}
-        self.last_step = None
 
     def due(self, step: int) -> str | None:
         ev = self.recipe.eval
@@ -68,7 +67,7 @@ class TrainingEvaluator:
             # encoders: the masked-token loss alone (label losses are scored as metrics below)
             extra = ({"mlm_probability": self.recipe.data.mlm_probability or 0.15, "with_labels": False}
                      if self.family == "encoder" else {})
-            cfg = _data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
+            cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
             total, count = split_loss(model, self.family, cfg, rank=dist.rank, world=dist.world_size,
                                       max_batches=ev.max_batches, device=dist.device, autocast=autocast,
                                       any_have=self._any)
@@ -81,7 +80,7 @@ class TrainingEvaluator:
                 samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step, autocast)
                 samples = [s for part in gather_objects(samples, dist) for s in part]
             elif kind == "full" and self.recipe.model.num_tasks:
-                cfg = _data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
+                cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
                                    mlm_probability=0.0, with_labels=True)
                 predictions = gather_objects(property_predictions(
                     model, cfg, rank=dist.rank, world=dist.world_size, device=dist.device, autocast=autocast,
@@ -93,7 +92,6 @@ class TrainingEvaluator:
         if dist.is_main and predictions is not None:
             values.update(self._score_properties(predictions))
         self.log.scalars(step, values)
-        self.last_step = step
         if kind == "full":
             self.final = values
         return values
@@ -136,7 +134,7 @@ class TrainingEvaluator:
         m = generation_metrics(smiles, self.manifest, fcd_reference=ev.split if ev.fcd else None, seed=step)
         values = {f"eval/{k.replace('@', '_at_')}": v for k, v in m.items()
                   if isinstance(v, float) and k not in ("unique@1k", "unique@10k")}
-        values["eval/unfinished"] = sum(s is None for s in smiles) / len(smiles)
+        values["eval/unfinished_or_special"] = sum(s is None for s in smiles) / len(smiles)
         self._pictures(smiles, step)
         return values
 
@@ -158,7 +156,7 @@ class TrainingEvaluator:
         if mols:
             img = Draw.MolsToGridImage(mols, molsPerRow=4, subImgSize=(250, 250), legends=legends)
             self.log.image("eval/samples_grid", np.asarray(img.convert("RGB")), step)
-        shown = "\n".join(f"    {s if s else '(unfinished)'}" for s in smiles[:64])
+        shown = "\n".join(f"    {s if s else '(unfinished, or holds a special token)'}" for s in smiles[:64])
         self.log.text("eval/samples", shown, step)
         lengths = [len(self.tokenizer(s, add_special_tokens=False)["input_ids"]) for s in smiles if s]
         self.log.histogram("eval/sample_token_length", lengths, step)

@@ -1,7 +1,7 @@
 """Metrics of generated SMILES, as the MOSES benchmark defines them (Polykovskiy et al. 2020).
 
-- validity: fraction of samples RDKit parses into a non-empty molecule (an unfinished
-  sample, one that never produced the end token, counts as invalid)
+- validity: fraction of samples RDKit parses into a non-empty molecule (None, a sample
+  that never produced the end token or that holds a special token, counts as invalid)
 - unique@k: distinct canonical SMILES among the first k valid samples, over k
 - novelty: fraction of the distinct valid samples absent from the training split
 - scaffold_novelty: fraction of the distinct Murcko scaffolds of the valid samples
@@ -161,7 +161,7 @@ def fcd_score(generated: Sequence[str], reference: Sequence[str]) -> float | Non
 def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_split: str = "train",
                        fcd_reference: str | None = None, fcd_max: int = 10000, diversity_max: int = 5000,
                        seed: int = 0) -> dict:
-    """All of the above for one list of samples (None: an unfinished sample)."""
+    """All of the above for one list of samples (None: no SMILES, counted invalid)."""
     parsed = parse_samples(smiles, manifest)
     valid = [p for p in parsed if p is not None]
     canon = [p["canonical"] for p in valid]

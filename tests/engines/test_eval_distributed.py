@@ -11,7 +11,7 @@ from tests.engines.test_resume import _argv, _main
 
 
 def test_zero3_eval_matches_a_single_process_evaluation(dataset, tmp_path):
-    from molds.eval.evaluate import _data_config, load_model, split_loss
+    from molds.eval.evaluate import split_data_config, load_model, split_loss
 
     out = str(tmp_path / "run")
     argv = _argv(dataset, out, "zero", 4, stage=3, extra=[
@@ -21,8 +21,8 @@ def test_zero3_eval_matches_a_single_process_evaluation(dataset, tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == [2, 4]  # a smoke eval at 2, the final full one at 4
-    assert "eval/validity" in evals[2] and "eval/unfinished" in evals[4]  # samples from both ranks, scored
+    assert "eval/validity" in evals[2] and "eval/unfinished_or_special" in evals[4]  # samples from both ranks, scored
     # the whole valid split, scored by one process from the consolidated checkpoint
     loaded = load_model(os.path.join(out, "checkpoints"))
-    total, count = split_loss(loaded.model, "decoder", _data_config(loaded.recipe["data"], dataset, "valid"))
+    total, count = split_loss(loaded.model, "decoder", split_data_config(loaded.recipe["data"], dataset, "valid"))
     assert abs(evals[4]["eval/loss"] - total / count) < 1e-5 * (total / count)
