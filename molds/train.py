@@ -155,14 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _hparams(recipe) -> dict:
-    """The recipe's scalar settings, flattened (``optim.lr``, ``model.hidden_size``, ...)."""
-    flat = {}
-    for section, values in recipe.to_dict().items():
-        if isinstance(values, dict):
-            for key, value in values.items():
-                if isinstance(value, (int, float, str, bool)):
-                    flat[f"{section}.{key}"] = value
-    return flat
+    """The recipe flattened (``optim.lr``, ``model.hidden_size``, ...); the logger keeps the scalars."""
+    return {f"{section}.{key}": value for section, values in recipe.to_dict().items() if isinstance(values, dict)
+            for key, value in values.items()}
 
 
 def cli() -> None:
