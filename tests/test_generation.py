@@ -146,3 +146,20 @@ def test_a_sample_holding_a_special_token_is_no_smiles(dataset):
     ids = tok("CC(=O)O", add_special_tokens=False)["input_ids"]
     assert ids_to_smiles(tok, [ids, ids[:2] + [tok.pad_token_id] + ids[2:], ids + [tok.mask_token_id], None]) == [
         "CC(=O)O", None, None, None]
+
+
+def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path):
+    import pyarrow.parquet as pq
+
+    from molds.data.manifest import Manifest
+    from molds.eval.evaluate import main as eval_main
+
+    train = pq.read_table(Manifest.load(dataset).shards("train")[0].path, columns=["canonical_smiles"])
+    known = train.column(0).to_pylist()[0]
+    path = tmp_path / "other.smi"
+    path.write_text(f"{known}\nCC O\n\nOCC(F)(F)F\nC1CC\n")  # whitespace inside is no SMILES
+    assert eval_main(["--samples", str(path), "--manifest", dataset, "--out", str(tmp_path / "ev")]) == 0
+    rep = json.load(open(tmp_path / "ev" / "eval.json"))
+    assert rep["metrics"]["samples"] == 5 and rep["metrics"]["valid"] == 2
+    assert rep["metrics"]["novelty"] == 0.5
+    assert "other.smi" in open(tmp_path / "ev" / "eval.md").read()

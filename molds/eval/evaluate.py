@@ -3,6 +3,7 @@
     molds-eval runs/gpt-moses/checkpoints/step-2000 --split test --num 10000 --seeds 0,1,2
     molds-eval runs/mlm/checkpoints/step-500 --manifest data/bbbp --split test
     molds-eval --recipe recipes/smoke/mlm_multitask_zero2.json --seeds 0,1,2 --split test --trainer.max_steps=200
+    molds-eval --samples other_model.smi --manifest data/moses --fcd
 
 A decoder is scored on the split's next-token loss / perplexity and on sampled
 molecules (``molds.metrics.generation``: validity, uniqueness, novelty against the
@@ -10,7 +11,8 @@ manifest's training split, diversity, scaffold novelty, filters, FCD to the spli
 ``--fcd``), one sample set per seed. An encoder with property heads is scored on the
 split's labels (``molds.metrics.property``), an MLM-only encoder on its masked-token
 loss. With ``--recipe`` the recipe is trained once per seed (``--run.seed``) and every
-final checkpoint evaluated; further recipe overrides go as ``--key=value``. Seeds are
+final checkpoint evaluated; further recipe overrides go as ``--key=value``. ``--samples``
+scores a file of SMILES from elsewhere against a manifest the same way. Seeds are
 reported as mean and standard deviation. Writes ``eval.json`` and ``eval.md`` to ``--out``
 (default: ``CHECKPOINT/eval-SPLIT``).
 """
@@ -247,9 +249,25 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     return report
 
 
+def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: bool = False) -> dict:
+    """Generation metrics of a SMILES file (another tool's samples, say) against a manifest."""
+    from molds.data.manifest import Manifest
+    from molds.metrics.generation import generation_metrics
+
+    with open(path, encoding="utf-8") as fh:
+        smiles = [line.strip() or None for line in fh]
+    if not smiles:
+        raise ValueError(f"{path}: no samples")
+    m = Manifest.load(manifest_dir)
+    metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None)
+    return {"checkpoint": None, "samples_file": os.path.abspath(path), "manifest": m.path, "split": split,
+            "family": "samples", "metrics": metrics, "examples": [s for s in smiles if s][:20]}
+
+
 def markdown(report: dict) -> str:
-    lines = [f"# molds-eval: {report.get('split')} split", "", f"- checkpoint(s): {report.get('checkpoint')}",
-             f"- manifest: {report.get('manifest')}", f"- model: {report.get('family')}"]
+    source = (f"- samples: {report['samples_file']}" if report.get("samples_file")
+              else f"- checkpoint(s): {report.get('checkpoint')}\n- model: {report.get('family')}")
+    lines = [f"# molds-eval: {report.get('split')} split", "", source, f"- manifest: {report.get('manifest')}"]
     if "loss" in report:
         lines.append(f"- {report['split']} loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f}")
     lines += ["", "| metric | value |", "|---|---|"]
@@ -299,12 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max_batches", type=int, default=0, help="loss on at most this many batches (0: all)")
     ap.add_argument("--fcd", action="store_true", help="Fréchet ChemNet Distance to the split (fcd_torch)")
     ap.add_argument("--recipe", default=None, help="train this recipe once per seed, then evaluate each")
+    ap.add_argument("--samples", default=None,
+                    help="score the SMILES in this file (one per line, an empty line counts as invalid) against "
+                         "--manifest's training split, instead of a checkpoint's samples")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
                   top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd)
-    if args.recipe:
+    if args.samples:
+        if args.checkpoint or args.recipe or not args.manifest:
+            ap.error("--samples takes --manifest and neither a CHECKPOINT nor --recipe")
+        report = evaluate_samples(args.samples, args.manifest, split=args.split, fcd=args.fcd)
+        out = args.out or os.path.splitext(args.samples)[0] + "-eval"
+    elif args.recipe:
         if args.checkpoint:
             ap.error("--recipe trains its own checkpoints: give no CHECKPOINT, and recipe overrides as --key=value")
         from molds.metrics.property import mean_std

@@ -51,7 +51,8 @@ def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | No
     canon = _canonicalizer(manifest)
     out = []
     for s in smiles:
-        mol = Chem.MolFromSmiles(s) if s else None
+        # RDKit would read the text after whitespace as a name: such a string is no SMILES
+        mol = Chem.MolFromSmiles(s) if s and not any(c.isspace() for c in s) else None
         if mol is None or mol.GetNumAtoms() == 0:
             out.append(None)
             continue
