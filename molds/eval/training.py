@@ -34,6 +34,7 @@ class TrainingEvaluator:
         self.tokenizer = None
         self.train_lengths = None
         self.final: dict = {}
+        self.verified = False
 
     def due(self, step: int) -> str | None:
         ev = self.recipe.eval
@@ -67,10 +68,13 @@ class TrainingEvaluator:
             # encoders: the masked-token loss alone (label losses are scored as metrics below)
             extra = ({"mlm_probability": self.recipe.data.mlm_probability or 0.15, "with_labels": False}
                      if self.family == "encoder" else {})
+            # the split's shards are checked (data.verify) at the first evaluation only
+            extra["verify"] = "off" if self.verified else self.recipe.data.verify
             cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
             total, count = split_loss(model, self.family, cfg, rank=dist.rank, world=dist.world_size,
                                       max_batches=ev.max_batches, device=dist.device, autocast=autocast,
                                       any_have=self._any)
+            self.verified = True
             total, count = all_reduce_sum([total, count], dist)
             if count:
                 values["eval/loss"] = total / count
@@ -81,7 +85,7 @@ class TrainingEvaluator:
                 samples = [s for part in gather_objects(samples, dist) for s in part]
             elif kind == "full" and self.recipe.model.num_tasks:
                 cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
-                                   mlm_probability=0.0, with_labels=True)
+                                   mlm_probability=0.0, with_labels=True, verify="off")
                 predictions = gather_objects(property_predictions(
                     model, cfg, rank=dist.rank, world=dist.world_size, device=dist.device, autocast=autocast,
                     any_have=self._any), dist)
