@@ -5,7 +5,11 @@ GPU before anything asks for a bare ``torch``), or ``pip install -e .[dev]`` whe
 is already installed.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+# molds/ and its subpackages, and preprocessing/ installed as molds.preprocessing (a
+# top-level "preprocessing" would shadow the PyPI package of that name)
+PACKAGES = find_packages(include=["molds", "molds.*"]) + ["molds.preprocessing"]
 
 setup(
     name="molds",
@@ -15,7 +19,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["molds", "molds.data", "molds.engines", "molds.metrics", "molds.models", "molds.preprocessing"],
+    packages=PACKAGES,
     package_dir={"molds": "molds", "molds.preprocessing": "preprocessing"},
     package_data={"molds": ["sample_data/*"]},
     install_requires=[
@@ -47,9 +51,9 @@ setup(
         "console_scripts": [
             "molds-preprocess=molds.preprocessing.cli:main",
             "molds-train=molds.train:cli",
-            "molds-export=molds.export:main",
-            "molds-sample=molds.eval.sampling:main",
-            "molds-eval=molds.eval.evaluate:main",
+            "molds-export=molds.cli.export:main",
+            "molds-sample=molds.cli.sample:main",
+            "molds-eval=molds.cli.evaluate:main",
         ]
     },
 )

@@ -1,7 +1,9 @@
 """Data plane throughput, padding and resume cost, against naive baselines, in one run.
 
-    python benchmarks/dataloader.py --manifest DIR [--seq-len 512] [--batch 32]
+    python benchmarks/dataloader.py --manifest DIR [--seq-len 512] [--batch 32] [--subset 200000]
 
+Packed figures are taken twice, on the manifest given and on a ``--subset``-row copy of
+its first training shards (so a slowdown that grows with the data shows).
 Packed (causal LM): real tokens delivered per second as ready torch tensors, one
 process, no DataLoader workers (so the figure is per worker core); padding ratio over
 the epoch; the time from ``load_state_dict`` to the first batch at several points of
@@ -62,6 +64,37 @@ def naive_pad_to_max(manifest_dir: str, batch: int, seed: int = 0) -> dict:
         total += tensor.numel()
     elapsed = time.perf_counter() - start
     return {"tokens_per_s_per_worker": real / elapsed, "padding_ratio": 1 - real / total}
+
+
+def subset_manifest(manifest_dir: str, rows: int, out: str, seed: int = 0) -> str:
+    """A copy of ``manifest_dir`` whose training split is a seeded random ``rows``-row
+    sample of its own (every length bucket in proportion; valid and test copied)."""
+    import hashlib
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    m = json.load(open(os.path.join(manifest_dir, "manifest.json")))
+    total = sum(s["num_rows"] for s in m["splits"]["train"])
+    rng = np.random.default_rng(seed)
+    for name, shards in m["splits"].items():
+        for shard in shards:
+            src, dst = os.path.join(manifest_dir, shard["uri"]), os.path.join(out, shard["uri"])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if name != "train":
+                shutil.copy(src, dst)
+                continue
+            table = pq.read_table(src)
+            table = table.filter(rng.random(table.num_rows) < rows / total)
+            pq.write_table(table, dst, row_group_size=2048, compression="zstd")
+            shard.update(num_rows=table.num_rows, token_count=int(table.column("token_length").to_numpy().sum()),
+                         sha256=hashlib.sha256(open(dst, "rb").read()).hexdigest())
+    shutil.copytree(os.path.join(manifest_dir, m["tokenizer"]["path"]), os.path.join(out, m["tokenizer"]["path"]))
+    st = m["stats"]["splits"]["train"]
+    st["rows"] = sum(s["num_rows"] for s in m["splits"]["train"])
+    st["tokens"] = sum(s["token_count"] for s in m["splits"]["train"])
+    json.dump(m, open(os.path.join(out, "manifest.json"), "w"))
+    return out
 
 
 def packed(manifest_dir: str, seq_len: int, micro_batch: int) -> dict:
@@ -147,14 +180,25 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--subset", type=int, default=200_000, help="training rows of the subset run (0: none)")
     args = ap.parse_args()
+    import tempfile
+
     result = {"manifest": os.path.abspath(args.manifest), "seq_len": args.seq_len}
     result["packed"] = packed(args.manifest, args.seq_len, args.micro_batch)
+    if args.subset:
+        with tempfile.TemporaryDirectory() as tmp:
+            sub = subset_manifest(args.manifest, args.subset, tmp)
+            rows = json.load(open(os.path.join(sub, "manifest.json")))["stats"]["splits"]["train"]["rows"]
+            result["packed_subset"] = dict(packed(sub, args.seq_len, args.micro_batch), train_rows=rows)
     result["naive_pad_to_max"] = naive_pad_to_max(args.manifest, args.batch)
     result["bucketed"] = bucketed(args.manifest, args.batch)
     p, nv = result["packed"], result["naive_pad_to_max"]
     result.update(
         tokens_per_s_per_worker=round(p["tokens_per_s_per_worker"]),
+        subset_tokens_per_s_per_worker=round(result["packed_subset"]["tokens_per_s_per_worker"])
+        if args.subset else None,
+        subset_padding_ratio=round(result["packed_subset"]["padding_ratio"], 5) if args.subset else None,
         padding_ratio=round(p["padding_ratio"], 5),
         resume_seek_s=round(p["resume_seek_s"], 4),
         # the naive loop only pads lists (no shuffle window, packing or resumable state), and

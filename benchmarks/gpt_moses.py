@@ -1,16 +1,21 @@
-"""Train the MOSES decoder recipe for a while, then score 10,000 sampled molecules.
+"""A decoder recipe end to end on MOSES: ETL (when needed), training, sampling, scoring.
 
-    python benchmarks/gpt_moses.py [--recipe recipes/smoke/gpt_moses.json] [--steps 3000]
-                                   [--num 10000] [--fcd] [-- extra recipe overrides]
+    python benchmarks/gpt_moses.py [--recipe recipes/cpu_moses.json] [--nproc 2]
+                                   [--input ../shared/data/moses_train.csv.gz] [--seed 0]
+                                   [--steps N] [--num 10000] [--fcd] [-- extra recipe overrides]
 
-Trains ``--recipe`` in this process (one rank; ``--steps`` overrides trainer.max_steps,
-in-training evaluation off), then samples ``--num`` molecules from the final checkpoint
-and scores them against the manifest's training split (``molds.eval.evaluate``). The default
-recipe is the CPU smoke twin on the bundled sample (``runs/quickstart/data``, made by
-``.ci/quickstart``, or here if missing); ``recipes/gpt_moses.json`` is the GPU run on
-the full MOSES set. One JSON line: validity, unique@10k, novelty (with the MOSES
-paper's CharRNN figures beside them), internal diversity, filters, scaffold novelty,
-FCD with ``--fcd``, training and sampling time.
+1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
+   ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer), or
+   from the bundled sample when the manifest is the quick start's ``runs/quickstart/data``.
+2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
+   run directory; ``--seed`` sets run.seed and data.seed; ``--steps`` trainer.max_steps).
+3. Sampling and scoring: ``--num`` molecules at ``--temperature`` from the final checkpoint
+   (``molds.eval.evaluate``), the test split's loss, and FCD to it with ``--fcd``.
+
+One JSON line: every metric (validity counts empty and invalid samples; unique@10k over
+the first 10,000 valid; novelty against the training split and against every split, i.e.
+the whole MOSES training file), the wall time of each phase, and the published CharRNN
+and MolGPT figures beside them.
 """
 
 from __future__ import annotations
@@ -24,56 +29,83 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MOSES_CHARRNN = {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.842}  # Polykovskiy et al. 2020, table 2
+# Polykovskiy et al. 2020 (MOSES), table 2; Bagal et al. 2021 (MolGPT), table 2
+PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.842},
+             "MolGPT": {"validity": 0.994, "unique@10k": 1.0, "novelty": 0.797}}
 
 
-def ensure_sample_manifest(path: str) -> None:
-    if os.path.exists(os.path.join(path, "manifest.json")):
-        return
-    subprocess.run(["molds-preprocess", "--input", os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz"),
-                    "--smiles-column", "SMILES", "--output", path, "--split", "scaffold",
-                    "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex", "--workers", "2"], check=True)
+def preprocess(source: str, manifest_dir: str) -> None:
+    subprocess.run(["molds-preprocess", "--input", source, "--smiles-column", "SMILES", "--output", manifest_dir,
+                    "--split", "scaffold", "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex",
+                    "--workers", str(os.cpu_count() or 1)], check=True)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"))
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_moses.json"))
+    ap.add_argument("--nproc", type=int, default=2, help="training processes (torchrun)")
+    ap.add_argument("--input", default=None, help="raw SMILES file for the ETL when the manifest is missing")
+    ap.add_argument("--seed", type=int, default=None, help="run.seed and data.seed (default: the recipe's)")
+    ap.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: the recipe's)")
     ap.add_argument("--num", type=int, default=10000)
     ap.add_argument("--split", default="test", help="split for the loss (and FCD)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fcd", action="store_true")
-    ap.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "bench-gpt-moses"))
+    ap.add_argument("--output_dir", default=None, help="run directory (default: runs/bench-<recipe name>)")
     args, overrides = ap.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
 
-    from molds.eval.evaluate import evaluate_checkpoint
     from molds.recipe import parse_recipe
-    from molds.train import main as train
 
-    argv = ["--recipe", args.recipe, "--trainer.max_steps", str(args.steps), "--eval.interval_steps", "0",
-            "--eval.full_interval_steps", "0", "--checkpoint.resume", "null", "--logging.progress", "false",
-            "--run.output_dir", args.output_dir, *overrides]
+    name = os.path.splitext(os.path.basename(args.recipe))[0]
+    out = args.output_dir or os.path.join(ROOT, "runs", f"bench-{name}" + ("" if args.seed is None else
+                                                                          f"-seed{args.seed}"))
+    argv = ["--recipe", args.recipe, "--run.output_dir", out, "--run.overwrite", "true",
+            "--checkpoint.resume", "null", "--logging.progress", "false"]
+    if args.seed is not None:
+        argv += ["--run.seed", str(args.seed), "--data.seed", str(args.seed)]
+    if args.steps is not None:
+        argv += ["--trainer.max_steps", str(args.steps)]
+    argv += overrides
     recipe = parse_recipe(argv)
-    if os.path.normpath(recipe.data.manifest).endswith(os.path.join("quickstart", "data")):
-        ensure_sample_manifest(recipe.data.manifest)
+    manifest_dir = recipe.data.manifest
+
+    etl_s = None
+    if not os.path.exists(os.path.join(manifest_dir, "manifest.json")):
+        if args.input:
+            source = args.input
+        elif os.path.normpath(manifest_dir).endswith(os.path.join("quickstart", "data")):
+            source = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
+        else:
+            ap.error(f"{manifest_dir} has no manifest.json: pass --input (the raw MOSES file) to make it")
+        t0 = time.perf_counter()
+        preprocess(source, manifest_dir)
+        etl_s = time.perf_counter() - t0
+
+    launcher = ([sys.executable, os.path.join(ROOT, "molds", "train.py")] if args.nproc == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+                 os.path.join(ROOT, "molds", "train.py")])
     t0 = time.perf_counter()
-    result = train(argv)
+    subprocess.run(launcher + argv, check=True)
     train_s = time.perf_counter() - t0
+
+    from molds.eval.evaluate import evaluate_checkpoint
+
     t0 = time.perf_counter()
-    report = evaluate_checkpoint(result["checkpoint"], split=args.split, num=args.num, seeds=(0,),
-                                 temperature=args.temperature, fcd=args.fcd, max_batches=50)
+    seed = 0 if args.seed is None else args.seed
+    report = evaluate_checkpoint(out, split=args.split, num=args.num, seeds=(seed,), temperature=args.temperature,
+                                 fcd=args.fcd, max_batches=50)
     eval_s = time.perf_counter() - t0
     m = report["per_seed"][0]
-    import torch
-
+    keys = ("validity", "unique@10k", "novelty", "novelty_all_splits", "int_div", "filters", "scaffold_novelty",
+            "fcd", "unfinished_or_special")
     print(json.dumps({
-        "device": "cuda" if torch.cuda.is_available() else "cpu", "recipe": os.path.relpath(args.recipe, ROOT),
-        "manifest": recipe.data.manifest, "steps": result["step"], "train_s": round(train_s, 1),
-        "eval_s": round(eval_s, 1), "samples": m["samples"], f"{args.split}_loss": round(report["loss"], 4),
-        "validity": m["validity"], "unique@10k": m["unique@10k"], "novelty": m.get("novelty"),
-        "int_div": m["int_div"], "filters": m["filters"], "scaffold_novelty": m.get("scaffold_novelty"),
-        "fcd": m.get("fcd"), "unfinished_or_special": m["unfinished_or_special"], "moses_charrnn": MOSES_CHARRNN}))
+        "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
+        "seed": recipe.run.seed, "steps": report["step"], "etl_s": None if etl_s is None else round(etl_s, 1),
+        "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
+        "temperature": args.temperature, f"{args.split}_loss": round(report["loss"], 4),
+        **{k: m.get(k) for k in keys}, "published": PUBLISHED}))
+    return 0
 
 
 if __name__ == "__main__":

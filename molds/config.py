@@ -1,17 +1,30 @@
 """The recipe: one typed dataclass per section; the signatures are the schema.
 
-Sections land here as the issues that own them do; ``data`` is the data plane's.
+Each field's docstring is its ``--help`` text. Each numeric field has a declared range
+in its section's ``RANGES`` (inclusive bounds; ``None``: unbounded on that side),
+checked when the recipe is parsed (``molds.recipe.check_ranges``): a value outside it
+is refused with the key and the range.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
+
+_BIG = 1 << 30  # an upper bound for counts no run approaches
 
 
 @dataclass
 class DataConfig:
     """What the training data plane reads and how it batches it."""
+
+    RANGES: ClassVar[dict] = {
+        "seq_len": (8, 1 << 20), "micro_batch_size": (1, 1 << 16), "lookahead": (1, 1 << 20),
+        "shuffle_window": (0, _BIG), "seed": (0, 2**32 - 1), "max_tokens_per_batch": (8, 1 << 26),
+        "bucket_pool": (1, 1 << 24), "max_length": (3, 1 << 20), "mlm_probability": (0.0, 0.9),
+        "num_workers": (0, 256), "max_steps": (1, None), "max_epochs": (1, None), "stop_after_epoch": (0, None),
+        "max_skipped_fraction": (0.0, 1.0),
+    }
 
     manifest: str = ""
     """Directory of a ``molds-preprocess`` output (or its manifest.json), local or fsspec URI."""
@@ -69,6 +82,10 @@ class DataConfig:
     on_bad_shard: Literal["error", "skip"] = "error"
     """A shard that fails verification: stop with its name, or skip it and report (eager only)."""
 
+    max_skipped_fraction: float = 0.01
+    """With ``on_bad_shard: skip``: stop if more than this fraction of the split's rows
+    sits in skipped shards (skipped shards and rows are logged and counted as data/skipped_*)."""
+
     num_workers: int = 0
     """DataLoader worker processes per rank (each owns a disjoint part of the rank's share)."""
 
@@ -86,11 +103,19 @@ class DataConfig:
 class RunConfig:
     """Names and places of a run."""
 
+    RANGES: ClassVar[dict] = {"seed": (0, 2**32 - 1)}
+
     name: str = "molds"
     """Run name (TensorBoard and checkpoint directory names)."""
 
     output_dir: str = "runs/molds"
-    """Where checkpoints, TensorBoard events, metrics.jsonl and the resolved recipe go."""
+    """Where checkpoints, TensorBoard events, metrics.jsonl and the resolved recipe go.
+    A directory that already holds checkpoints is refused unless the run resumes
+    (``--checkpoint.resume auto``) or ``run.overwrite`` is true."""
+
+    overwrite: bool = False
+    """Start over in an output_dir that holds an earlier run: its checkpoints, metrics
+    and TensorBoard events are deleted first."""
 
     seed: int = 0
     """Seed of model initialization and of every training-side random choice."""
@@ -99,6 +124,15 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     """The network, built from this config (no weights are downloaded)."""
+
+    RANGES: ClassVar[dict] = {
+        "hidden_size": (8, 1 << 16), "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024),
+        "intermediate_size": (0, 1 << 18), "max_position_embeddings": (8, 1 << 20), "rope_theta": (1.0, 1e9),
+        "dropout": (0.0, 0.9), "num_tasks": (0, 1 << 16), "num_experts": (0, 1024), "moe_top_k": (1, 8),
+        "moe_expert_size": (0, 1 << 18), "moe_shared_expert_size": (0, 1 << 18), "moe_aux_loss_coef": (0.0, 10.0),
+        "moe_z_loss_coef": (0.0, 10.0), "moe_capacity_factor": (0.0, 64.0), "moe_first_dense_layers": (0, 1024),
+        "moe_layer_interval": (1, 1024),
+    }
 
     family: Literal["decoder", "encoder"] = "decoder"
     """``decoder``: causal LM (Llama-style); ``encoder``: RoBERTa-style MLM / property prediction."""
@@ -133,10 +167,50 @@ class ModelConfig:
     task_type: Literal["classification", "regression"] = "classification"
     """Encoder property heads: masked BCE (classification) or masked MSE (regression)."""
 
+    tie_embeddings: bool = True
+    """Decoder: the LM head shares the token embedding matrix."""
+
+    num_experts: int = 0
+    """Decoder: experts per mixture-of-experts layer (0: a dense decoder)."""
+
+    moe_top_k: int = 2
+    """MoE: experts each token is routed to (1-8)."""
+
+    moe_score: Literal["softmax", "sigmoid"] = "softmax"
+    """MoE: router scores (softmax over experts, as Mixtral/Qwen3; or sigmoid, as DeepSeek-V3);
+    the top-k weights are renormalized to sum to one."""
+
+    moe_expert_size: int = 0
+    """MoE: SwiGLU width of each expert (0: intermediate_size)."""
+
+    moe_shared_expert_size: int = 0
+    """MoE: SwiGLU width of a shared expert every token passes through (0: none)."""
+
+    moe_aux_loss_coef: float = 0.01
+    """MoE: weight of the load-balancing loss (Switch Transformer: E x sum f_i P_i)."""
+
+    moe_z_loss_coef: float = 0.0
+    """MoE: weight of the router z-loss (mean squared log-sum-exp of the router logits)."""
+
+    moe_capacity_factor: float = 0.0
+    """MoE: 0 for dropless routing; else each expert takes at most
+    capacity_factor x tokens x top_k / experts tokens and the rest are dropped (counted)."""
+
+    moe_first_dense_layers: int = 0
+    """MoE: the first N blocks keep a dense MLP."""
+
+    moe_layer_interval: int = 1
+    """MoE: after the dense ones, every N-th block is an MoE block (1: all)."""
+
 
 @dataclass
 class ParallelConfig:
     """How the model is driven across ranks."""
+
+    RANGES: ClassVar[dict] = {
+        "zero_stage": (0, 3), "pp_size": (1, 1024), "ep_size": (1, 1024), "ddp_bucket_mb": (1, 4096),
+        "collective_timeout_s": (1.0, 86400.0), "activation_checkpoint_interval": (0, 1024),
+    }
 
     engine: Literal["ddp", "zero", "pipeline"] = "ddp"
     """``ddp``: torch DistributedDataParallel; ``zero``: DeepSpeed ZeRO; ``pipeline``: DeepSpeed pipeline."""
@@ -145,7 +219,11 @@ class ParallelConfig:
     """ZeRO stage 0-3 (engine zero)."""
 
     ds_config: Optional[str] = None
-    """DeepSpeed JSON from ds_configs/ (batch-size fields are filled from the recipe)."""
+    """DeepSpeed JSON (ds_configs/), relative to the recipe file that names it (or to the
+    working directory when given on the command line). Its keys are kept; what the
+    recipe decides (batch sizes, ZeRO stage, offload, clipping, precision) is filled in
+    where the file is silent and refused where it disagrees; the optimizer and scheduler
+    come from the recipe's ``optim`` section, so the file may not set them."""
 
     offload_optimizer: bool = False
     """ZeRO: keep optimizer state on the CPU."""
@@ -157,13 +235,22 @@ class ParallelConfig:
     """Pipeline stages (engine pipeline)."""
 
     ep_size: int = 1
-    """Expert-parallel group size (MoE models)."""
-
-    num_experts: int = 0
-    """Experts per MoE layer (0: dense)."""
+    """Expert-parallel group size (MoE models): the experts of each MoE layer are spread
+    over this many data-parallel ranks."""
 
     schedule: Literal["1f1b", "dualpipev"] = "1f1b"
     """Pipeline schedule (engine pipeline)."""
+
+    partition_method: str = "parameters"
+    """Pipeline: how DeepSpeed's PipelineModule cuts the layers into stages
+    (``parameters``, ``uniform``, or ``type:DecoderLayer``-style regex)."""
+
+    activation_checkpoint_interval: int = 0
+    """Pipeline: recompute activations every N layers in backward (0: off)."""
+
+    collective_timeout_s: float = 600.0
+    """Every process group molds or DeepSpeed creates times out after this many seconds:
+    a hung or dead peer ends the job with an error naming the rank and the operation."""
 
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MB."""
@@ -177,7 +264,7 @@ class ParallelConfig:
 
 @dataclass
 class KernelsConfig:
-    """Custom operators."""
+    """Custom operators, applied to the built model as converters (molds.kernels)."""
 
     fp8: bool = False
     """FP8 matmuls (needs the FP8 kernels; not available yet)."""
@@ -194,6 +281,11 @@ class KernelsConfig:
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
+
+    RANGES: ClassVar[dict] = {
+        "lr": (0.0, 10.0), "min_lr_ratio": (0.0, 1.0), "warmup_steps": (0, _BIG), "weight_decay": (0.0, 10.0),
+        "beta1": (0.0, 0.999999), "beta2": (0.0, 0.999999999), "eps": (0.0, 1.0), "grad_clip": (0.0, 1e6),
+    }
 
     lr: float = 3e-4
     """Peak learning rate."""
@@ -224,14 +316,28 @@ class OptimConfig:
 class TrainerConfig:
     """The loop."""
 
+    RANGES: ClassVar[dict] = {"max_steps": (1, _BIG), "global_batch_size": (0, _BIG), "grad_accum": (0, 1 << 16),
+                              "max_nonfinite_steps": (0, _BIG)}
+
     max_steps: int = 1000
     """Optimizer steps to train."""
 
     global_batch_size: int = 0
-    """Micro-batches x data-parallel ranks x accumulation (0: micro_batch_size x data-parallel size)."""
+    """Sequences per optimizer step across all data-parallel ranks, as DeepSpeed's
+    ``train_batch_size`` counts them: data.micro_batch_size x grad_accum x data-parallel
+    size (0: derived from grad_accum). A packed sequence holds several molecules; the
+    start-of-run summary prints sequences, molecules and real tokens per step."""
 
     grad_accum: int = 0
-    """Micro-batches per optimizer step on each rank (0: derived from global_batch_size)."""
+    """Micro-batches per optimizer step on each rank (0: derived from global_batch_size, else 1)."""
+
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: ``stop`` the run (nothing
+    non-finite is saved), ``skip`` the step (no update; counted), or ``rollback`` to the
+    last checkpoint and go on with the data after the bad batch (counted)."""
+
+    max_nonfinite_steps: int = 10
+    """``skip`` / ``rollback``: stop once this many steps were non-finite in the run."""
 
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """``auto``: bf16 autocast on a CUDA device that supports it, fp32 otherwise."""
@@ -240,6 +346,12 @@ class TrainerConfig:
 @dataclass
 class EvalConfig:
     """Evaluation during training (``eval/*`` in TensorBoard); see also ``molds-eval``."""
+
+    RANGES: ClassVar[dict] = {
+        "interval_steps": (0, _BIG), "full_interval_steps": (0, _BIG), "max_batches": (0, _BIG),
+        "samples": (1, 1 << 24), "full_samples": (1, 1 << 24), "temperature": (1e-3, 100.0), "top_k": (0, 1 << 20),
+        "grid": (0, 256),
+    }
 
     interval_steps: int = 0
     """Smoke evaluation every N steps (0: off): loss and perplexity on ``split`` and, for
@@ -278,7 +390,9 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Saving and resuming."""
+    """Saving and resuming (see README: run directories, resume and fork)."""
+
+    RANGES: ClassVar[dict] = {"interval_steps": (0, _BIG), "keep_last": (0, 1 << 20)}
 
     interval_steps: int = 0
     """Save every N steps (0: only at the end)."""
@@ -287,15 +401,25 @@ class CheckpointConfig:
     """Keep this many checkpoints (0: all)."""
 
     resume: Optional[str] = None
-    """``auto`` (the latest under output_dir), a checkpoint directory, or None."""
+    """``auto``: continue the run in output_dir from its latest complete checkpoint (a
+    fresh start when it has none); or a checkpoint reference (a checkpoint directory, a
+    run directory, a ``latest`` file). Short form: ``--resume auto``. Only the keys listed
+    in the README may change on resume; others need ``--checkpoint.fork true``."""
 
     fork: bool = False
-    """Allow resuming on a different manifest or tokenizer."""
+    """Start a new run from the checkpoint's weights: step 0, a fresh data cursor on
+    this recipe's manifest (which may differ), any recipe change allowed; the parent is
+    recorded in the lineage. Short form: ``--fork true``."""
+
+    fork_optimizer: bool = False
+    """With ``fork``: also keep the optimizer's moments (not the schedule's position)."""
 
 
 @dataclass
 class LoggingConfig:
     """TensorBoard, JSONL and the progress bar."""
+
+    RANGES: ClassVar[dict] = {"interval_steps": (1, _BIG), "peak_tflops": (1e-6, 1e6)}
 
     interval_steps: int = 10
     """Log every N optimizer steps."""

@@ -1,16 +1,25 @@
 """Process-group set-up for every launcher: ``deepspeed``, ``torchrun``, plain ``python``.
 
-Without CUDA it picks gloo and DeepSpeed's CPU accelerator by itself. Collectives get a
-finite timeout, so a rank that dies ends the others instead of hanging them forever.
+Without CUDA it picks gloo and DeepSpeed's CPU accelerator by itself. One timeout
+(``parallel.collective_timeout_s``) applies to every process group molds or DeepSpeed
+creates (the default group, DeepSpeed's data/expert/pipeline groups: they are created
+with torch's default timeout, which is set here), so a hung or dead peer ends the job
+instead of hanging it; ``collective(op)`` turns such a failure into a one-line error
+naming the rank and the operation. A single ``python`` process that needs a process
+group (DeepSpeed engines) gets a one-rank gloo group on a free local port.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
+
+from .errors import CollectiveTimeout
 
 
 @dataclass
@@ -20,6 +29,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str | None
+    timeout_s: float = 600.0
 
     @property
     def is_main(self) -> bool:
@@ -30,8 +40,33 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_default_timeout(timeout_s: float) -> None:
+    """Groups created later without an explicit timeout (DeepSpeed's) get this one."""
+    from torch.distributed import distributed_c10d
+
+    td = datetime.timedelta(seconds=timeout_s)
+    distributed_c10d.default_pg_timeout = td
+    if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
+        distributed_c10d.default_pg_nccl_timeout = td
+
+
+def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> DistInfo:
+    """Join (or create) the process group. ``need_group``: create a one-rank group even
+    for a single process (DeepSpeed's engines want one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:  # plain `python molds/train.py`: what a launcher would have set
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -40,8 +75,9 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    set_default_timeout(timeout_s)
     backend = None
-    if world > 1 and not torch.distributed.is_initialized():
+    if (world > 1 or need_group) and not torch.distributed.is_initialized():
         # small host-side collectives (flags, counters, objects) use CPU tensors: gloo
         # carries those, NCCL the CUDA tensors
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
@@ -49,7 +85,40 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
                                              timeout=datetime.timedelta(seconds=timeout_s))
     elif torch.distributed.is_initialized():
         backend = torch.distributed.get_backend()
-    return DistInfo(rank, world, local_rank, device, backend)
+    return DistInfo(rank, world, local_rank, device, backend, timeout_s)
+
+
+_TIMEOUT_MARKS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                  "connection refused", "socket", "peer")
+
+
+@contextlib.contextmanager
+def collective(op: str, dist: DistInfo):
+    """Run a step that talks to the other ranks; a timeout or a vanished peer becomes a
+    ``CollectiveTimeout`` that names this rank, the operation and the timeout."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistBackendError / gloo errors are RuntimeErrors
+        text = str(exc).lower()
+        if not dist.distributed or not any(m in text for m in _TIMEOUT_MARKS):
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CollectiveTimeout(
+            f"rank {dist.rank}: {op} did not complete (parallel.collective_timeout_s={dist.timeout_s:g}): another "
+            f"rank is hung or has died ({first})") from exc
+
+
+@contextlib.contextmanager
+def quiet_on_other_ranks(dist: DistInfo):
+    """Library chatter printed by every rank (DeepSpeed's "op built successfully", say)
+    is shown once: ranks other than 0 drop what they print inside this block."""
+    if dist.is_main:
+        yield
+        return
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def all_reduce_mean(value: float, dist: DistInfo, device=None) -> float:

@@ -1,52 +1,35 @@
-"""``molds-export CHECKPOINT OUT``: a checkpoint as a HuggingFace model directory.
+"""A checkpoint as a Hugging Face model directory (the library behind ``molds-export``).
 
 Writes safetensors weights, ``config.json`` and the manifest's tokenizer, so that
-``AutoModelForCausalLM`` (decoder), ``AutoModelForMaskedLM`` (encoder) or
+``AutoModelForCausalLM`` (decoder: ``LlamaForCausalLM``; MoE decoder:
+``Qwen3MoeForCausalLM``), ``AutoModelForMaskedLM`` (encoder) or
 ``AutoModelForSequenceClassification`` (encoder with property heads) and
-``AutoTokenizer`` load it with no molds installed. Parameter names already match those
-classes; ZeRO checkpoints are consolidated to fp32 first (DeepSpeed's ``zero_to_fp32``).
+``AutoTokenizer`` load it with no molds installed. The checkpoint is opened with the
+same factory and canonical weights as training (``molds.checkpoint.open_checkpoint``),
+so every engine's checkpoint exports the same way and nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
+
+import torch
 
 
-def checkpoint_state_dict(checkpoint: str, engine: str) -> dict:
-    """The weights of a checkpoint (ZeRO ones consolidated to fp32), by parameter name."""
-    if engine == "zero":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(checkpoint, tag="deepspeed")
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(checkpoint, "model.safetensors"))
-
-
-def special_ids(vocab: dict, special_tokens: dict) -> dict:
-    return {k: vocab[special_tokens[f"{k}_token"]] for k in ("pad", "bos", "eos")}
-
-
-def llama_config(recipe: dict, vocab: dict, special_tokens: dict):
+def llama_config(cfg, specials):
     from transformers import LlamaConfig
 
-    from molds.models import family_config
-
-    sp = special_ids(vocab, special_tokens)
-    cfg = family_config(recipe["model"], len(vocab), sp)
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        head_dim=cfg.head_dim, bos_token_id=sp["bos"], eos_token_id=sp["eos"], pad_token_id=sp["pad"])
+        head_dim=cfg.head_dim, bos_token_id=specials.bos, eos_token_id=specials.eos, pad_token_id=specials.pad)
 
 
-def _load_strict(model, state: dict, allowed_missing=()):
+def _strict(model, state: dict, allowed_missing=()):
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in allowed_missing]
     if missing or unexpected:
@@ -55,74 +38,92 @@ def _load_strict(model, state: dict, allowed_missing=()):
     return model
 
 
-def _decoder_model(recipe, vocab, manifest, state):
+def hf_decoder(model, specials):
+    """The Hugging Face twin of a molds decoder, weights copied."""
+    cfg = model.config
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    if cfg.moe is not None:
+        return hf_qwen3_moe(model, specials)
     from transformers import LlamaForCausalLM
 
-    config = llama_config(recipe, vocab, manifest.data["tokenizer"]["special_tokens"])
-    if config.tie_word_embeddings:  # safetensors keeps one name of a tied pair
-        state["model.embed_tokens.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+    if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return _load_strict(LlamaForCausalLM(config), state, ("lm_head.weight",))
+    return _strict(LlamaForCausalLM(llama_config(cfg, specials)), state, ("lm_head.weight",))
 
 
-def _encoder_model(recipe, vocab, manifest, state):
+def hf_qwen3_moe(model, specials):
+    """The MoE decoder as ``Qwen3MoeForCausalLM``: the same attention (with per-head
+    q/k RMSNorm), softmax top-k routing renormalized (``norm_topk_prob``), SwiGLU experts
+    (HF stacks them: ``gate_up_proj`` [E, 2 x width, hidden], ``down_proj`` [E, hidden, width]),
+    dense blocks as ``mlp_only_layers``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from .errors import MoldsError
+    from .models.moe import moe_layers
+
+    cfg, moe = model.config, model.config.moe
+    if moe.score != "softmax" or moe.shared_expert_size or moe.capacity_factor:
+        raise MoldsError("Qwen3-MoE routes by softmax, without a shared expert or a capacity: this model "
+                         f"(moe_score={moe.score}, moe_shared_expert_size={moe.shared_expert_size}, "
+                         f"moe_capacity_factor={moe.capacity_factor}) has no Hugging Face twin to export to")
+    sparse = {layer.layer_id for layer in moe_layers(model)}
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=moe.expert_size or cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_bias=False,
+        tie_word_embeddings=cfg.tie_word_embeddings, num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=sorted(set(range(cfg.num_layers)) - sparse),
+        router_aux_loss_coef=moe.aux_loss_coef, hidden_act="silu", bos_token_id=specials.bos,
+        eos_token_id=specials.eos, pad_token_id=specials.pad)
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name.endswith(".mlp.experts.gate"):  # ours gate, up [E, hidden, w] -> HF gate_up_proj [E, 2w, hidden]
+            up = model.state_dict()[name[: -len("gate")] + "up"].detach().float()
+            state[name[: -len("gate")] + "gate_up_proj"] = torch.cat([t, up], 2).transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.up"):
+            continue
+        elif name.endswith(".mlp.experts.down"):  # ours [E, w, hidden] -> HF [E, hidden, w]
+            state[name[: -len("down")] + "down_proj"] = t.transpose(1, 2).contiguous()
+        else:
+            state[name] = t
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return _strict(Qwen3MoeForCausalLM(hf_cfg), state, ("lm_head.weight",))
+
+
+def hf_encoder(model):
     """RobertaForSequenceClassification when the model has property heads, else
     RobertaForMaskedLM."""
     from transformers import RobertaForMaskedLM, RobertaForSequenceClassification
 
-    from molds.models import family_config
-
-    m = recipe["model"]
-    cfg = family_config(m, len(vocab), special_ids(vocab, manifest.data["tokenizer"]["special_tokens"]))
-    pair = ("mlm.lm_head.decoder.weight", "mlm.roberta.embeddings.word_embeddings.weight")
-    shared = state.get(pair[0], state.get(pair[1]))  # tied: safetensors keeps one of the two names
-    for name in pair:
-        state[name] = shared
-    if m["num_tasks"]:
+    cfg = model.config
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    if cfg.num_tasks:
         wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.roberta.")}
         wanted.update({k: v for k, v in state.items() if k.startswith("classifier.")})
-        return _load_strict(RobertaForSequenceClassification(cfg.hf_config()), wanted)
+        return _strict(RobertaForSequenceClassification(cfg.hf_config()), wanted)
     wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.")}
-    return _load_strict(RobertaForMaskedLM(cfg.hf_config()), wanted, ("lm_head.decoder.bias",))
+    return _strict(RobertaForMaskedLM(cfg.hf_config()), wanted, ("lm_head.decoder.bias",))
 
 
-def export(checkpoint: str, out: str) -> str:
-    from molds.data.manifest import Manifest
+def export(checkpoint: str, out: str, manifest_dir: str | None = None) -> str:
+    from .atomic import atomic_directory
+    from .checkpoint import open_checkpoint
 
-    with open(os.path.join(checkpoint, "lineage.json")) as fh:
-        lineage = json.load(fh)
-    recipe = lineage["recipe"]
-    manifest = Manifest.load(recipe["data"]["manifest"])
-    vocab = manifest.check_tokenizer()
-    if manifest.data["tokenizer"]["vocab_hash"] != lineage["vocab_hash"]:
-        raise ValueError(f"{checkpoint} was trained with another tokenizer than {manifest.path} now holds")
-    state = {k: v.float() for k, v in checkpoint_state_dict(checkpoint, lineage.get("engine", "ddp")).items()}
-    if recipe["model"]["family"] == "decoder":
-        model = _decoder_model(recipe, vocab, manifest, state)
+    loaded = open_checkpoint(checkpoint, manifest_dir, with_tokenizer=False)
+    if loaded.family == "decoder":
+        hf = hf_decoder(loaded.model, loaded.specials)
     else:
-        model = _encoder_model(recipe, vocab, manifest, state)
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok_src = manifest.tokenizer_path
-    for name in os.listdir(tok_src):
-        shutil.copy(os.path.join(tok_src, name), os.path.join(tmp, name))
-    with open(os.path.join(tmp, "molds_lineage.json"), "w") as fh:
-        json.dump(lineage, fh, indent=2)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+        hf = hf_encoder(loaded.model)
+    with atomic_directory(out.rstrip("/")) as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok_src = loaded.specials.path
+        for name in os.listdir(tok_src):
+            if os.path.isfile(os.path.join(tok_src, name)):
+                shutil.copy(os.path.join(tok_src, name), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "molds_lineage.json"), "w", encoding="utf-8") as fh:
+            json.dump({**loaded.lineage, "exported_from": os.path.abspath(loaded.checkpoint)}, fh, indent=2)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="molds-export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step-N)")
-    ap.add_argument("out", help="output directory for the HuggingFace model")
-    args = ap.parse_args(argv)
-    print(export(args.checkpoint, args.out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,26 +2,25 @@
 before any process group starts.
 
 ``--recipe FILE`` loads a JSON recipe; every field can then be overridden
-(``--optim.lr 1e-4``); ``--print_config`` prints the resolved recipe. Unknown keys and
-wrong types are jsonargparse errors naming the key; impossible combinations are
-``RecipeError``s naming the keys involved.
+(``--optim.lr 1e-4``); ``--print_config`` prints the resolved recipe. Unknown keys,
+wrong types, values outside a field's declared range and impossible combinations are
+``RecipeError``s naming the keys involved (one line, no usage dump).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
 from .config import (CheckpointConfig, DataConfig, EvalConfig, KernelsConfig, LoggingConfig, ModelConfig,
                      OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
+from .errors import RecipeError
 
 SECTIONS = ("run", "data", "model", "parallel", "kernels", "optim", "trainer", "eval", "checkpoint", "logging")
-
-
-class RecipeError(ValueError):
-    """An impossible combination of recipe keys (the message names them)."""
+SHORT_FORMS = {"--resume": "--checkpoint.resume", "--fork": "--checkpoint.fork"}
 
 
 @dataclass
@@ -41,12 +40,23 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-def build_parser():
+HELP_EPILOG = """\
+Resume and fork:
+  --resume auto              continue the run in run.output_dir from its latest checkpoint
+                             (short for --checkpoint.resume auto; or give a checkpoint or run directory)
+  --fork true                start a new run from a checkpoint's weights (--checkpoint.fork true)
+  --run.overwrite true       start over in an output directory that holds an earlier run
+  --debug                    show tracebacks of user errors (also MOLDS_DEBUG=1)
+"""
+
+
+def build_parser(prog: str = "molds-train"):
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(prog="molds-train", description="Train a chemical language model from a JSON recipe.",
-                            default_env=False)
+    # no value in a recipe may name something to import (jsonargparse's class_path)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"])
+    parser = ArgumentParser(prog=prog, description="Train a chemical language model from a JSON recipe.",
+                            default_env=False, exit_on_error=False, epilog=HELP_EPILOG, allow_abbrev=False)
     parser.add_argument("--recipe", action=ActionConfigFile, help="JSON recipe (recipes/*.json).")
     defaults = Recipe()
     for name in SECTIONS:
@@ -54,14 +64,103 @@ def build_parser():
     return parser
 
 
+def expand_short_forms(argv: list[str]) -> list[str]:
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        out.append(SHORT_FORMS[key] + eq + value if key in SHORT_FORMS else a)
+    return out
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
 def parse_recipe(argv: list[str] | None = None) -> Recipe:
+    """The recipe from ``argv`` (``--recipe FILE`` and overrides); ranges checked."""
+    import argparse
     import sys
 
+    argv = expand_short_forms(list(sys.argv[1:] if argv is None else argv))
+    for i, a in enumerate(argv):
+        if a == "--recipe" and i + 1 < len(argv):
+            check_recipe_file(argv[i + 1])
+        elif a.startswith("--recipe="):
+            check_recipe_file(a.split("=", 1)[1])
+        elif "class_path" in a or "init_args" in a:
+            raise RecipeError(f"{a}: a recipe names values, not classes (class_path / init_args are refused)")
     parser = build_parser()
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    ns = ns.as_dict()
-    recipe = Recipe(**{name: type(getattr(Recipe(), name))(**ns[name]) for name in SECTIONS})
+    try:
+        ns = parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise RecipeError(_one_line(exc)) from None
+    except (OSError, ValueError) as exc:  # an unreadable or malformed recipe file
+        raise RecipeError(f"--recipe: {_one_line(exc)}") from None
+    values = ns.as_dict()
+    recipe = Recipe(**{name: type(getattr(Recipe(), name))(**values[name]) for name in SECTIONS})
+    recipe.parallel.ds_config = _resolve_ds_config(recipe.parallel.ds_config, argv)
+    check_ranges(recipe)
     return recipe
+
+
+def check_recipe_file(path: str) -> None:
+    """A recipe file is a JSON object of known sections holding known keys: anything else
+    (a typo, a section molds does not have, a class_path) is refused, naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            body = json.load(fh)
+    except FileNotFoundError:
+        raise RecipeError(f"--recipe {path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"--recipe {path}: not readable JSON ({_one_line(exc)})") from None
+    if not isinstance(body, dict):
+        raise RecipeError(f"{path}: a recipe is a JSON object with sections {', '.join(SECTIONS)}")
+    defaults = Recipe()
+    for section, values in body.items():
+        if section not in SECTIONS:
+            raise RecipeError(f"{path}: unknown section {section!r} (sections: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise RecipeError(f"{path}: section {section!r} must be an object of keys")
+        known = {f.name for f in dataclasses.fields(type(getattr(defaults, section)))}
+        for key in values:
+            if key in ("class_path", "init_args", "dict_kwargs"):
+                raise RecipeError(f"{path}: {section}.{key}: a recipe names values, not classes")
+            if key not in known:
+                raise RecipeError(f"{path}: unknown key {section}.{key}")
+
+
+def _resolve_ds_config(path: str | None, argv: list[str]) -> str | None:
+    """A relative ``parallel.ds_config`` is relative to the recipe file that set it, or to
+    the working directory when the command line set it."""
+    if not path or os.path.isabs(path):
+        return path
+    set_on_command_line = any(a.split("=")[0] == "--parallel.ds_config" for a in argv)
+    if not set_on_command_line:
+        recipes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
+        recipes += [a.split("=", 1)[1] for a in argv if a.startswith("--recipe=")]
+        for recipe_file in reversed(recipes):
+            try:
+                with open(recipe_file, encoding="utf-8") as fh:
+                    if (json.load(fh).get("parallel") or {}).get("ds_config") == path:
+                        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(recipe_file)), path))
+            except (OSError, ValueError, AttributeError):
+                continue
+    return os.path.abspath(path)
+
+
+def check_ranges(recipe: Recipe) -> None:
+    """Every numeric field within its section's declared range."""
+    for section in SECTIONS:
+        cfg = getattr(recipe, section)
+        for key, (lo, hi) in getattr(type(cfg), "RANGES", {}).items():
+            value = getattr(cfg, key)
+            if value is None:
+                continue
+            bad = isinstance(value, float) and not math.isfinite(value)
+            bad = bad or (lo is not None and value < lo) or (hi is not None and value > hi)
+            if bad:
+                span = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+                raise RecipeError(f"{section}.{key}={value!r} is outside its range {span}")
 
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
@@ -70,104 +169,187 @@ def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     return world_size
 
 
-def resolve_batching(recipe: Recipe, world_size: int) -> tuple[int, int]:
-    """(global batch in micro-batches, accumulation steps) consistent with the world size."""
+@dataclass(frozen=True)
+class Batching:
+    """Sizes of one optimizer step."""
+
+    global_batch: int  # sequences per step over all data-parallel ranks (DeepSpeed's train_batch_size)
+    grad_accum: int  # micro-batches per step on each rank
+    dp_size: int
+    micro_batch: int  # sequences per micro-batch
+
+
+def resolve_batching(recipe: Recipe, world_size: int) -> Batching:
+    """The global batch (in sequences) and accumulation consistent with the world size."""
     dp = data_parallel_size(recipe, world_size)
-    t = recipe.trainer
+    t, micro = recipe.trainer, recipe.data.micro_batch_size
+    per_step = micro * dp  # sequences per accumulation step
     if t.global_batch_size and t.grad_accum:
-        if t.global_batch_size != t.grad_accum * dp:
-            raise RecipeError(f"trainer.global_batch_size={t.global_batch_size} must equal trainer.grad_accum "
-                              f"({t.grad_accum}) x data-parallel size ({dp})")
-        return t.global_batch_size, t.grad_accum
+        if t.global_batch_size != per_step * t.grad_accum:
+            raise RecipeError(f"trainer.global_batch_size={t.global_batch_size} must equal data.micro_batch_size "
+                              f"({micro}) x trainer.grad_accum ({t.grad_accum}) x data-parallel size ({dp}) = "
+                              f"{per_step * t.grad_accum}")
+        return Batching(t.global_batch_size, t.grad_accum, dp, micro)
     if t.global_batch_size:
-        if t.global_batch_size % dp:
-            raise RecipeError(f"trainer.global_batch_size={t.global_batch_size} (in micro-batches) is not a "
-                              f"multiple of the data-parallel size {dp}")
-        return t.global_batch_size, t.global_batch_size // dp
+        if t.global_batch_size % per_step:
+            raise RecipeError(f"trainer.global_batch_size={t.global_batch_size} sequences is not a multiple of "
+                              f"data.micro_batch_size ({micro}) x data-parallel size ({dp}) = {per_step}")
+        return Batching(t.global_batch_size, t.global_batch_size // per_step, dp, micro)
     accum = t.grad_accum or 1
-    return accum * dp, accum
+    return Batching(per_step * accum, accum, dp, micro)
 
 
 def validate(recipe: Recipe, world_size: int) -> None:
     """The checks that need no process group."""
-    p, m = recipe.parallel, recipe.model
+    check_ranges(recipe)
+    p, m, d = recipe.parallel, recipe.model, recipe.data
     if p.engine == "pipeline" and p.zero_stage >= 2:
         raise RecipeError(f"parallel.zero_stage={p.zero_stage} cannot be combined with parallel.engine=pipeline "
                           f"(DeepSpeed pipelines support ZeRO stage 0 or 1)")
-    if p.engine == "zero" and not 0 <= p.zero_stage <= 3:
-        raise RecipeError(f"parallel.zero_stage must be 0-3, got {p.zero_stage}")
     if p.offload_params and not (p.engine == "zero" and p.zero_stage == 3):
         raise RecipeError("parallel.offload_params needs parallel.engine=zero with parallel.zero_stage=3")
     if p.offload_optimizer and p.engine != "zero":
         raise RecipeError("parallel.offload_optimizer needs parallel.engine=zero")
-    if p.pp_size < 1 or world_size % p.pp_size:
+    if world_size % p.pp_size:
         raise RecipeError(f"parallel.pp_size={p.pp_size} does not divide the world size {world_size}")
     if p.engine != "pipeline" and p.pp_size != 1:
         raise RecipeError("parallel.pp_size > 1 needs parallel.engine=pipeline")
-    if p.num_experts:
-        if p.num_experts % p.ep_size:
-            raise RecipeError(f"parallel.ep_size={p.ep_size} does not divide parallel.num_experts={p.num_experts}")
-        if world_size % p.ep_size:
-            raise RecipeError(f"parallel.ep_size={p.ep_size} does not divide the world size {world_size}")
+    if p.engine != "pipeline" and p.schedule != "1f1b":
+        raise RecipeError("parallel.schedule applies to parallel.engine=pipeline")
+    if p.schedule == "dualpipev":
+        raise RecipeError("parallel.schedule=dualpipev is not built yet; use 1f1b")
+    if recipe.kernels.fp8 or recipe.kernels.triton:
+        raise RecipeError("kernels.fp8 and kernels.triton are not built yet")
+    dp = data_parallel_size(recipe, world_size)
+    if m.num_experts:
+        if m.family != "decoder":
+            raise RecipeError("model.num_experts > 0 needs model.family=decoder")
+        if m.num_experts % p.ep_size:
+            raise RecipeError(f"parallel.ep_size={p.ep_size} does not divide model.num_experts={m.num_experts}")
+        if dp % p.ep_size:
+            raise RecipeError(f"parallel.ep_size={p.ep_size} does not divide the data-parallel size {dp} "
+                              f"(world size {world_size} / parallel.pp_size {p.pp_size})")
+        if m.moe_top_k > m.num_experts:
+            raise RecipeError(f"model.moe_top_k={m.moe_top_k} exceeds model.num_experts={m.num_experts}")
+        if m.moe_first_dense_layers >= m.num_layers:
+            raise RecipeError(f"model.moe_first_dense_layers={m.moe_first_dense_layers} leaves no MoE layer in "
+                              f"model.num_layers={m.num_layers}")
     elif p.ep_size != 1:
-        raise RecipeError("parallel.ep_size > 1 needs parallel.num_experts > 0")
-    if p.engine in ("pipeline",) or p.num_experts or p.schedule != "1f1b" or recipe.kernels.fp8 or recipe.kernels.triton:
-        raise RecipeError("the pipeline engine, MoE, DualPipeV and the FP8/Triton kernels are not built yet; "
-                          "use parallel.engine ddp or zero with a dense model")
-    if m.family == "decoder" and recipe.data.mode != "packed":
+        raise RecipeError("parallel.ep_size > 1 needs model.num_experts > 0")
+    if p.ep_size > 1 and p.engine != "pipeline":
+        raise RecipeError("parallel.ep_size > 1 needs parallel.engine=pipeline (it drives expert parallelism; "
+                          "use parallel.pp_size=1 for expert parallelism alone)")
+    if p.engine == "pipeline":
+        if m.family != "decoder":
+            raise RecipeError("parallel.engine=pipeline trains model.family=decoder")
+        if m.num_layers < p.pp_size:
+            raise RecipeError(f"model.num_layers={m.num_layers} is fewer than parallel.pp_size={p.pp_size} stages")
+        if d.mode != "packed":
+            raise RecipeError("parallel.engine=pipeline needs fixed-shape micro-batches: data.mode=packed")
+    if m.family == "decoder" and d.mode != "packed":
         raise RecipeError("model.family=decoder trains on data.mode=packed")
-    if m.family == "encoder" and recipe.data.mode != "bucketed":
+    if m.family == "encoder" and d.mode != "bucketed":
         raise RecipeError("model.family=encoder trains on data.mode=bucketed")
-    ev = recipe.eval
-    if ev.interval_steps < 0 or ev.full_interval_steps < 0:
-        raise RecipeError("eval.interval_steps and eval.full_interval_steps must be >= 0")
-    if ev.temperature <= 0:
-        raise RecipeError(f"eval.temperature={ev.temperature} must be > 0")
-    if ev.samples < 1 or ev.full_samples < 1 or ev.top_k < 0 or ev.max_batches < 0:
-        raise RecipeError("eval.samples and eval.full_samples must be >= 1, eval.top_k and eval.max_batches >= 0")
+    if m.hidden_size % m.num_heads:
+        raise RecipeError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
+    if m.family == "decoder" and m.num_heads % m.num_kv_heads:
+        raise RecipeError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
     if m.family == "encoder" and recipe.kernels.compile_regions:
         raise RecipeError("kernels.compile_regions applies to model.family=decoder (the encoder is HF's RoBERTa)")
     if m.family == "encoder":
-        if m.num_tasks and not recipe.data.with_labels:
+        if m.num_tasks and not d.with_labels:
             raise RecipeError("model.num_tasks > 0 needs data.with_labels=true")
-        if not m.num_tasks and recipe.data.mlm_probability <= 0:
+        if not m.num_tasks and d.mlm_probability <= 0:
             raise RecipeError("an encoder with model.num_tasks=0 needs data.mlm_probability > 0 (nothing to learn)")
-        if recipe.data.max_length > m.max_position_embeddings:
-            raise RecipeError(f"data.max_length={recipe.data.max_length} exceeds model.max_position_embeddings="
+        if d.max_length > m.max_position_embeddings:
+            raise RecipeError(f"data.max_length={d.max_length} exceeds model.max_position_embeddings="
                               f"{m.max_position_embeddings}")
-    if recipe.data.mode == "packed" and recipe.data.seq_len > m.max_position_embeddings:
-        raise RecipeError(f"data.seq_len={recipe.data.seq_len} exceeds model.max_position_embeddings="
+        if not d.fixed_shape and d.max_tokens_per_batch < d.max_length:
+            raise RecipeError(f"data.max_tokens_per_batch={d.max_tokens_per_batch} is smaller than "
+                              f"data.max_length={d.max_length}: the longest molecule would not fit a batch")
+    if d.mode == "packed" and d.seq_len > m.max_position_embeddings:
+        raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings}")
-    if not recipe.data.manifest:
+    if d.on_bad_shard == "skip" and d.verify != "eager":
+        raise RecipeError("data.on_bad_shard=skip needs data.verify=eager (every rank must skip the same shards)")
+    if recipe.checkpoint.fork and not recipe.checkpoint.resume:
+        raise RecipeError("checkpoint.fork needs checkpoint.resume: the checkpoint to fork from")
+    if recipe.checkpoint.fork_optimizer and not recipe.checkpoint.fork:
+        raise RecipeError("checkpoint.fork_optimizer applies with checkpoint.fork=true")
+    if not d.manifest:
         raise RecipeError("data.manifest: give the directory written by molds-preprocess")
     resolve_batching(recipe, world_size)
 
 
+def _get(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _put(cfg: dict, dotted: str, value) -> None:
+    node = cfg
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
 def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool) -> dict:
-    """The DeepSpeed JSON named by the recipe, with its batch fields derived from the
-    recipe so the two cannot disagree."""
+    """The DeepSpeed JSON the recipe names, completed from the recipe: a key the file
+    leaves out is filled in; a key it sets to another value than the recipe's is refused,
+    naming both sources."""
     path = recipe.parallel.ds_config
-    cfg = {}
+    cfg: dict = {}
     if path:
-        if not os.path.exists(path):
-            raise RecipeError(f"parallel.ds_config: no file {path}")
-        with open(path) as fh:
-            cfg = json.load(fh)
-    global_batch, accum = resolve_batching(recipe, world_size)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if key in cfg and cfg[key] not in ("auto",):
-            raise RecipeError(f"{path}: remove {key!r}; molds derives batch sizes from the recipe")
-    micro = recipe.data.micro_batch_size
-    cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum,
-               train_batch_size=micro * global_batch)
-    zero = cfg.setdefault("zero_optimization", {})
-    zero["stage"] = recipe.parallel.zero_stage
-    if recipe.parallel.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if recipe.parallel.offload_params:
-        zero["offload_param"] = {"device": "cpu"}
-    cfg["gradient_clipping"] = recipe.optim.grad_clip
-    cfg["bf16"] = {"enabled": bf16}
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        except FileNotFoundError:
+            raise RecipeError(f"parallel.ds_config: no file {path}") from None
+        except ValueError as exc:
+            raise RecipeError(f"parallel.ds_config: {path} is not valid JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise RecipeError(f"parallel.ds_config: {path} must hold a JSON object")
+    source = path or "the DeepSpeed config"
+    for key, owner in (("optimizer", "optim.*"), ("scheduler", "optim.* (warmup + cosine)")):
+        if key in cfg:
+            raise RecipeError(f"{source}: remove {key!r}: molds builds it from the recipe's {owner}")
+    if _get(cfg, "fp16.enabled"):
+        raise RecipeError(f"{source}: fp16 is not supported; use trainer.precision (bf16 or fp32)")
+    b = resolve_batching(recipe, world_size)
+    p = recipe.parallel
+    derived = [
+        ("train_micro_batch_size_per_gpu", b.micro_batch, "data.micro_batch_size"),
+        ("gradient_accumulation_steps", b.grad_accum, "trainer.grad_accum"),
+        ("train_batch_size", b.global_batch, "trainer.global_batch_size"),
+        ("zero_optimization.stage", p.zero_stage, "parallel.zero_stage"),
+        ("gradient_clipping", recipe.optim.grad_clip, "optim.grad_clip"),
+        ("bf16.enabled", bf16, "trainer.precision"),
+    ]
+    for key, wanted, recipe_key in (("zero_optimization.offload_optimizer", p.offload_optimizer,
+                                      "parallel.offload_optimizer"),
+                                     ("zero_optimization.offload_param", p.offload_params, "parallel.offload_params")):
+        block = _get(cfg, key)
+        in_file = isinstance(block, dict) and block.get("device") not in (None, "none")
+        if block is None:
+            if wanted:
+                _put(cfg, key, {"device": "cpu"})
+        elif in_file != wanted:
+            raise RecipeError(f"{source} sets {key}={block!r} but the recipe gives {recipe_key}={wanted}; "
+                              f"remove it from the file or make the two agree")
+    for key, value, recipe_key in derived:
+        have = _get(cfg, key)
+        if have is None or have == "auto":
+            _put(cfg, key, value)
+        elif have != value:
+            raise RecipeError(f"{source} sets {key}={have!r} but the recipe gives {recipe_key} -> {value!r}; "
+                              f"remove it from the file or make the two agree")
+    if bf16:
+        cfg["bf16"].setdefault("check_grad_overflow", True)  # a non-finite gradient skips the step (counted)
     cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("steps_per_print", 10**9)
     cfg.setdefault("wall_clock_breakdown", False)

@@ -2,168 +2,481 @@
 
     deepspeed molds/train.py --recipe recipes/smoke/dense_zero2.json
     torchrun --nproc_per_node 2 molds/train.py --recipe recipes/smoke/dense_ddp.json
-    python molds/train.py --recipe recipes/smoke/dense_ddp.json --optim.lr 1e-3
+    python molds/train.py --recipe recipes/smoke/dense_zero2.json --optim.lr 1e-3   # one process
     molds-train --recipe ... --print_config
 
-The loop reads top to bottom: parse and check the recipe, set up ranks, build data,
-model and engine, resume if asked, then step, log and checkpoint.
+``main`` reads top to bottom: parse and check the recipe, ``setup`` (ranks, output
+directory, data, model, engine, resume), the loop (step, log, evaluate, checkpoint),
+``finish`` (final evaluation and checkpoint, summary). Setup and teardown are named
+functions; the loop is what is left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
+
+if __name__ == "__main__":  # `python molds/train.py` from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from molds.errors import MoldsError, NonFiniteError  # noqa: E402
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by ``setup``."""
+
+    recipe: object
+    dist: object
+    manifest: object
+    tokenizer: object
+    batching: object
+    loader: object
+    engine: object
+    lineage: dict
+    log: object
+    evaluator: object
+    flops: tuple  # (per real token, per squared molecule length)
+    step: int = 0
+    start_step: int = 0
+    resumed_from: str | None = None
+    last_checkpoint: str | None = None
+    counters: dict = field(default_factory=lambda: {"nonfinite_steps": 0, "rollbacks": 0})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from molds.recipe import parse_recipe, resolve_batching, validate
+    from molds.recipe import parse_recipe, validate
 
     if argv is None:
-        argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
-    # short forms: --resume auto / --fork true stand for --checkpoint.resume / --checkpoint.fork
-    argv = ["--checkpoint." + a[2:] if a.split("=")[0] in ("--resume", "--fork") else a for a in argv]
+        argv = sys.argv[1:]
+    argv = [a for a in argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     recipe = parse_recipe(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(recipe, world)  # before any process group starts
+    validate(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group starts
+    try:
+        run = setup(recipe)
+    except BaseException:
+        _leave_process_group()
+        raise
+    try:
+        train(run)
+        return finish(run)
+    finally:
+        teardown(run)
 
-    import dataclasses
+
+def train(run: Run) -> None:
+    """The loop: take micro-batches, step, log, evaluate, checkpoint."""
+    from molds.data.loader import batch_tensors
+    from molds.distributed import all_have, collective
+
+    recipe, dist, engine = run.recipe, run.dist, run.engine
+    accum = run.batching.grad_accum
+    batches = iter(run.loader)
+    window = _new_window()
+    bar = _progress_bar(run)
+    while run.step < recipe.trainer.max_steps:
+        micro = []
+        try:
+            for _ in range(accum):
+                b = next(batches, None)
+                if b is None:
+                    break
+                micro.append(b)
+        except MoldsError as exc:  # a shard this rank read: this rank reports it
+            exc.shared = False
+            raise
+        with collective(f"step {run.step + 1}: agreeing that every rank has its batches", dist):
+            if not all_have(len(micro) == accum, dist):  # every rank stops together: no collective left waiting
+                break
+        with collective(f"step {run.step + 1}: forward/backward/optimizer", dist):
+            result = engine.train_step([batch_tensors(b, dist.device) for b in micro])
+        _count(window, micro, result)
+        with collective(f"step {run.step + 1}: agreeing that the step is finite", dist):
+            finite = all_have(not result.skipped and math.isfinite(result.loss), dist)
+        if not finite:
+            _non_finite(run, result)
+            continue
+        run.step += 1
+        if bar is not None:
+            bar.update(1)
+        if run.step % recipe.logging.interval_steps == 0 or run.step == recipe.trainer.max_steps:
+            with collective(f"step {run.step}: gathering metrics", dist):
+                _log(run, window, result, bar)
+            window = _new_window()
+        kind = run.evaluator.due(run.step) if run.step < recipe.trainer.max_steps else None
+        if kind:
+            with collective(f"step {run.step}: {kind} evaluation", dist):
+                run.evaluator.run(run.step, kind)
+        interval = recipe.checkpoint.interval_steps
+        if interval and run.step % interval == 0 and run.step < recipe.trainer.max_steps:
+            save(run)
+    if bar is not None:
+        bar.close()
+
+
+def finish(run: Run) -> dict:
+    """The final evaluation and checkpoint, and the run's summary."""
+    from molds.distributed import all_reduce_sum, collective
+
+    recipe, dist = run.recipe, run.dist
+    if run.evaluator.enabled and run.step > run.start_step:  # the final evaluation, and hparams beside it
+        with collective("final evaluation", dist):
+            run.evaluator.run(run.step, "full")
+        run.log.hparams(_hparams(recipe), run.evaluator.final)
+    if run.resumed_from and run.step == run.start_step:
+        final = run.resumed_from  # nothing trained since: the checkpoint we started from is the last one
+    else:
+        final = save(run)
+    stats = run.loader.totals()
+    pp = run.engine.topology.pp_size  # the stages of a pipeline read the same batches
+    truncated, truncated_tokens = (x / pp for x in all_reduce_sum([stats["truncated"], stats["truncated_tokens"]],
+                                                                   dist))
+    summary = {"steps": run.step, "checkpoint": final, "nonfinite_steps": run.counters["nonfinite_steps"],
+               "rollbacks": run.counters["rollbacks"], "truncated_molecules": int(truncated),
+               "truncated_tokens": int(truncated_tokens), "skipped_shards": run.loader.skipped["shards"],
+               "skipped_rows": run.loader.skipped["rows"]}
+    if dist.is_main:
+        notes = [f"{k.replace('_', ' ')} {v}" for k, v in summary.items() if k not in ("steps", "checkpoint") and v]
+        print(f"[molds] {run.step} steps; checkpoint {final}" + (f"; {', '.join(notes)}" if notes else ""),
+              file=sys.stderr)
+    return {"step": run.step, "checkpoint": final, "summary": summary}
+
+
+def teardown(run: Run) -> None:
+    """Close the logs and leave the process group, so every rank exits cleanly: the
+    engine (DDP's reducer, DeepSpeed's groups) is released before the group it uses, or
+    gloo's threads can still be calling into Python while the interpreter shuts down."""
+    run.log.close()
+    run.engine = run.evaluator = run.loader = None
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    import gc
 
     import torch
 
-    from molds.checkpoint import check_lineage, find_checkpoint, load_checkpoint, save_checkpoint
-    from molds.data.loader import MoleculeLoader, merge_states, model_inputs
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- setup
+
+def setup(recipe) -> Run:
+    """Ranks, output directory, data, model, engine, resume, logger, evaluator."""
+    from molds.checkpoint.rundir import plan_resume, prepare_output_dir
+    from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
-    from molds.distributed import all_have, all_reduce_mean, all_reduce_sum, gather_objects, init_distributed
+    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.eval.training import TrainingEvaluator
-    from molds.metrics.logger import MetricsLogger, device_peak_tflops
-    from molds.models import build_model
+    from molds.kernels import apply_kernels
+    from molds.models import build_model, count_parameters
+    from molds.models.loss import build_loss
+    from molds.recipe import resolve_batching
+    from molds.tokens import tokenizer_info
 
-    dist = init_distributed()
-    torch.manual_seed(recipe.run.seed)
+    _quiet_third_party()
+    dist = init_distributed(recipe.parallel.collective_timeout_s,
+                            need_group=recipe.parallel.engine in ("zero", "pipeline"))
     manifest = Manifest.load(recipe.data.manifest)
-    vocab = manifest.check_tokenizer()
-    out = recipe.run.output_dir
-    if dist.is_main:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "recipe.json"), "w") as fh:
-            json.dump(recipe.to_dict(), fh, indent=2)
-
-    global_batch, accum = resolve_batching(recipe, dist.world_size)
-    data_cfg = dataclasses.replace(recipe.data, max_steps=None)  # the trainer counts steps itself
-    loader = MoleculeLoader(data_cfg, rank=dist.rank, world_size=dist.world_size)
-    model = build_model(recipe, len(vocab), loader.specials)
-    engine = build_engine(recipe, model, dist)
+    tokenizer = tokenizer_info(manifest)
+    plan = plan_resume(recipe)  # which checkpoint, or none
+    prepare_output_dir(recipe, dist, resuming=plan is not None and not recipe.checkpoint.fork)
+    batching = resolve_batching(recipe, dist.world_size)
+    model = build_model(recipe.model, tokenizer, seed=recipe.run.seed)  # the same on every rank
+    flops = model.flops_coefficients()
+    parameters = count_parameters(model)
+    apply_kernels(model, recipe.kernels)
+    engine = build_engine(recipe, model, build_loss(recipe.model), dist)
+    _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks
+    topo = engine.topology
+    loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=topo.dp_rank,
+                            world_size=topo.dp_size)
     lineage = {
-        "recipe": recipe.to_dict(),
-        "manifest_hash": manifest.hash,
-        "vocab_hash": manifest.data["tokenizer"]["vocab_hash"],
-        "canonicalization_hash": manifest.data["canonicalization"]["hash"],
-        "world_topology": {"world_size": dist.world_size, "data_parallel": dist.world_size,
-                           "pp_size": recipe.parallel.pp_size, "ep_size": recipe.parallel.ep_size},
-        "global_batch_micro_batches": global_batch,
-        "grad_accum": accum,
+        "recipe": recipe.to_dict(), "manifest_hash": manifest.hash, "manifest": manifest.path,
+        "vocab_hash": tokenizer.vocab_hash, "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
+        "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
+        "world_topology": topo.as_dict(), "world_size": dist.world_size,
+        "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
+        "parameters": parameters,
     }
-
-    step = start_step = 0
-    resume_from = find_checkpoint(recipe)
-    if resume_from:
-        check_lineage(resume_from, lineage, recipe.checkpoint.fork)
-        step, data_state = load_checkpoint(resume_from, engine, dist)
-        start_step = step
-        loader.load_state_dict(data_state)
-        if dist.is_main:
-            print(f"[molds] resumed from {resume_from} at step {step}", file=sys.stderr)
-
-    log = MetricsLogger(out, dist.is_main, recipe.logging.tensorboard)
-    peak, peak_note = device_peak_tflops(dist.device, recipe.logging.peak_tflops)
-    log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
-    log.text("run/mfu_peak", peak_note)
-    evaluator = TrainingEvaluator(recipe, engine, dist, manifest, loader.specials, log)
-    span = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
-    flops_per_token = model.flops_per_token(span) if hasattr(model, "flops_per_token") else None
-    bar = None
-    if dist.is_main and recipe.logging.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=recipe.trainer.max_steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True)
-
-    batches = iter(loader)
-    window = {"real": 0.0, "tokens": 0.0, "wait": 0.0, "time": time.perf_counter(), "steps": 0}
-    last = {}
-    while step < recipe.trainer.max_steps:
-        micro = []
-        for _ in range(accum):
-            try:
-                micro.append(next(batches))
-            except StopIteration:
-                break
-        if not all_have(len(micro) == accum, dist):  # every rank stops together: no collective left waiting
-            break
-        for b in micro:
-            st = b["stats"]
-            window["real"] += st["real_tokens"]
-            window["tokens"] += st["tokens"]
-            window["wait"] += st["wait_s"]
-        last = engine.train_step([model_inputs(b, dist.device) for b in micro])
-        step += 1
-        window["steps"] += 1
-        if bar is not None:
-            bar.update(1)
-        if step % recipe.logging.interval_steps == 0 or step == recipe.trainer.max_steps:
-            real, tokens, wait = all_reduce_sum([window["real"], window["tokens"], window["wait"]], dist)
-            elapsed = time.perf_counter() - window["time"]
-            loss = all_reduce_mean(last["loss"], dist)
-            tps = real / elapsed
-            mfu = tps * flops_per_token / (peak * 1e12 * dist.world_size) if peak and flops_per_token else None
-            values = {"train/loss": loss, "train/lr": last["lr"], "train/grad_norm": last["grad_norm"],
-                      "train/tokens_per_sec": tps, "train/padding_ratio": 1 - real / max(1.0, tokens),
-                      "data/wait_s_per_step": wait / dist.world_size / window["steps"], "train/mfu": mfu}
-            if dist.device.type == "cuda":
-                values["train/peak_memory_mb"] = torch.cuda.max_memory_allocated(dist.device) / 2**20
-            else:  # the peak resident memory of this process (rank 0)
-                import resource
-
-                values["train/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            log.scalars(step, values)
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window = {"real": 0.0, "tokens": 0.0, "wait": 0.0, "time": time.perf_counter(), "steps": 0}
-        kind = evaluator.due(step) if step < recipe.trainer.max_steps else None
-        if kind:
-            evaluator.run(step, kind)
-        interval = recipe.checkpoint.interval_steps
-        if interval and step % interval == 0 and step < recipe.trainer.max_steps:
-            save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
-                            lineage)
-    if evaluator.enabled and step > start_step:  # the final evaluation, and hparams beside it
-        evaluator.run(step, "full")
-        log.hparams(_hparams(recipe), evaluator.final)
-    if resume_from and step == start_step:
-        final = resume_from  # nothing trained since: the checkpoint we started from is the last one
-    else:
-        final = save_checkpoint(recipe, engine, dist, step, merge_states(gather_objects(loader.state_dict(), dist)),
-                                lineage)
-    if bar is not None:
-        bar.close()
-    log.close()
+    run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops)
+    if plan is not None:
+        _resume(run, plan)
     if dist.is_main:
-        print(f"[molds] {step} steps; checkpoint {final}", file=sys.stderr)
-    return {"step": step, "checkpoint": final, "last": last}
+        from molds.atomic import write_json
+
+        write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
+    from molds.metrics.logger import MetricsLogger
+
+    run.log = MetricsLogger(recipe.run.output_dir, dist.is_main, recipe.logging.tensorboard,
+                            start_step=run.step if run.resumed_from and not recipe.checkpoint.fork else None)
+    run.evaluator = TrainingEvaluator(recipe, engine, dist, manifest, tokenizer, run.log)
+    _start_summary(run, parameters)
+    return run
+
+
+def _resume(run: Run, path: str) -> None:
+    from molds.checkpoint import read_lineage, restore
+    from molds.checkpoint.resume import check_resume
+
+    recipe, dist = run.recipe, run.dist
+    saved = read_lineage(path)
+    fork = recipe.checkpoint.fork
+    changes = check_resume(path, saved, run.lineage, fork)
+    if fork:
+        step, _ = restore(path, run.engine, dist, optimizer=recipe.checkpoint.fork_optimizer, seed=recipe.run.seed,
+                          keep_schedule=False)
+        run.lineage["parent"] = {"checkpoint": os.path.abspath(path), "step": step,
+                                 "manifest_hash": saved.get("manifest_hash"), "run": saved.get("recipe", {}).get("run")}
+        if dist.is_main:
+            print(f"[molds] forked from {path} (its step {step}): weights"
+                  f"{' and optimizer moments' if recipe.checkpoint.fork_optimizer else ''} kept, step 0, fresh data "
+                  f"cursor on {run.manifest.path}", file=sys.stderr)
+        return
+    step, data_state = restore(path, run.engine, dist, seed=recipe.run.seed)  # the schedule: this recipe's
+    run.loader.load_state_dict(data_state)
+    run.step = run.start_step = step
+    run.resumed_from = run.last_checkpoint = path
+    history = list(saved.get("resume_changes", []))
+    if changes:
+        history.append({"at_step": step, "changes": changes})
+    run.lineage["resume_changes"] = history
+    run.lineage["resumed_from"] = os.path.abspath(path)
+    if "parent" in saved:
+        run.lineage["parent"] = saved["parent"]
+    if dist.is_main:
+        applied = "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()
+                            if not k.startswith(("checkpoint.", "run.output_dir")))
+        print(f"[molds] resumed from {path} at step {step}" + (f" (applied: {applied})" if applied else ""),
+              file=sys.stderr)
+
+
+# ---------------------------------------------------------------- the loop's parts
+
+def _new_window() -> dict:
+    return {"real": 0.0, "tokens": 0.0, "molecules": 0.0, "wait": 0.0, "sq": 0.0, "time": time.perf_counter(),
+            "steps": 0}
+
+
+def _count(window: dict, micro: list, result) -> None:
+    for b in micro:
+        st = b["stats"]
+        window["real"] += st["real_tokens"]
+        window["tokens"] += st["tokens"]
+        window["molecules"] += st["molecules"]
+        window["wait"] += st["wait_s"]
+        window["sq"] += st.get("length_sq_sum", 0)
+    window["steps"] += 1
+
+
+def _log(run: Run, window: dict, result, bar) -> None:
+    import torch
+
+    from molds.distributed import all_reduce_mean, all_reduce_sum
+    from molds.metrics.logger import device_peak_tflops
+
+    dist = run.dist
+    totals = run.loader.totals()
+    real, tokens, wait, sq, trunc, trunc_tok = all_reduce_sum(
+        [window["real"], window["tokens"], window["wait"], window["sq"], totals["truncated"],
+         totals["truncated_tokens"]], dist)
+    elapsed = time.perf_counter() - window["time"]
+    loss = all_reduce_mean(result.loss, dist)
+    pp = run.engine.topology.pp_size
+    real, tokens, sq, trunc, trunc_tok = (x / pp for x in (real, tokens, sq, trunc, trunc_tok))  # pipeline stages share batches
+    peak, _ = device_peak_tflops(dist.device, run.recipe.logging.peak_tflops)
+    flops = run.flops[0] * real + run.flops[1] * sq
+    values = {"train/loss": loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
+              "train/tokens_per_sec": real / elapsed, "train/padding_ratio": 1 - real / max(1.0, tokens),
+              "train/mfu": flops / elapsed / (peak * 1e12 * dist.world_size) if peak else None,
+              "train/nonfinite_steps": run.counters["nonfinite_steps"], "train/rollbacks": run.counters["rollbacks"],
+              "data/wait_s_per_step": wait / dist.world_size / max(1, window["steps"]),
+              "data/truncated_molecules": trunc, "data/truncated_tokens": trunc_tok}
+    if dist.device.type == "cuda":
+        values["train/peak_memory_mb"] = torch.cuda.max_memory_allocated(dist.device) / 2**20
+    else:  # the peak resident memory of this process (rank 0)
+        import resource
+
+        values["train/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    values.update(result.extras)
+    values.update(run.engine.extras())  # moe/*, pipeline/* (a collective)
+    run.log.scalars(run.step, values)
+    if bar is not None:
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{values['train/tokens_per_sec']:,.0f}", refresh=False)
+
+
+def _non_finite(run: Run, result) -> None:
+    """The recipe's policy for a step whose loss or gradients are NaN or infinite."""
+    policy = run.recipe.trainer.on_nonfinite
+    run.counters["nonfinite_steps"] += 1
+    n, bound = run.counters["nonfinite_steps"], run.recipe.trainer.max_nonfinite_steps
+    what = (f"step {run.step + 1}: loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g} on this rank: not "
+            f"finite (on some rank)")
+    last = run.last_checkpoint or "none yet"
+    if policy == "stop":
+        raise NonFiniteError(f"{what}; nothing of it was applied or saved (trainer.on_nonfinite=stop). Last "
+                             f"checkpoint: {last}. Lower optim.lr, or set trainer.on_nonfinite to skip or rollback")
+    if n > bound:
+        raise NonFiniteError(f"{what}; {n} non-finite steps in this run, more than trainer.max_nonfinite_steps="
+                             f"{bound}. Last checkpoint: {last}")
+    if run.dist.is_main:
+        print(f"[molds] {what}: {policy} ({n} of at most {bound})", file=sys.stderr)
+    run.log.scalars(run.step, {"train/nonfinite_steps": n})
+    if policy == "rollback":
+        from molds.checkpoint import restore
+
+        if run.last_checkpoint is None:
+            raise NonFiniteError(f"{what}; trainer.on_nonfinite=rollback but no checkpoint was saved yet")
+        step, _ = restore(run.last_checkpoint, run.engine, run.dist, seed=run.recipe.run.seed + n)
+        run.counters["rollbacks"] += 1
+        run.step = step  # the data cursor stays where it is: past the bad batch
+        run.log.rewind(step)
+        run.log.scalars(step, {"train/rollbacks": run.counters["rollbacks"], "train/nonfinite_steps": n})
+
+
+def save(run: Run) -> str:
+    from molds.checkpoint import save_checkpoint
+    from molds.data.loader import merge_states
+    from molds.distributed import collective, gather_objects
+
+    with collective(f"step {run.step}: saving a checkpoint", run.dist):
+        _check_manifest_unchanged(run)
+        data_state = merge_states(gather_objects(run.loader.state_dict(), run.dist))
+        lineage = dict(run.lineage, counters=dict(run.counters))
+        path = save_checkpoint(run.recipe.run.output_dir, run.engine, run.dist, run.step, data_state, lineage,
+                               keep_last=run.recipe.checkpoint.keep_last,
+                               needed_bytes=12 * run.lineage["parameters"] + (1 << 20))
+    run.last_checkpoint = path
+    return path
+
+
+def _check_manifest_unchanged(run: Run) -> None:
+    """The manifest the run started from must still be the one on disk when it saves:
+    an edited manifest means the data under the run changed."""
+    from molds.data.manifest import Manifest
+    from molds.distributed import all_have
+    from molds.errors import ManifestError
+
+    now = None
+    if run.dist.is_main:
+        try:
+            now = Manifest.load(run.manifest.path).hash
+        except MoldsError as exc:
+            now = f"unreadable ({exc})"
+    if not all_have(now in (None, run.manifest.hash), run.dist):
+        raise ManifestError(f"{run.manifest.path} changed after the run started (content hash "
+                            f"{run.manifest.hash[:12]} -> {str(now)[:40]}): the run stops before saving; its last "
+                            f"checkpoint is {run.last_checkpoint or 'none yet'}, and resuming on the changed manifest "
+                            f"needs --checkpoint.fork true")
+
+
+# ---------------------------------------------------------------- small helpers
+
+def _seed_rank(seed: int, rank: int) -> None:
+    """Initialization is the same on every rank; what comes after (dropout, sampling)
+    must not be: each rank's generators are seeded from (seed, rank)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    s = (seed * 1_000_003 + rank * 7_919 + 1) % 2**31
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s)
+
+
+def _code_version() -> str:
+    import subprocess
+
+    from molds import __version__
+
+    if os.environ.get("MOLDS_NO_GIT"):
+        return __version__
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"{__version__}+{rev}" if rev else __version__
+
+
+def _quiet_third_party() -> None:
+    """Known-harmless warnings of DeepSpeed and torch on CPU, filtered once per process."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else os.environ.get("DS_ACCELERATOR", "cuda"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _progress_bar(run: Run):
+    if not (run.dist.is_main and run.recipe.logging.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=run.recipe.trainer.max_steps, initial=run.step, desc="train", file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def _start_summary(run: Run, parameters: int) -> None:
+    """What one step is, in the units people think in; and what the data will lose."""
+    recipe, b, topo = run.recipe, run.batching, run.engine.topology
+    notes = [run.loader.length_warning(), run.loader.skipped_note]
+    skipped = run.loader.skipped
+    if skipped["shards"]:
+        run.log.scalars(run.step, {"data/skipped_shards": skipped["shards"], "data/skipped_rows": skipped["rows"]})
+        run.log.text("data/skipped_shards", "\n".join(skipped["reasons"]))
+    run.log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
+    from molds.metrics.logger import device_peak_tflops
+
+    run.log.text("run/mfu_peak", device_peak_tflops(run.dist.device, recipe.logging.peak_tflops)[1])
+    if not run.dist.is_main:
+        return
+    seq = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
+    st = run.manifest.data.get("stats", {}).get("splits", {}).get(recipe.data.split, {})
+    rows, tokens = st.get("rows"), st.get("tokens")
+    per_mol = (tokens / rows + 2) if rows and tokens else None  # BOS and EOS added by the loader
+    mols = f", about {b.global_batch * seq / per_mol:,.0f} molecules and {b.global_batch * seq:,} token slots" \
+        if per_mol and recipe.data.mode == "packed" else ""
+    print(f"[molds] {recipe.model.family} of {parameters:,} parameters on {run.engine.name} "
+          f"(world {topo.world_size}: dp {topo.dp_size}, pp {topo.pp_size}, ep {topo.ep_size}); one step = "
+          f"{b.global_batch} sequences ({b.micro_batch} per micro-batch x {b.grad_accum} accumulation x "
+          f"{b.dp_size} data-parallel){mols}", file=sys.stderr)
+    for note in notes:
+        if note:
+            print(f"[molds] warning: {note}", file=sys.stderr)
 
 
 def _hparams(recipe) -> dict:
-    """The recipe flattened (``optim.lr``, ``model.hidden_size``, ...); the logger keeps the scalars."""
-    return {f"{section}.{key}": value for section, values in recipe.to_dict().items() if isinstance(values, dict)
-            for key, value in values.items()}
+    from molds.checkpoint.resume import flatten
+
+    return flatten(recipe.to_dict())
 
 
 def cli() -> None:
-    main()
+    from molds.errors import run_cli
+
+    sys.exit(run_cli("molds-train", main))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    main()
+    cli()

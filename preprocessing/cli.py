@@ -49,33 +49,49 @@ def _normalize_argv(argv: list[str]) -> list[str]:
 def build_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"])
     parser = ArgumentParser(prog="molds-preprocess", description=PreprocessConfig.__doc__,
-                            default_env=False, exit_on_error=True)
+                            default_env=False, exit_on_error=False, allow_abbrev=False,
+                            epilog="--debug shows the traceback of an error (also MOLDS_DEBUG=1).")
     parser.add_argument("--config", action=ActionConfigFile, help="Read options from a JSON/YAML file.")
     parser.add_class_arguments(PreprocessConfig, fail_untyped=True, sub_configs=False)
     return parser
 
 
 def parse(argv: list[str] | None = None) -> PreprocessConfig:
+    import argparse
+
+    from molds.errors import InputError
+
     parser = build_parser()
-    ns = parser.parse_args(_normalize_argv(sys.argv[1:] if argv is None else argv))
+    try:
+        ns = parser.parse_args(_normalize_argv(sys.argv[1:] if argv is None else argv))
+    except argparse.ArgumentError as exc:
+        raise InputError(" ".join(str(exc).split())) from None
     values = {f.name: ns[f.name] for f in dataclasses.fields(PreprocessConfig)}
     return PreprocessConfig(**values)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(argv)
-    from .pipeline import run
-    from .readers import InputError
+def _run(argv: list[str]) -> int:
+    from molds.errors import InputError
 
+    from .pipeline import run
+
+    cfg = parse(argv)
     try:
         manifest = run(cfg)
-    except (InputError, FileExistsError, ValueError) as exc:
-        print(f"molds-preprocess: error: {exc}", file=sys.stderr)
-        return 2
+    except (FileExistsError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(str(exc)) from exc
     print(manifest)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from molds.errors import run_cli
+
+    return run_cli("molds-preprocess", _run, argv)
 
 
 if __name__ == "__main__":

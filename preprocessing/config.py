@@ -50,10 +50,11 @@ class PreprocessConfig:
     """rdMolStandardize: apply the standard functional-group normalizations."""
 
     max_heavy_atoms: int = 150
-    """Reject molecules with more heavy atoms (estimated before parsing, exact after)."""
+    """Reject molecules with more heavy atoms (estimated before parsing, exact right after,
+    before standardization and scaffolds). At most 1,000."""
 
     max_smiles_length: int = 500
-    """Reject SMILES strings longer than this, before parsing."""
+    """Reject SMILES strings longer than this, before parsing. At most 20,000."""
 
     dedupe_key: Literal["canonical", "inchikey"] = "canonical"
     """Deduplicate on canonical SMILES or on the standard InChIKey (slower: InChI per molecule)."""

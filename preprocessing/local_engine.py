@@ -14,6 +14,8 @@ import queue
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 
+from molds.errors import InputError
+
 from .readers import read_chunks
 from .stages import MapStage, Stats
 
@@ -42,6 +44,15 @@ def _map_worker(name, options, work_dir, tasks, results):
 
 class WorkerError(RuntimeError):
     pass
+
+
+class PartialReadError(InputError):
+    """An input could not be read to its end; ``stats`` accounts for every row read
+    before the error (canonicalized or rejected), ``where`` says how far it got."""
+
+    def __init__(self, message: str, stats: Stats, where: str):
+        super().__init__(message)
+        self.stats, self.where = stats, where
 
 
 class LocalEngine:
@@ -87,11 +98,17 @@ class LocalEngine:
                 except queue.Full:
                     drain(block=True)
 
+        read_error, last = None, None
         try:
-            for _, reader in inputs:
-                for chunk in reader:
-                    put(chunk)
-                    drain(block=False)
+            for path, reader in inputs:
+                try:
+                    for chunk in reader:
+                        put(chunk)
+                        last = (path, chunk.rows[-1])
+                        drain(block=False)
+                except InputError as exc:  # a truncated archive, a malformed file: stop reading,
+                    read_error = exc  # but let the workers finish what was read, so it is counted
+                    break
             for _ in procs:
                 put(None)
             while len(done) < len(procs):
@@ -101,12 +118,20 @@ class LocalEngine:
                 if p.is_alive() and len(done) < len(procs):
                     p.terminate()
                 p.join(timeout=5)
+            # nothing may wait at exit for a queue no process reads any more
+            for q in (tasks, results):
+                q.cancel_join_thread()
+                q.close()
         spills, stats, tokens = [], Stats(), None
         for worker_spills, worker_stats, worker_tokens in done:
             spills.extend(worker_spills)
             stats.merge(worker_stats)
             tokens = worker_tokens if tokens is None else tokens + worker_tokens
         spills.sort(key=lambda spill: spill[0])
+        if read_error is not None:
+            where = f"{last[0]} line/row {last[1]}" if last else "the first record"
+            raise PartialReadError(f"{read_error}; {stats.rows_in:,} rows were read (up to {where}) and are "
+                                   f"accounted in the failure report", stats, where)
         return spills, stats, tokens
 
     def close(self):

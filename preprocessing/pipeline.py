@@ -10,10 +10,10 @@ from collections import Counter
 
 import numpy as np
 
-from .chem import ChemOptions
+from molds.chem import ChemOptions
 from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
-from .report import write_outputs
+from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
                      partition_token_counts, reduce_partition, write_shard)
@@ -61,6 +61,15 @@ def _validate(cfg: PreprocessConfig) -> None:
         raise ValueError("--shard_size_mb, --chunk_rows, --partition_rows and --row_group_rows must be positive")
     if cfg.tokenizer == "bpe" and not 16 < cfg.bpe_vocab_size <= 65535:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
+    _chem_options(cfg)  # the chemistry caps, checked before anything is created
+
+
+def _chem_options(cfg: PreprocessConfig) -> ChemOptions:
+    try:
+        return ChemOptions(cfg.keep_stereo, cfg.largest_fragment, cfg.uncharge, cfg.normalize, cfg.max_heavy_atoms,
+                           cfg.max_smiles_length, cfg.scaffold, cfg.dedupe_key)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def plan_partitions(spills, target_rows: int) -> list[list[tuple[str, int, int]]]:
@@ -164,13 +173,13 @@ def run(cfg: PreprocessConfig) -> str:
     os.makedirs(tmp_dir)
     work_dir = os.path.join(cfg.work_dir, f"molds-etl-{os.getpid()}") if cfg.work_dir else os.path.join(tmp_dir, "_work")
     os.makedirs(work_dir, exist_ok=True)
-    chem = ChemOptions(cfg.keep_stereo, cfg.largest_fragment, cfg.uncharge, cfg.normalize, cfg.max_heavy_atoms,
-                       cfg.max_smiles_length, cfg.scaffold, cfg.dedupe_key)
+    chem = _chem_options(cfg)
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
                            check_regex=cfg.tokenizer == "regex",
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random")
     cols = Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns))
     engine = _make_engine(cfg)
+    signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed
     progress = Progress(cfg.progress)
     timings = {}
     try:
@@ -230,21 +239,50 @@ def run(cfg: PreprocessConfig) -> str:
         shutil.rmtree(work_dir, ignore_errors=True)
         _publish(tmp_dir, final_dir)
         return os.path.join(final_dir, os.path.basename(manifest_path))
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        if getattr(exc, "stats", None) is not None and exc.stats.rows_in:  # a partial read: account for it
+            report = write_failure_report(final_dir, error=str(exc), stats=exc.stats, where=exc.where,
+                                          inputs=[p for _, p, _ in inputs])
+            raise InputError(f"{exc}; see {report}; nothing was written to {cfg.output}") from exc
+        if getattr(exc, "stats", None) is not None:
+            raise InputError(str(exc.args[0]).split("; 0 rows were read")[0]) from exc
         raise
     finally:
         progress.close()
         engine.close()
         shutil.rmtree(work_dir, ignore_errors=True)
+        signal_guard.close()
 
 
 def _publish(tmp_dir: str, final_dir: str) -> None:
     """Rename the finished directory into place; an old one is removed only after."""
-    old = None
-    if os.path.exists(final_dir):
-        old = f"{final_dir}.old-{os.getpid()}"
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    from molds.atomic import publish_directory
+
+    publish_directory(tmp_dir, final_dir, durable=True)
+    for stale in (final_dir + ".failed-report.json", final_dir + ".failed-report.md"):
+        if os.path.exists(stale):
+            os.remove(stale)
+
+
+class _InterruptOnTerm:
+    """While the ETL runs, SIGTERM (a scheduler's kill, ``timeout``) raises
+    KeyboardInterrupt in the driver, so the cleanup that Ctrl-C gets runs too."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, frame):
+                raise KeyboardInterrupt(f"signal {signum}")
+
+            self.previous = signal.signal(signal.SIGTERM, handler)
+
+    def close(self):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import uuid
+from collections import Counter
+
+import numpy as np
 
 from .readers import RawChunk, read_chunks
 from .stages import MapStage, Stats
@@ -82,10 +84,12 @@ class _Canonicalize:
         for chunk in _chunks_of(table):
             stage.process(chunk)
         stage.flush()
+        # plain JSON between the actors and the driver: nothing the driver reads can run code
         return pa.table({
-            "spills": [pickle.dumps(stage.spills)],
-            "stats": [pickle.dumps(stage.stats)],
-            "tokens": [pickle.dumps(stage.tokens)],
+            "spills": [json.dumps([[path, offsets.tolist()] for path, offsets in stage.spills])],
+            "stats": [json.dumps({"rows_in": stage.stats.rows_in, "rejected": dict(stage.stats.rejected),
+                                  "examples": stage.stats.examples})],
+            "tokens": [json.dumps(dict(stage.tokens))],
         })
 
 
@@ -126,11 +130,13 @@ class RayEngine:
                             batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=self.workers))
         spills, stats, tokens = [], Stats(), None
         for row in ds.iter_rows():
-            spills.extend(pickle.loads(row["spills"]))
-            part = pickle.loads(row["stats"])
+            spills.extend((path, np.asarray(offsets, np.int64)) for path, offsets in json.loads(row["spills"]))
+            body = json.loads(row["stats"])
+            part = Stats(body["rows_in"], Counter(body["rejected"]),
+                         {k: [tuple(e) for e in v] for k, v in body["examples"].items()})
             stats.merge(part)
             progress.advance(part.rows_in, sum(part.rejected.values()))
-            t = pickle.loads(row["tokens"])
+            t = Counter(json.loads(row["tokens"]))
             tokens = t if tokens is None else tokens + t
         spills.sort(key=lambda spill: spill[0])
         return spills, stats, tokens

@@ -22,6 +22,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from molds.errors import InputError  # a problem with an input file as a whole (names the file)
+
 MISSING_LABELS = frozenset({"", "na", "nan", "n/a", "null", "none", "-", "?"})
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 _FORMATS = {
@@ -30,8 +32,6 @@ _FORMATS = {
 }
 
 
-class InputError(ValueError):
-    """A problem with an input file as a whole: the message names the file."""
 
 
 @dataclass
@@ -40,7 +40,7 @@ class RawChunk:
 
     file_index: int
     path: str
-    rows: list[int] = field(default_factory=list)  # 1-based record number in the file
+    rows: list[int] = field(default_factory=list)  # where each record starts: 1-based line (text), row (binary)
     smiles: list = field(default_factory=list)  # str, or None when ``reasons`` has the row
     ids: list = field(default_factory=list)  # compound id or None
     labels: list = field(default_factory=list)  # list of raw label values, or None
@@ -145,19 +145,26 @@ def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
 
 
 def _chunked(file_index: int, path: str, records, chunk_rows: int):
-    """Group (row, smiles, id, labels, reason) records into RawChunks."""
+    """Group (row, smiles, id, labels, reason) records into RawChunks. If reading fails
+    part-way (a truncated archive), the records read so far are still handed on (so they
+    are processed and counted) before the error."""
     chunk = RawChunk(file_index, path)
-    for row, smiles, cid, labels, reason in records:
-        if reason is not None:
-            chunk.reasons[len(chunk.rows)] = reason
-            smiles = None
-        chunk.rows.append(row)
-        chunk.smiles.append(smiles)
-        chunk.ids.append(cid)
-        chunk.labels.append(labels)
-        if len(chunk.rows) >= chunk_rows:
+    try:
+        for row, smiles, cid, labels, reason in records:
+            if reason is not None:
+                chunk.reasons[len(chunk.rows)] = reason
+                smiles = None
+            chunk.rows.append(row)
+            chunk.smiles.append(smiles)
+            chunk.ids.append(cid)
+            chunk.labels.append(labels)
+            if len(chunk.rows) >= chunk_rows:
+                yield chunk
+                chunk = RawChunk(file_index, path)
+    except BaseException:
+        if chunk.rows:
             yield chunk
-            chunk = RawChunk(file_index, path)
+        raise
     if chunk.rows:
         yield chunk
 
@@ -174,11 +181,14 @@ def _read_delimited(path, cols: Columns, delimiter: str):
         i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
         l_idx = [_resolve(path, header, name, "label") for name in cols.labels]
         width = len(header)
-        row = 0
-        for record in reader:
+        while True:
+            line = reader.line_num + 1  # the line this record starts on (the header is line 1)
+            record = next(reader, None)
+            if record is None:
+                break
             if not record:
                 continue  # a blank line is not a record
-            row += 1
+            row = line
             if len(record) != width:
                 yield row, None, None, None, "malformed_row"
             elif not all(map(_is_clean, record)):
@@ -190,14 +200,13 @@ def _read_delimited(path, cols: Columns, delimiter: str):
 
 def _read_smi(path, has_header: bool):
     with _open_text(path) as fh:
-        row = 0
         for n, line in enumerate(fh):
             if n == 0 and has_header:
                 continue
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
-            row += 1
+            row = n + 1  # 1-based line number
             if not _is_clean(line):
                 yield row, None, None, None, "non_utf8"
             else:
@@ -207,11 +216,10 @@ def _read_smi(path, has_header: bool):
 
 def _read_jsonl(path, cols: Columns):
     with _open_text(path) as fh:
-        row = 0
-        for line in fh:
+        for n, line in enumerate(fh):
             if not line.strip():
                 continue
-            row += 1
+            row = n + 1  # 1-based line number
             if not _is_clean(line):
                 yield row, None, None, None, "non_utf8"
                 continue

@@ -9,7 +9,7 @@ import os
 from molds import __version__
 from molds.data.manifest import FORMAT_VERSION, vocab_hash
 
-from .chem import REJECT_REASONS
+from molds.chem import REJECT_REASONS
 from .split import SPLITS
 
 
@@ -136,3 +136,25 @@ def _report(m, stats, finals, timings, cfg) -> str:
     if timings.get("total_s"):
         lines.append(f"- molecules/s (rows in / total): {s['rows_in'] / timings['total_s']:,.0f}")
     return "\n".join(lines) + "\n"
+
+
+def write_failure_report(final_dir: str, *, error: str, stats, where: str, inputs: list[str]) -> str:
+    """``OUT.failed-report.{json,md}``: every row read before a failure, accounted for
+    (canonicalized so far, or rejected with its reason). Nothing else is written."""
+    from molds.atomic import write_json, write_text
+
+    rejected = dict(stats.rejected)
+    canonical = stats.rows_in - sum(rejected.values())
+    base = final_dir.rstrip("/") + ".failed-report"
+    write_json(base + ".json", {"error": error, "read_up_to": where, "inputs": inputs, "rows_in": stats.rows_in,
+                                "canonicalized": canonical, "rejected": rejected,
+                                "rejected_examples": stats.examples}, indent=2)
+    lines = ["# molds-preprocess: failed, nothing written", "", f"- error: {error}", f"- read up to: {where}",
+             f"- rows read: {stats.rows_in:,}; canonicalized: {canonical:,}; rejected: {sum(rejected.values()):,}",
+             "", "## Rejected rows", ""]
+    for reason, count in sorted(rejected.items(), key=lambda kv: -kv[1]):
+        lines.append(f"- **{reason}** ({count:,}): {REJECT_REASONS[reason]}")
+        for source, raw in stats.examples.get(reason, []):
+            lines.append(f"  - `{source}`: `{raw}`" if raw is not None else f"  - `{source}`")
+    write_text(base + ".md", "\n".join(lines) + "\n")
+    return base + ".md"

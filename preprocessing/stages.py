@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from .chem import Canonicalizer, ChemOptions, Molecule
+from molds.chem import Canonicalizer, ChemOptions, Molecule
 from .readers import RawChunk, parse_labels
 from .split import assign_split, group_major
 from .tokenizer import count_tokens, make_encoder, regex_covers, split_smiles
@@ -81,10 +81,11 @@ def hash64(texts: list[str], seed: int) -> np.ndarray:
 
 
 def _write_ipc(table: pa.Table, path: str) -> None:
-    tmp = path + ".part"
-    with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    os.replace(tmp, path)
+    from molds.atomic import atomic_file
+
+    with atomic_file(path, durable=False) as tmp:  # work files: the output is synced when published
+        with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
 
 
 def read_ipc(path: str) -> pa.Table:
@@ -380,9 +381,10 @@ def write_shard(pieces, path: str, row_group_rows: int = 2048) -> dict:
     parts = [read_ipc(p).slice(start, length) for p, start, length in pieces]
     table = pa.concat_tables(parts)
     table = table.select([c for c in SHARD_COLUMNS if c in table.column_names])
-    tmp = path + ".part"
-    pq.write_table(table, tmp, row_group_size=row_group_rows, compression="zstd")
-    os.replace(tmp, path)
+    from molds.atomic import atomic_file
+
+    with atomic_file(path, durable=False) as tmp:  # synced with the whole output when it is published
+        pq.write_table(table, tmp, row_group_size=row_group_rows, compression="zstd")
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

@@ -61,30 +61,19 @@ def test_layout_equals_block_mask_attention():
     assert torch.all(got[~real] == 0)
 
 
-def test_packed_loss_equals_token_layout_loss():
-    from molds.models.decoder import causal_lm_loss
-
-    torch.manual_seed(2)
-    model = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2))
-    model = model.double()
-    ids, pos, doc, mols = _packed_batch([[5, 9, 3], [12, 1]], 20, 40)
-    labels = ids.clone()
-    labels[doc < 0] = -100
-    for r, p, toks in mols:
-        labels[r, p] = -100
-    out = model(ids, position_ids=pos, document_ids=doc, labels=labels)
-    torch.testing.assert_close(out["loss"], causal_lm_loss(out["logits"], labels), rtol=0, atol=1e-12)
-
-
 def test_packed_loss_never_pairs_two_molecules():
-    """Even with labels that do not mask molecule starts, the packed loss is the mean
-    over each molecule's own next-token pairs (what HF computes molecule by molecule)."""
+    """The loss lives outside the model (molds.models.loss): even with labels that do not
+    mask molecule starts, the packed loss is the mean over each molecule's own
+    next-token pairs (what HF computes molecule by molecule)."""
+    from molds.models.loss import CausalLMLoss
+
     torch.manual_seed(3)
     model = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2))
     model = model.double()
     ids, pos, doc, mols = _packed_batch([[5, 9, 3], [12, 1, 4]], 20, 40)
     labels = ids.masked_fill(doc < 0, -100)
-    packed = model(ids, position_ids=pos, document_ids=doc, labels=labels)["loss"]
+    batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc, "labels": labels}
+    packed = CausalLMLoss()(model(**batch), batch)
     nll, pairs = 0.0, 0
     for _, _, toks in mols:
         logits = model(toks[None])["logits"][0]
@@ -96,10 +85,13 @@ def test_packed_loss_never_pairs_two_molecules():
 def test_compiled_regions_match_eager():
     """kernels.compile_regions: the inductor-fused RoPE / SwiGLU / RMSNorm give the eager
     model's loss and gradients, on packed rows of a shape the compile never saw."""
+    from molds.kernels.compile_regions import compile_regions
+    from molds.models.loss import CausalLMLoss
+
     torch.manual_seed(4)
     cfg = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
     eager = CausalDecoder(DecoderConfig(**cfg))
-    fused = CausalDecoder(DecoderConfig(compile_regions=True, **cfg))
+    fused = compile_regions(CausalDecoder(DecoderConfig(**cfg)))
     fused.load_state_dict(eager.state_dict())
     for lengths, seq_len in (([[5, 9, 3], [12, 1]], 20), ([[7, 7, 2, 11], [4, 13]], 28)):
         ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
@@ -107,7 +99,8 @@ def test_compiled_regions_match_eager():
         losses = []
         for model in (eager, fused):
             model.zero_grad()
-            loss = model(ids, position_ids=pos, document_ids=doc, labels=labels)["loss"]
+            batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc, "labels": labels}
+            loss = CausalLMLoss()(model(**batch), batch)
             loss.backward()
             losses.append(loss)
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)

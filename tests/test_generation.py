@@ -54,7 +54,8 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from molds.eval.evaluate import evaluate_checkpoint, main as eval_main
+    from molds.cli.evaluate import main as eval_main
+    from molds.eval.evaluate import evaluate_checkpoint
     from molds.eval.sampling import ids_to_smiles, sample_ids
     from molds.metrics.generation import generation_metrics
     from molds.train import main
@@ -62,24 +63,26 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     out = str(tmp_path / "run")
     result = main(["--recipe", os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"), "--data.manifest", dataset,
                    "--data.seq_len", "256", "--data.micro_batch_size", "4", "--run.output_dir", out,
-                   "--eval.interval_steps", "150", "--eval.samples", "32", "--eval.full_samples", "64"])
+                   "--eval.interval_steps", "300", "--eval.samples", "32", "--eval.full_samples", "64",
+                   "--trainer.max_steps", "1200"])
     report = evaluate_checkpoint(result["checkpoint"], split="test", num=300, seeds=(0,), max_batches=5)
     trained = report["per_seed"][0]["validity"]
     # the same architecture, untrained, sampled the same way
-    from molds.eval.evaluate import load_model
+    from molds.checkpoint import open_checkpoint
 
-    loaded = load_model(result["checkpoint"])
+    loaded = open_checkpoint(result["checkpoint"])
     fresh = CausalDecoder(loaded.model.config).eval()
-    ids = sample_ids(fresh, 300, bos=loaded.specials["bos"], eos=loaded.specials["eos"], max_tokens=80, seed=0)
+    ids = sample_ids(fresh, 300, bos=loaded.specials.bos, eos=loaded.specials.eos, max_tokens=80, seed=0)
     untrained = generation_metrics(ids_to_smiles(loaded.tokenizer, ids), loaded.manifest)["validity"]
-    assert trained >= 0.1 and trained >= untrained + 0.08, (trained, untrained)
+    # 1,200 steps on 2,400 molecules: 0.42 measured here (600 steps: 0.22); an untrained model: 0.01
+    assert trained >= 0.3 and trained >= untrained + 0.25, (trained, untrained)
     assert report["loss"] < 1.5 and report["per_seed"][0]["novelty"] is not None
 
-    # the evaluation during training: smoke evals at 150, 300, 450, a full one at the end
+    # the evaluation during training: smoke evals at 300, 600, 900, a full one at the end
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
-    assert sorted(evals) == [150, 300, 450, 600]
-    assert "eval/validity" in evals[150] and "eval/novelty" in evals[600] and "eval/int_div" in evals[600]
+    assert sorted(evals) == [300, 600, 900, 1200]
+    assert "eval/validity" in evals[300] and "eval/novelty" in evals[1200] and "eval/int_div" in evals[1200]
     acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = acc.Tags()
     assert "eval/samples_grid" in tags["images"]
@@ -88,7 +91,7 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     assert any("hparams" in d for d in os.listdir(os.path.join(out, "tensorboard")))
 
     # molds-sample: one line per sample, the same file again for the same seed
-    from molds.eval.sampling import main as sample_main
+    from molds.cli.sample import main as sample_main
 
     for name in ("a.smi", "b.smi"):
         assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / name)]) == 0
@@ -104,7 +107,7 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
 
 
 def test_property_eval_over_training_seeds(dataset, tmp_path):
-    from molds.eval.evaluate import main as eval_main
+    from molds.cli.evaluate import main as eval_main
 
     recipe = os.path.join(ROOT, "recipes", "smoke", "mlm_multitask_zero2.json")
     out = str(tmp_path / "ev")
@@ -152,7 +155,7 @@ def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path):
     import pyarrow.parquet as pq
 
     from molds.data.manifest import Manifest
-    from molds.eval.evaluate import main as eval_main
+    from molds.cli.evaluate import main as eval_main
 
     train = pq.read_table(Manifest.load(dataset).shards("train")[0].path, columns=["canonical_smiles"])
     known = train.column(0).to_pylist()[0]

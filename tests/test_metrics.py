@@ -105,6 +105,10 @@ def test_generation_metrics_by_hand(dataset):
         train_all.update(pq.read_table(shard.path, columns=["canonical_smiles"]).column(0).to_pylist())
     assert not distinct_new & train_all
     assert got["novelty"] == pytest.approx(3 / 5)  # 5 distinct valid, 2 from training
+    assert got["novelty_all_splits"] == pytest.approx(3 / 5)
+    held_out = pq.read_table(m.shards("test")[0].path, columns=["canonical_smiles"]).column(0).to_pylist()[0]
+    more = generation_metrics(samples + [held_out], m)  # a held-out molecule: new to the model, not to the source
+    assert more["novelty"] == pytest.approx(4 / 6) and more["novelty_all_splits"] == pytest.approx(3 / 6)
     assert got["filters"] == pytest.approx(5 / 6)  # the nitro group is charged
     f = BasicFilters()
     assert not f.passes(Chem.MolFromSmiles("O=C1C(=Cc2ccccc2)SC(=S)N1"))  # a PAINS rhodanine

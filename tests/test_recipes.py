@@ -1,59 +1,158 @@
-"""Every shipped recipe parses; impossible combinations fail before any process group."""
+"""Every shipped recipe parses; bad values and impossible combinations fail before any
+process group, naming the key; the DeepSpeed file and the recipe never silently disagree."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import os
+import typing
 
 import pytest
 
-from molds.recipe import RecipeError, deepspeed_config, parse_recipe, resolve_batching, validate
+from molds.errors import RecipeError
+from molds.recipe import SECTIONS, Recipe, deepspeed_config, parse_recipe, resolve_batching, validate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "**", "*.json"), recursive=True))
+SMOKE = os.path.join(ROOT, "recipes", "smoke", "dense_ddp.json")
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_shipped_recipe_parses_and_validates(path):
     recipe = parse_recipe(["--recipe", path])
-    validate(recipe, 2)
-    if recipe.parallel.engine == "zero":
-        cfg = deepspeed_config(recipe, 2, bf16=False)
-        global_batch, accum = resolve_batching(recipe, 2)
-        assert cfg["train_batch_size"] == recipe.data.micro_batch_size * global_batch
-        assert cfg["gradient_accumulation_steps"] == accum
+    p = recipe.parallel
+    world = p.pp_size * p.ep_size * (1 if p.ep_size > 1 else 2) if p.engine == "pipeline" else 2
+    validate(recipe, world)
+    if recipe.parallel.engine in ("zero", "pipeline"):
+        assert recipe.parallel.ds_config is None or os.path.isfile(recipe.parallel.ds_config)
+        cfg = deepspeed_config(recipe, world, bf16=False)
+        b = resolve_batching(recipe, world)
+        assert cfg["train_batch_size"] == b.global_batch == recipe.data.micro_batch_size * b.grad_accum * b.dp_size
+        assert cfg["gradient_accumulation_steps"] == b.grad_accum
         assert cfg["zero_optimization"]["stage"] == recipe.parallel.zero_stage
 
 
 def test_overrides_and_unknown_keys():
-    path = os.path.join(ROOT, "recipes", "smoke", "dense_ddp.json")
-    recipe = parse_recipe(["--recipe", path, "--optim.lr", "1e-4", "--trainer.max_steps", "3"])
+    recipe = parse_recipe(["--recipe", SMOKE, "--optim.lr", "1e-4", "--trainer.max_steps", "3"])
     assert recipe.optim.lr == 1e-4 and recipe.trainer.max_steps == 3
-    with pytest.raises(SystemExit):
-        parse_recipe(["--recipe", path, "--optim.learning_rate", "1e-4"])
-    with pytest.raises(SystemExit):
-        parse_recipe(["--recipe", path, "--trainer.max_steps", "many"])
+    with pytest.raises(RecipeError, match="learning_rate"):
+        parse_recipe(["--recipe", SMOKE, "--optim.learning_rate", "1e-4"])
+    with pytest.raises(RecipeError, match="trainer.max_steps"):
+        parse_recipe(["--recipe", SMOKE, "--trainer.max_steps", "many"])
+    assert parse_recipe(["--recipe", SMOKE, "--resume", "auto", "--fork=true"]).checkpoint.fork is True
+
+
+def _numeric_fields():
+    for section in SECTIONS:
+        cls = type(getattr(Recipe(), section))
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            args = typing.get_args(kind)
+            base = next((a for a in args if a is not type(None)), kind) if args else kind
+            if base in (int, float):
+                yield section, f.name, base
+
+
+NUMERIC = list(_numeric_fields())
+
+
+def test_every_numeric_field_declares_a_range():
+    assert len(NUMERIC) > 40
+    for section, name, _ in NUMERIC:
+        cls = type(getattr(Recipe(), section))
+        assert name in getattr(cls, "RANGES", {}), f"{section}.{name} has no declared range"
+
+
+@pytest.mark.parametrize("section,name,kind", NUMERIC, ids=[f"{s}.{n}" for s, n, _ in NUMERIC])
+def test_numeric_sweep_zero_negative_absurd(section, name, kind):
+    lo, hi = getattr(type(getattr(Recipe(), section)), "RANGES")[name]
+    for value in (0, -1, 10**15):
+        value = kind(value)
+        inside = (lo is None or value >= lo) and (hi is None or value <= hi)
+        argv = ["--recipe", SMOKE, f"--{section}.{name}", str(value)]
+        if inside:
+            recipe = parse_recipe(argv)
+            assert getattr(getattr(recipe, section), name) == value
+        else:
+            with pytest.raises(RecipeError, match=rf"{section}\.{name}=.*outside its range \["):
+                parse_recipe(argv)
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "3", "--parallel.pp_size", "2"], "zero_stage"),
-    (["--parallel.num_experts", "6", "--parallel.ep_size", "4"], "ep_size"),
+    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "2", "--parallel.pp_size", "2"], "zero_stage"),
+    (["--model.num_experts", "6", "--parallel.ep_size", "4", "--parallel.engine", "pipeline",
+      "--parallel.zero_stage", "1"], "ep_size"),
+    (["--model.num_experts", "4", "--parallel.ep_size", "4", "--parallel.engine", "pipeline",
+      "--parallel.zero_stage", "1"], "data-parallel size"),
+    (["--model.num_experts", "4", "--parallel.ep_size", "2"], "parallel.engine=pipeline"),
+    (["--model.num_experts", "2", "--model.moe_top_k", "3"], "moe_top_k"),
+    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "3"], "pp_size"),
     (["--trainer.global_batch_size", "6", "--trainer.grad_accum", "2"], "global_batch_size"),
     (["--trainer.global_batch_size", "3"], "global_batch_size"),
     (["--parallel.offload_params", "true"], "offload_params"),
     (["--data.seq_len", "4096"], "seq_len"),
+    (["--model.hidden_size", "100", "--model.num_heads", "8"], "hidden_size"),
+    (["--parallel.schedule", "dualpipev"], "schedule"),
+    (["--checkpoint.fork", "true"], "fork"),
 ])
 def test_impossible_combinations_name_the_key(overrides, key):
-    path = os.path.join(ROOT, "recipes", "smoke", "dense_ddp.json")
-    recipe = parse_recipe(["--recipe", path, *overrides])
+    recipe = parse_recipe(["--recipe", SMOKE, *overrides])
     with pytest.raises(RecipeError, match=key):
         validate(recipe, 2)
 
 
-def test_ds_config_must_not_repeat_batch_sizes(tmp_path):
+def test_global_batch_counts_sequences_as_deepspeed_does():
+    recipe = parse_recipe(["--recipe", SMOKE, "--data.micro_batch_size", "4", "--trainer.global_batch_size", "16",
+                           "--trainer.grad_accum", "0"])
+    b = resolve_batching(recipe, 2)
+    assert (b.global_batch, b.grad_accum, b.dp_size) == (16, 2, 2)
+    assert resolve_batching(parse_recipe(["--recipe", SMOKE, "--data.micro_batch_size", "4"]), 2).global_batch == 8
+
+
+def test_ds_config_path_is_relative_to_the_recipe(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "ds.json").write_text('{"zero_optimization": {"overlap_comm": false}}')
+    body = json.load(open(os.path.join(ROOT, "recipes", "smoke", "dense_zero2.json")))
+    body["parallel"]["ds_config"] = "conf/ds.json"
+    (tmp_path / "r.json").write_text(json.dumps(body))
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)  # not where the recipe is
+        recipe = parse_recipe(["--recipe", str(tmp_path / "r.json")])
+    finally:
+        os.chdir(cwd)
+    assert recipe.parallel.ds_config == str(tmp_path / "conf" / "ds.json")
+    cfg = deepspeed_config(recipe, 2, bf16=False)
+    assert cfg["zero_optimization"] == {"overlap_comm": False, "stage": 2}  # the file's key kept, the gap filled
+
+
+@pytest.mark.parametrize("body,key", [
+    ({"train_batch_size": 64}, "train_batch_size"),
+    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping"),
+    ({"optimizer": {"type": "Adam"}}, "optimizer"),
+    ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+])
+def test_ds_config_conflicts_name_both_sources(tmp_path, body, key):
     bad = tmp_path / "ds.json"
-    bad.write_text('{"train_batch_size": 64}')
+    bad.write_text(json.dumps(body))
     recipe = parse_recipe(["--recipe", os.path.join(ROOT, "recipes", "smoke", "dense_zero2.json"),
                            "--parallel.ds_config", str(bad)])
-    with pytest.raises(RecipeError, match="train_batch_size"):
+    with pytest.raises(RecipeError, match=key) as err:
         deepspeed_config(recipe, 2, bf16=False)
+    assert str(bad) in str(err.value)
+
+
+def test_ds_config_that_agrees_is_accepted(tmp_path):
+    good = tmp_path / "ds.json"
+    good.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}))
+    recipe = parse_recipe(["--recipe", os.path.join(ROOT, "recipes", "smoke", "dense_zero2.json"),
+                           "--parallel.ds_config", str(good)])
+    cfg = deepspeed_config(recipe, 2, bf16=False)
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000 and cfg["train_batch_size"] == 8

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packing import IGNORE_INDEX
+from ..tokens import IGNORE_INDEX
 from .plan import _rng
 
 
@@ -29,6 +29,7 @@ class Bucketer:
         self.fixed_length = fixed_length or max_length
         self.too_long = too_long
         self.truncated = 0
+        self.truncated_tokens = 0
         self.rejected = 0
         if not fixed_shape and max_tokens_per_batch < max_length:
             raise ValueError(f"data.max_tokens_per_batch ({max_tokens_per_batch}) is smaller than "
@@ -50,6 +51,7 @@ class Bucketer:
                 gids, lengths = gids[~too_long], lengths[~too_long]
             else:
                 self.truncated += int(too_long.sum())
+                self.truncated_tokens += int((lengths[too_long] - limit).sum())
                 lengths = np.minimum(lengths, limit)
         order = np.argsort(lengths, kind="stable")
         gids, lengths = gids[order], lengths[order]
@@ -85,6 +87,7 @@ class Bucketer:
         real = int(attention.sum())
         out = {"input_ids": input_ids, "attention_mask": attention, "gids": np.asarray(gids, np.int64),
                "stats": {"tokens": rows * width, "real_tokens": real, "molecules": len(pieces),
+                         "length_sq_sum": int((attention.sum(1) ** 2).sum()),
                          "padding_ratio": 1.0 - real / (rows * width)}}
         if with_labels:
             width_l = pieces[0][0].labels.shape[1] if pieces else 0

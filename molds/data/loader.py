@@ -23,7 +23,9 @@ from torch.utils.data import IterableDataset
 
 from ..config import DataConfig
 from .bucketing import Bucketer
-from .manifest import Manifest, ManifestError
+from ..errors import ManifestError
+from ..tokens import tokenizer_info
+from .manifest import Manifest
 from .packing import Packer
 from .plan import EpochPlan, Share, resplit
 from .source import SplitSource
@@ -48,6 +50,7 @@ class VirtualRank:
         self.pool_index = st.get("pool_index", 0)
         self.step = st.get("step", 0)
         self.truncated = st.get("truncated", 0)
+        self.truncated_tokens = st.get("truncated_tokens", 0)
         self.rejected = st.get("rejected", 0)
 
     def last_epoch(self) -> float:
@@ -71,7 +74,8 @@ class VirtualRank:
     def state(self, stream: MoleculeStream, buffer) -> dict:
         return {"epoch": self.epoch, "share": self.share_state, "generation": self.generation,
                 "taken": stream.taken, "buffer": buffer, "max_len": self.max_len, "pool_index": self.pool_index,
-                "step": self.step, "truncated": self.truncated, "rejected": self.rejected}
+                "step": self.step, "truncated": self.truncated, "truncated_tokens": self.truncated_tokens,
+                "rejected": self.rejected}
 
     def batches(self):
         """Yields (batch of numpy arrays, state after it)."""
@@ -88,9 +92,11 @@ class VirtualRank:
     def _packed(self, stream: MoleculeStream):
         cfg = self.cfg
         packer = Packer(self.source, cfg.seq_len, lookahead=cfg.lookahead, too_long=cfg.too_long,
-                        pad_id=self.specials["pad"])
+                        pad_id=self.specials.pad)
+        packer.truncated, packer.truncated_tokens, packer.rejected = (self.truncated, self.truncated_tokens,
+                                                                      self.rejected)
         packer.add(np.asarray(self.buffer, np.int64))
-        packer.max_len, packer.truncated, packer.rejected = self.max_len, self.truncated, self.rejected
+        packer.max_len = max(self.max_len, packer.max_len)
 
         def refill():  # in half-lookahead steps: fewer, larger reads
             if packer.size < cfg.lookahead // 2 + 1:
@@ -111,7 +117,9 @@ class VirtualRank:
             batch = packer.collate(rows)
             self.step += 1
             self.max_len, self.truncated, self.rejected = packer.max_len, packer.truncated, packer.rejected
-            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, rejected=self.rejected)
+            self.truncated_tokens = packer.truncated_tokens
+            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, truncated_tokens=self.truncated_tokens,
+                                  rejected=self.rejected)
             yield batch, self.state(stream, packer.gids())
 
     def _bucketed(self, stream: MoleculeStream):
@@ -119,12 +127,13 @@ class VirtualRank:
         bucketer = Bucketer(self.source, max_tokens_per_batch=cfg.max_tokens_per_batch, pool_size=cfg.bucket_pool,
                             max_length=cfg.max_length, fixed_shape=cfg.fixed_shape, batch_size=cfg.micro_batch_size,
                             fixed_length=cfg.max_length, too_long=cfg.too_long)
-        bucketer.truncated, bucketer.rejected = self.truncated, self.rejected
+        bucketer.truncated, bucketer.truncated_tokens, bucketer.rejected = (self.truncated, self.truncated_tokens,
+                                                                            self.rejected)
         pending = [np.asarray(b, np.int64) for b in self.buffer]
         mlm = None
         if cfg.mlm_probability > 0:
-            mlm = {"probability": cfg.mlm_probability, "mask_id": sp["mask"], "vocab_size": sp["vocab_size"],
-                   "first_regular_id": sp["first_regular"], "special_ids": sp["ids"]}
+            mlm = {"probability": cfg.mlm_probability, "mask_id": sp.mask, "vocab_size": sp.vocab_size,
+                   "first_regular_id": sp.first_regular, "special_ids": sp.special_ids}
         while True:
             if not pending:
                 gids = stream.take(cfg.bucket_pool)
@@ -139,7 +148,9 @@ class VirtualRank:
             batch = bucketer.collate(gids, mlm, (cfg.seed, self.step, self.vrank, self.vworld), cfg.with_labels)
             self.step += 1
             self.truncated, self.rejected = bucketer.truncated, bucketer.rejected
-            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, rejected=self.rejected)
+            self.truncated_tokens = bucketer.truncated_tokens
+            batch["stats"].update(epoch=self.epoch, truncated=self.truncated, truncated_tokens=self.truncated_tokens,
+                                  rejected=self.rejected)
             yield batch, self.state(stream, [b.tolist() for b in pending])
 
     def leftover(self) -> Share:
@@ -174,16 +185,18 @@ class MoleculeLoader:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.manifest = Manifest.load(cfg.manifest)
-        vocab = self.manifest.check_tokenizer()
-        tok = self.manifest.data["tokenizer"]["special_tokens"]
-        ids = {k: vocab[v] for k, v in tok.items()}
-        self.specials = {"pad": ids["pad_token"], "bos": ids["bos_token"], "eos": ids["eos_token"],
-                         "mask": ids["mask_token"], "vocab_size": len(vocab), "ids": tuple(sorted(ids.values())),
-                         "first_regular": max(ids.values()) + 1}
+        self.specials = tokenizer_info(self.manifest)
+        if cfg.mode == "bucketed" and cfg.mlm_probability > 0 and self.specials.mask is None:
+            raise ManifestError(f"{self.manifest.path}: data.mlm_probability > 0 needs a mask token; the tokenizer "
+                                f"has none")
         self._check(cfg)
+        sp = self.specials
         self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
-                                  bos_id=ids["bos_token"], eos_id=ids["eos_token"], pad_id=ids["pad_token"],
-                                  with_labels=cfg.mode == "bucketed" and cfg.with_labels)
+                                  bos_id=sp.bos, eos_id=sp.eos, pad_id=sp.pad,
+                                  with_labels=cfg.mode == "bucketed" and cfg.with_labels,
+                                  max_skipped_fraction=cfg.max_skipped_fraction,
+                                  span_molecules=(cfg.shuffle_window if cfg.shuffle else 0)
+                                  + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool))
         self.k = max(1, cfg.num_workers)
         self.vworld = world_size * self.k
         self.vranks = [rank * self.k + w for w in range(self.k)]
@@ -192,16 +205,51 @@ class MoleculeLoader:
         self.batches = 0
 
     def _check(self, cfg: DataConfig) -> None:
-        if cfg.mode == "packed" and cfg.micro_batch_size < 1:
-            raise ValueError("data.micro_batch_size must be >= 1")
+        from ..errors import RecipeError
+
+        if cfg.micro_batch_size < 1:
+            raise RecipeError("data.micro_batch_size must be >= 1")
+        if cfg.mode == "packed" and cfg.lookahead < 1:
+            raise RecipeError("data.lookahead must be >= 1")
         span = self.manifest.length_range(cfg.split)
+        self.longest = None
         if span is not None:
-            shortest = span[0] + 2
+            shortest, self.longest = span[0] + 2, span[1] + 2
             limit = cfg.seq_len if cfg.mode == "packed" else cfg.max_length
             key = "data.seq_len" if cfg.mode == "packed" else "data.max_length"
             if limit < shortest:
-                raise ValueError(f"{key}={limit} is shorter than the shortest molecule of split "
-                                 f"{cfg.split!r} ({shortest} tokens with BOS/EOS)")
+                raise RecipeError(f"{key}={limit} is shorter than the shortest molecule of split "
+                                  f"{cfg.split!r} ({shortest} tokens with BOS/EOS)")
+            self.limit, self.limit_key = limit, key
+
+    def length_warning(self) -> str | None:
+        """Said at the start of a run: molecules of this split that ``seq_len`` (or
+        ``max_length``) will cut, from the manifest's length statistics."""
+        if self.longest is None or self.longest <= self.limit:
+            return None
+        what = "truncated" if self.cfg.too_long == "truncate" else "dropped"
+        return (f"{self.limit_key}={self.limit} is shorter than the longest molecule of split {self.cfg.split!r} "
+                f"({self.longest} tokens with BOS/EOS): longer molecules will be {what} (data.too_long="
+                f"{self.cfg.too_long}), counted as data/truncated_molecules and data/truncated_tokens")
+
+    @property
+    def skipped_note(self) -> str | None:
+        return self.source.skip_note
+
+    def totals(self) -> dict:
+        """This rank's molecules truncated or rejected for length so far (all epochs)."""
+        out = {"truncated": 0, "truncated_tokens": 0, "rejected": 0}
+        for st in self.states.values():
+            for k in out:
+                out[k] += int(st.get(k, 0))
+        return out
+
+    @property
+    def skipped(self) -> dict:
+        """Shards skipped by ``on_bad_shard: skip``: how many, their rows, and why."""
+        return {"shards": len(self.source.skipped), "rows": self.source.skipped_rows,
+                "total_rows": self.source.num_rows + self.source.skipped_rows,
+                "reasons": [f"{uri}: {why}" for uri, why in self.source.skipped]}
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -312,9 +360,10 @@ class _WorkerDataset(IterableDataset):
 __all__ = ["MoleculeLoader", "merge_states", "ManifestError"]
 
 
-MODEL_INPUTS = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask", "mlm_labels", "label_mask")
+#: what the models (inputs) and the losses (targets) take from a loader batch
+BATCH_TENSORS = ("input_ids", "position_ids", "document_ids", "attention_mask", "labels", "mlm_labels", "label_mask")
 
 
-def model_inputs(batch: dict, device) -> dict:
-    """The tensors of a loader batch that the models take, moved to ``device``."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in MODEL_INPUTS}
+def batch_tensors(batch: dict, device) -> dict:
+    """The tensors of a loader batch that models and losses take, moved to ``device``."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in BATCH_TENSORS}

@@ -12,13 +12,10 @@ import os
 import posixpath
 from dataclasses import dataclass
 
+from ..errors import ManifestError
+
 FORMAT_VERSION = 1
-SPLIT_NAMES = ("train", "valid", "test")
 _REQUIRED = ("format_version", "created", "canonicalization", "tokenizer", "splits", "stats")
-
-
-class ManifestError(ValueError):
-    """The manifest or one of its shards does not match the contract (names which)."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +29,26 @@ class Shard:
     sha256: str
 
 
-def _join(base: str, rel: str) -> str:
-    if "://" in rel or rel.startswith("/"):
-        return rel
-    return posixpath.join(base, rel) if "://" in base else os.path.join(base, rel)
+def contained_path(base: str, rel, what: str, manifest_path: str) -> str:
+    """``rel`` resolved against ``base``, refused unless it stays inside ``base``: no
+    scheme (``file://``, ``http://``), no absolute path, no ``..`` that climbs out, no
+    symbolic link that leads out (local manifests)."""
+    if not isinstance(rel, str) or not rel.strip():
+        raise ManifestError(f"{manifest_path}: {what} has no uri")
+    if "://" in rel or rel.startswith(("/", "\\")) or ":" in rel.split("/")[0] or "\x00" in rel:
+        raise ManifestError(f"{manifest_path}: {what} uri {rel!r} is not a path relative to the manifest's "
+                            f"directory; refused")
+    if "://" in base:
+        norm = posixpath.normpath(rel)
+        if norm == ".." or norm.startswith("../") or norm.startswith("/"):
+            raise ManifestError(f"{manifest_path}: {what} uri {rel!r} leaves the manifest's directory; refused")
+        return posixpath.join(base, norm)
+    root = os.path.realpath(base)
+    path = os.path.realpath(os.path.join(base, rel))
+    if path != root and not path.startswith(root + os.sep):
+        raise ManifestError(f"{manifest_path}: {what} uri {rel!r} resolves to {path}, outside the manifest's "
+                            f"directory {root}; refused")
+    return os.path.join(base, os.path.normpath(rel))
 
 
 def vocab_hash(vocab: dict[str, int]) -> str:
@@ -70,16 +83,36 @@ class Manifest:
             raise ManifestError(f"{path}: no manifest there") from exc
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ManifestError(f"{path}: not a manifest (a JSON object is expected)")
         missing = [k for k in _REQUIRED if k not in data]
         if missing:
             raise ManifestError(f"{path}: missing keys {missing}")
+        if not isinstance(data["tokenizer"], dict):
+            raise ManifestError(f"{path}: 'tokenizer' must be an object")
         if data["format_version"] != FORMAT_VERSION:
             raise ManifestError(
                 f"{path}: format_version {data['format_version']!r} is not supported "
                 f"(this molds reads version {FORMAT_VERSION})"
             )
         base = path.rsplit("/", 1)[0] if "/" in path else "."
-        return cls(path, base, data)
+        manifest = cls(path, base, data)
+        manifest._check_uris()
+        return manifest
+
+    def _check_uris(self) -> None:
+        """Every path the manifest names stays under its directory: checked before any read."""
+        splits = self.data["splits"]
+        if not isinstance(splits, dict):
+            raise ManifestError(f"{self.path}: 'splits' must map split names to lists of shards")
+        for split, shards in splits.items():
+            if not isinstance(shards, list):
+                raise ManifestError(f"{self.path}: splits.{split} must be a list of shards")
+            for i, s in enumerate(shards):
+                if not isinstance(s, dict):
+                    raise ManifestError(f"{self.path}: splits.{split}[{i}] is not a shard record")
+                contained_path(self.base, s.get("uri"), f"shard splits.{split}[{i}]", self.path)
+        contained_path(self.base, self.data["tokenizer"].get("path"), "tokenizer.path", self.path)
 
     @property
     def hash(self) -> str:
@@ -87,7 +120,7 @@ class Manifest:
 
     @property
     def tokenizer_path(self) -> str:
-        return _join(self.base, self.data["tokenizer"]["path"])
+        return contained_path(self.base, self.data["tokenizer"]["path"], "tokenizer.path", self.path)
 
     def check_tokenizer(self) -> dict[str, int]:
         """The tokenizer files' vocabulary, refused if it is not the manifest's."""
@@ -116,11 +149,16 @@ class Manifest:
     def shards(self, split: str) -> list[Shard]:
         if split not in self.data["splits"]:
             raise ManifestError(f"{self.path}: no split {split!r} (has {sorted(self.data['splits'])})")
-        return [
-            Shard(split, s["uri"], _join(self.base, s["uri"]), int(s["num_rows"]), int(s["token_count"]),
-                  int(s["length_bucket"]), s["sha256"])
-            for s in self.data["splits"][split]
-        ]
+        out = []
+        for i, s in enumerate(self.data["splits"][split]):
+            path = contained_path(self.base, s.get("uri"), f"shard splits.{split}[{i}]", self.path)
+            try:
+                out.append(Shard(split, s["uri"], path, int(s["num_rows"]), int(s["token_count"]),
+                                 int(s["length_bucket"]), str(s["sha256"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ManifestError(f"{self.path}: shard {s.get('uri')!r} of split {split!r} lacks or mangles "
+                                    f"{exc}") from exc
+        return out
 
     def verify_shard(self, shard: Shard) -> None:
         """Check a shard's sha256 and row count against the manifest."""

@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from ..tokens import IGNORE_INDEX
 
 
 class Packer:
@@ -35,6 +35,7 @@ class Packer:
         self.count = np.zeros(seq_len + 1, dtype=np.int64)
         self.max_len = 1
         self.truncated = 0
+        self.truncated_tokens = 0
         self.rejected = 0
         self.size = 0
 
@@ -52,6 +53,7 @@ class Packer:
                 gids, units, starts, lengths = gids[~over], units[~over], starts[~over], lengths[~over]
             else:
                 self.truncated += int(over.sum())
+                self.truncated_tokens += int((lengths[over] - seq_len).sum())
                 lengths = np.minimum(lengths, seq_len)
         if len(lengths):
             self.max_len = max(self.max_len, int(lengths.max()))
@@ -174,13 +176,12 @@ class Packer:
             document_ids.flat[dest] = np.repeat(doc_in_row, lens)
         filled = np.bincount(np.repeat(np.arange(b), per_row), weights=lens, minlength=b).astype(np.int64) \
             if len(entries) else np.zeros(b, np.int64)
-        seqlens = []
-        k = 0
-        for i in range(b):
-            seqlens.extend(lens[k:k + per_row[i]].tolist())
-            k += per_row[i]
-            if filled[i] < s:
-                seqlens.append(s - int(filled[i]))
+        # cu_seqlens over the batch flattened: each row's molecules, then its padding as one span
+        pad_rows = np.flatnonzero(filled < s)
+        rows_of = np.concatenate([np.repeat(np.arange(b), per_row), pad_rows])
+        spans = np.concatenate([lens, s - filled[pad_rows]])
+        is_pad = np.concatenate([np.zeros(len(lens), np.int64), np.ones(len(pad_rows), np.int64)])
+        seqlens = spans[np.lexsort((is_pad, rows_of))]
         gids = [e[0] for e in entries]
         real = int(lens.sum())
         cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
@@ -190,9 +191,10 @@ class Packer:
             "position_ids": position_ids,
             "document_ids": document_ids,
             "cu_seqlens": cu,
-            "max_seqlen": int(max(seqlens)) if seqlens else 0,
+            "max_seqlen": int(seqlens.max()) if len(seqlens) else 0,
             "gids": np.asarray(gids, dtype=np.int64),
             "stats": {"tokens": b * s, "real_tokens": real, "molecules": len(gids),
+                      "length_sq_sum": int((lens * lens).sum()),
                       "padding_ratio": 1.0 - real / (b * s) if b else 0.0},
         }
 

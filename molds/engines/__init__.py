@@ -1,14 +1,33 @@
-"""Engines: how a model is driven across ranks. One file each; chosen here, explicitly."""
+"""Engines: how a model is driven across ranks. One file each; chosen here, explicitly.
+
+Every engine implements ``Engine`` (a ``typing.Protocol``; ``tests/engines`` checks each
+one against it): it takes micro-batches and returns a ``StepResult`` whose ``extras``
+the logger writes under their own prefixes (``moe/*``, ``pipeline/*``), evaluates
+batches under its own autocast, saves and loads the canonical checkpoint state
+(``molds.checkpoint.state``: full fp32 weights and optimizer moments by parameter name,
+whatever the engine or the number of ranks), and says which ranks it runs on
+(``Topology``). The data loader shards by the data-parallel rank the topology gives.
+"""
+
+from __future__ import annotations
+
+from .base import Engine, StepResult, Topology
+
+__all__ = ["Engine", "StepResult", "Topology", "build_engine"]
 
 
-def build_engine(recipe, model, dist):
+def build_engine(recipe, model, loss_fn, dist) -> Engine:
     name = recipe.parallel.engine
     if name == "ddp":
         from .ddp import DDPEngine
 
-        return DDPEngine(recipe, model, dist)
+        return DDPEngine(recipe, model, loss_fn, dist)
     if name == "zero":
         from .zero import ZeroEngine
 
-        return ZeroEngine(recipe, model, dist)
-    raise ValueError(f"parallel.engine={name!r} is not built yet")
+        return ZeroEngine(recipe, model, loss_fn, dist)
+    if name == "pipeline":
+        from .pipeline import PipelineEngine
+
+        return PipelineEngine(recipe, model, loss_fn, dist)
+    raise ValueError(f"parallel.engine={name!r}: no such engine (ddp, zero, pipeline)")

@@ -3,15 +3,20 @@
 Gradient accumulation skips the all-reduce on all but the last micro-batch (no_sync);
 buckets are views into the gradients (gradient_as_bucket_view); static_graph when there
 is no accumulation (PyTorch does not allow it with no_sync); optional torch.compile.
+A step whose gradient norm is not finite (the norm is taken after the all-reduce, so
+every rank sees the same) is not applied: no optimizer or schedule step, gradients
+dropped, ``StepResult.skipped`` set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
-from .optim import build_optimizer, build_scheduler
+from .base import StepResult, Topology, moe_extras
+from .optim import (adam_step_count, build_optimizer, build_scheduler, load_moments, moments_of, set_schedule)
 
 
 def autocast_dtype(precision: str, device: torch.device):
@@ -23,18 +28,20 @@ def autocast_dtype(precision: str, device: torch.device):
 class DDPEngine:
     name = "ddp"
 
-    def __init__(self, recipe, model: torch.nn.Module, dist):
-        self.recipe, self.dist = recipe, dist
+    def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist):
+        from ..recipe import resolve_batching
+
+        self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
         self.model = model.to(dist.device)
+        self.topology = Topology(world_size=dist.world_size, rank=dist.rank, dp_size=dist.world_size,
+                                 dp_rank=dist.rank)
         module = self.model
         if dist.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
-            from ..recipe import resolve_batching
-
             # static_graph cannot be combined with no_sync (a PyTorch limitation): only
             # without gradient accumulation
-            static = recipe.parallel.static_graph and resolve_batching(recipe, dist.world_size)[1] == 1
+            static = recipe.parallel.static_graph and resolve_batching(recipe, dist.world_size).grad_accum == 1
             module = DistributedDataParallel(
                 module, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
                 bucket_cap_mb=recipe.parallel.ddp_bucket_mb, gradient_as_bucket_view=True,
@@ -45,53 +52,76 @@ class DDPEngine:
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.trainer.max_steps)
         self.dtype = autocast_dtype(recipe.trainer.precision, dist.device)
+        from ..models.moe import set_aux_loss_scale
 
-    def _autocast(self):
+        set_aux_loss_scale(self.model, 1.0 / resolve_batching(recipe, dist.world_size).grad_accum)
+
+    def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.dist.device.type, dtype=self.dtype)
 
-    def train_step(self, micro_batches: list[dict]) -> dict:
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
         n = len(micro_batches)
-        total = torch.zeros((), device=self.dist.device)
+        total = torch.zeros((), device=self.dist.device, dtype=torch.float64)
         for i, mb in enumerate(micro_batches):
             sync = not self.dist.distributed or i == n - 1
             ctx = contextlib.nullcontext() if sync else self.module.no_sync()
             with ctx:
-                with self._autocast():
-                    loss = self.module(**mb)["loss"]
+                with self.autocast():
+                    loss = self.loss_fn(self.module(**mb), mb)
                 (loss / n).backward()
             total += loss.detach()
         clip = self.recipe.optim.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        loss = float(total) / n
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(total) / n, "grad_norm": float(grad_norm), "lr": lr}
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
 
-    # checkpoint: rank 0 writes the (replicated) model and optimizer
+    @torch.no_grad()
+    def eval_forward(self, batch: dict) -> dict:
+        from ..models.loss import has_targets
+
+        with self.autocast():
+            out = self.model(**batch)
+            if has_targets(batch):
+                out["loss"] = self.loss_fn(out, batch)
+        return out
+
+    def extras(self) -> dict:
+        return moe_extras(self.model, self.dist)
+
+    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
+        set_schedule(self.scheduler, optim, max_steps, position)
+
+    # checkpoint: the replicated model and optimizer, written by rank 0
+    def _param_slots(self):
+        from ..checkpoint.state import slots
+
+        return [s for s in slots(self.model) if isinstance(s.tensor, torch.nn.Parameter)]
+
     def save(self, directory: str) -> None:
-        import json
-        import os
+        from ..checkpoint.state import canonical_state, write_model, write_optimizer
 
-        from safetensors.torch import save_model
+        if not self.dist.is_main:
+            return
+        write_model(directory, canonical_state(self.model))
+        write_optimizer(directory, moments_of(self._param_slots(), self.optimizer),
+                        {"optimizer_step": adam_step_count(self.optimizer),
+                         "scheduler_step": self.scheduler.last_epoch})
 
-        if self.dist.is_main:
-            save_model(self.model, os.path.join(directory, "model.safetensors"))
-            torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
-            with open(os.path.join(directory, "scheduler.json"), "w") as fh:
-                json.dump(self.scheduler.state_dict(), fh)
+    def load(self, directory: str, *, optimizer: bool = True) -> None:
+        from ..checkpoint.state import load_canonical, read_model, read_optimizer
 
-    def load(self, directory: str) -> None:
-        import json
-        import os
-
-        from safetensors.torch import load_model
-
-        load_model(self.model, os.path.join(directory, "model.safetensors"), device=str(self.dist.device))
-        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location=self.dist.device, weights_only=True)
-        self.optimizer.load_state_dict(state)
-        with open(os.path.join(directory, "scheduler.json")) as fh:
-            self.scheduler.load_state_dict(json.load(fh))
+        load_canonical(self.model, read_model(directory), directory)
+        if optimizer:
+            moments, meta = read_optimizer(directory)
+            load_moments(self._param_slots(), self.optimizer, moments, int(meta["optimizer_step"]), directory)
+            set_schedule(self.scheduler, self.recipe.optim, self.recipe.trainer.max_steps,
+                         int(meta["scheduler_step"]))

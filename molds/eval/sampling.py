@@ -1,6 +1,4 @@
-"""Sampling SMILES from a causal decoder, and ``molds-sample CHECKPOINT``.
-
-    molds-sample runs/gpt-moses/checkpoints/step-2000 --num 10000 --temperature 1.0 --top_k 0 --out samples.smi
+"""Sampling SMILES from a causal decoder (the library behind ``molds-sample``).
 
 Every sample starts from the beginning-of-sequence token and is decoded with a
 key/value cache (``CausalDecoder.decode``) until its end token or ``max_tokens``; one
@@ -13,9 +11,6 @@ same molecules. The same function samples during training, on every rank at once
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections.abc import Callable
 
 import torch
@@ -69,39 +64,3 @@ def default_max_tokens(manifest, model_max_positions: int) -> int:
     """Room for the longest training molecule plus a margin, within the model's positions."""
     longest = manifest.data["stats"]["splits"]["train"].get("max_token_length") or model_max_positions
     return max(1, min(model_max_positions - 1, int(longest * 1.5) + 8))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from molds.eval.evaluate import load_model
-
-    ap = argparse.ArgumentParser(prog="molds-sample", description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step-N)")
-    ap.add_argument("--num", type=int, default=10000)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top_k", "--top-k", type=int, default=0, help="0: the full distribution")
-    ap.add_argument("--max_tokens", type=int, default=0, help="0: from the manifest's longest training molecule")
-    ap.add_argument("--batch_size", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="-", help="output file, one SMILES per line (-: stdout)")
-    args = ap.parse_args(argv)
-    loaded = load_model(args.checkpoint)
-    if loaded.family != "decoder":
-        raise SystemExit(f"molds-sample: {args.checkpoint} holds an encoder; sampling needs a decoder")
-    max_tokens = args.max_tokens or default_max_tokens(loaded.manifest, loaded.model.config.max_position_embeddings)
-    ids = sample_ids(loaded.model, args.num, bos=loaded.specials["bos"], eos=loaded.specials["eos"],
-                     max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
-                     batch_size=args.batch_size, seed=args.seed)
-    lines = "".join((s or "") + "\n" for s in ids_to_smiles(loaded.tokenizer, ids))
-    if args.out == "-":
-        sys.stdout.write(lines)
-    else:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(lines)
-        os.replace(tmp, args.out)
-        print(f"[molds] {args.num} samples -> {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

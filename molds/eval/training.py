@@ -10,11 +10,10 @@ hparams with the final metrics.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
-from .evaluate import property_predictions, property_report, split_data_config, split_loss
+from .scoring import property_predictions, property_report, split_data_config, split_loss
 
 
 class TrainingEvaluator:
@@ -23,7 +22,7 @@ class TrainingEvaluator:
     all ranks, gathered and scored on rank 0. Full evaluations add the metrics against
     the training split and the pictures (grid, text, length histogram)."""
 
-    def __init__(self, recipe, engine, dist, manifest, specials: dict, log):
+    def __init__(self, recipe, engine, dist, manifest, specials, log):
         self.recipe, self.engine, self.dist, self.manifest, self.specials, self.log = (
             recipe, engine, dist, manifest, specials, log)
         ev = recipe.eval
@@ -60,9 +59,10 @@ class TrainingEvaluator:
         from molds.distributed import all_reduce_sum, gather_objects
 
         ev, model, dist = self.recipe.eval, self.engine.model, self.dist
-        autocast = getattr(self.engine, "_autocast", contextlib.nullcontext)
-        was_training = model.training
-        model.eval()
+        forward = self.engine.eval_forward
+        was_training = model.training if model is not None else True
+        if model is not None:
+            model.eval()
         values = {}
         try:
             # encoders: the masked-token loss alone (label losses are scored as metrics below)
@@ -71,26 +71,29 @@ class TrainingEvaluator:
             # the split's shards are checked (data.verify) at the first evaluation only
             extra["verify"] = "off" if self.verified else self.recipe.data.verify
             cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
-            total, count = split_loss(model, self.family, cfg, rank=dist.rank, world=dist.world_size,
-                                      max_batches=ev.max_batches, device=dist.device, autocast=autocast,
-                                      any_have=self._any)
+            topo = self.engine.topology
+            total, count = split_loss(forward, self.family, cfg, rank=topo.dp_rank, world=topo.dp_size,
+                                      max_batches=ev.max_batches, device=dist.device, any_have=self._any)
             self.verified = True
+            if topo.pp_size > 1 and topo.pp_rank != topo.pp_size - 1:
+                total = count = 0.0  # the last stage of each pipeline holds the loss
             total, count = all_reduce_sum([total, count], dist)
             if count:
                 values["eval/loss"] = total / count
                 values["eval/perplexity"] = math.exp(min(total / count, 50.0))
             samples = predictions = None
-            if self.family == "decoder":
-                samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step, autocast)
+            if self.family == "decoder" and model is not None:
+                samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step)
                 samples = [s for part in gather_objects(samples, dist) for s in part]
             elif kind == "full" and self.recipe.model.num_tasks:
                 cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
                                    mlm_probability=0.0, with_labels=True, verify="off")
                 predictions = gather_objects(property_predictions(
-                    model, cfg, rank=dist.rank, world=dist.world_size, device=dist.device, autocast=autocast,
-                    any_have=self._any), dist)
+                    forward, cfg, rank=topo.dp_rank, world=topo.dp_size, device=dist.device, any_have=self._any),
+                    dist)
         finally:
-            model.train(was_training)
+            if model is not None:
+                model.train(was_training)
         if dist.is_main and samples is not None:
             values.update(self._score(samples, step, kind))
         if dist.is_main and predictions is not None:
@@ -110,17 +113,17 @@ class TrainingEvaluator:
         macro = property_report(labels, preds, dataclasses.asdict(self.recipe.model), self.manifest)["macro"]
         return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
-    def _sample(self, total: int, step: int, autocast) -> list:
+    def _sample(self, total: int, step: int) -> list:
         from molds.eval.sampling import default_max_tokens, ids_to_smiles, sample_ids
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.specials.path, local_files_only=True)
         ev, dist = self.recipe.eval, self.dist
         per_rank = max(1, -(-total // dist.world_size))
-        with autocast():
-            ids = sample_ids(self.engine.model, per_rank, bos=self.specials["bos"], eos=self.specials["eos"],
+        with self.engine.autocast():
+            ids = sample_ids(self.engine.model, per_rank, bos=self.specials.bos, eos=self.specials.eos,
                              max_tokens=default_max_tokens(self.manifest, self.recipe.model.max_position_embeddings),
                              temperature=ev.temperature, top_k=ev.top_k, batch_size=min(per_rank, 1024),
                              seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,

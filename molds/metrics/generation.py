@@ -4,6 +4,8 @@
   that never produced the end token or that holds a special token, counts as invalid)
 - unique@k: distinct canonical SMILES among the first k valid samples, over k
 - novelty: fraction of the distinct valid samples absent from the training split
+- novelty_all_splits: the same against every split of the manifest (all of the source
+  molecules, held-out splits included)
 - scaffold_novelty: fraction of the distinct Murcko scaffolds of the valid samples
   absent from the training split's scaffolds
 - int_div: internal diversity IntDiv1, 1 - mean pairwise Tanimoto similarity of
@@ -34,7 +36,7 @@ MAX_RING = 8
 def _canonicalizer(manifest):
     import dataclasses
 
-    from molds.preprocessing.chem import Canonicalizer, ChemOptions
+    from molds.chem import Canonicalizer, ChemOptions
 
     fields = {f.name for f in dataclasses.fields(ChemOptions)}
     opts = manifest.data["canonicalization"]["options"] if manifest is not None else {}
@@ -45,7 +47,7 @@ def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | No
     """Each sample -> None (invalid) or {"mol", "canonical", "scaffold"}."""
     from rdkit import Chem, RDLogger
 
-    from molds.preprocessing.chem import Molecule
+    from molds.chem import Molecule
 
     RDLogger.DisableLog("rdApp.*")
     canon = _canonicalizer(manifest)
@@ -182,6 +184,13 @@ def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_spl
     if manifest is not None:
         novel = absent_from_split(manifest, train_split, "canonical_smiles", distinct)
         out["novelty"] = len(novel) / len(distinct) if distinct else None
+        # the manifest's other splits are molecules of the same source that the model never
+        # saw; a sample equal to one of them is novel to the model but not to the source set
+        # (for a MOSES manifest: novelty against the whole MOSES training file, as the MOSES
+        # benchmark counts it)
+        for other in sorted(set(manifest.data["splits"]) - {train_split}):
+            novel = absent_from_split(manifest, other, "canonical_smiles", novel)
+        out["novelty_all_splits"] = len(novel) / len(distinct) if distinct else None
         scaffolds = {p["scaffold"] for p in valid if p["scaffold"]}
         new_scaffolds = absent_from_split(manifest, train_split, "scaffold", scaffolds)
         out["scaffold_novelty"] = len(new_scaffolds) / len(scaffolds) if scaffolds else None

@@ -1,4 +1,10 @@
-"""Scalars to TensorBoard (tags from DESIGN.md) and to ``metrics.jsonl``, on rank 0."""
+"""Scalars to TensorBoard (tags from DESIGN.md) and to ``metrics.jsonl``, on rank 0.
+
+A resumed run (``start_step``) continues both from that step: ``metrics.jsonl`` keeps
+only the rows up to it (rewritten atomically) and TensorBoard purges the events after
+it (``purge_step``), so neither holds duplicated or stale steps. ``rewind`` does the
+same in the middle of a run (a rollback).
+"""
 
 from __future__ import annotations
 
@@ -23,19 +29,52 @@ def device_peak_tflops(device, override: float | None) -> tuple[float | None, st
     return None, f"{name}: peak unknown (set logging.peak_tflops)"
 
 
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl (a torn last line, from a killed run, is dropped)."""
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+    return rows
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, start_step: int | None = None):
+        self.enabled, self.output_dir, self.tensorboard = enabled, output_dir, tensorboard
         self.writer = None
         self.jsonl = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
+        self._open(start_step)
+
+    def _open(self, start_step: int | None) -> None:
+        from ..atomic import write_text
+
+        path = os.path.join(self.output_dir, "metrics.jsonl")
+        if start_step is None:
+            write_text(path, "")
+        else:
+            kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= start_step]
+            write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.jsonl = open(path, "a", encoding="utf-8")
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            purge = None if start_step is None else start_step + 1
+            self.writer = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=purge)
+
+    def rewind(self, step: int) -> None:
+        """Forget everything logged after ``step`` (a rollback to that step's checkpoint)."""
+        if not self.enabled:
+            return
+        self.close()
+        self._open(step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.writer is not None:
@@ -52,6 +91,18 @@ class MetricsLogger:
 
             self.writer.add_histogram(tag, np.asarray(values), step)
 
+    def counts(self, tag: str, counts: list, step: int) -> None:
+        """A histogram given as counts per integer bucket 0, 1, ... (tokens per expert)."""
+        if self.writer is None or not counts or not sum(counts):
+            return
+        import numpy as np
+
+        c = np.asarray(counts, dtype=np.float64)
+        ids = np.arange(len(c), dtype=np.float64)
+        self.writer.add_histogram_raw(tag, min=0.0, max=float(len(c) - 1), num=float(c.sum()),
+                                      sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()),
+                                      bucket_limits=(ids + 0.5).tolist(), bucket_counts=c.tolist(), global_step=step)
+
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's settings beside its final metrics (TensorBoard's HPARAMS tab)."""
         if self.writer is not None:
@@ -64,13 +115,18 @@ class MetricsLogger:
             return
         if self.writer is not None:
             for tag, value in values.items():
-                if value is not None:
+                if isinstance(value, list):
+                    self.counts(tag, value, step)
+                elif value is not None:
                     self.writer.add_scalar(tag, value, step)
-        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.write(json.dumps({"step": step, **{k: v for k, v in values.items() if not isinstance(v, list)}})
+                         + "\n")
         self.jsonl.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None

@@ -1,40 +1,78 @@
-"""Model families, one file each, single-device code; parallelism is applied from outside."""
+"""Model families, one file each, single-device code; parallelism is applied from outside.
+
+``build_model`` is the one model factory: training, evaluation, sampling, export and
+the checkpoint opener all build a network from (the recipe's ``model`` section, the
+tokenizer artifact) through it; ``molds.checkpoint.open_checkpoint`` then loads a
+checkpoint's canonical weights into it. Kernel converters (``molds.kernels``) are
+applied by the caller that wants them, after construction.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 
-def family_config(model: dict, vocab_size: int, specials: dict | None = None):
-    """The family's own config from the recipe's ``model`` section (a dict, as stored in
-    checkpoint lineage): the one mapping that training and export share."""
-    sp = specials or {"pad": 0, "bos": 2, "eos": 3}
-    common = dict(vocab_size=vocab_size, hidden_size=model["hidden_size"], num_layers=model["num_layers"],
-                  num_heads=model["num_heads"], intermediate_size=model["intermediate_size"],
-                  max_position_embeddings=model["max_position_embeddings"])
-    if model["family"] == "decoder":
+def _as_dict(model) -> dict:
+    if dataclasses.is_dataclass(model):
+        return dataclasses.asdict(model)
+    from ..config import ModelConfig
+
+    # a recipe stored by an older molds may lack newer keys: their defaults apply
+    return {**dataclasses.asdict(ModelConfig()), **model}
+
+
+def family_config(model, tokenizer):
+    """The family's own config from the recipe's ``model`` section (a dataclass or its
+    dict, as stored in checkpoint lineage) and the tokenizer (``TokenizerInfo``)."""
+    m = _as_dict(model)
+    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+                  num_heads=m["num_heads"], intermediate_size=m["intermediate_size"],
+                  max_position_embeddings=m["max_position_embeddings"])
+    if m["family"] == "decoder":
         from .decoder import DecoderConfig
 
-        return DecoderConfig(num_kv_heads=model["num_kv_heads"], rope_theta=model["rope_theta"], **common)
-    if model["family"] == "encoder":
+        moe = None
+        if m.get("num_experts"):
+            from .moe import MoEConfig
+
+            moe = MoEConfig.from_model_section(m)
+        return DecoderConfig(num_kv_heads=m["num_kv_heads"], rope_theta=m["rope_theta"],
+                             tie_word_embeddings=m.get("tie_embeddings", True), moe=moe, qk_norm=moe is not None,
+                             **common)
+    if m["family"] == "encoder":
         from .encoder import EncoderConfig
 
-        return EncoderConfig(dropout=model["dropout"], num_tasks=model["num_tasks"], task_type=model["task_type"],
-                             pad_token_id=sp["pad"], bos_token_id=sp["bos"], eos_token_id=sp["eos"], **common)
-    raise ValueError(f"unknown model.family {model['family']!r}")
+        return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
+                             pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
+                             **common)
+    raise ValueError(f"unknown model.family {m['family']!r}")
 
 
-def build_model(recipe, vocab_size: int, specials: dict | None = None):
-    """The network a recipe describes, freshly initialized from ``run.seed``."""
+def build_model(model, tokenizer, *, seed: int = 0):
+    """The network a recipe's ``model`` section describes, initialized from ``seed``
+    (the same on every rank: replicas start equal)."""
     import torch
 
-    cfg = family_config(dataclasses.asdict(recipe.model), vocab_size, specials)
-    torch.manual_seed(recipe.run.seed)
-    if recipe.model.family == "decoder":
+    cfg = family_config(model, tokenizer)
+    torch.manual_seed(seed)
+    if isinstance(cfg, _decoder_config()):
         from .decoder import CausalDecoder
 
-        cfg.compile_regions = recipe.kernels.compile_regions
+        if cfg.moe is not None:
+            from .moe import make_moe_layer
+
+            return CausalDecoder(cfg, make_layer=make_moe_layer)
         return CausalDecoder(cfg)
     from .encoder import MoleculeEncoder
 
     return MoleculeEncoder(cfg)
+
+
+def _decoder_config():
+    from .decoder import DecoderConfig
+
+    return DecoderConfig
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

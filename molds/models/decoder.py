@@ -1,9 +1,13 @@
 """Causal decoder for SMILES generation (Llama-style: RMSNorm, RoPE, SwiGLU, GQA).
 
-Single-device code that knows nothing of parallelism. Parameter names and the math
-match ``transformers.LlamaForCausalLM``, so a checkpoint exports to it as is
-(``molds.export``). The blocks are a plain ``ModuleList`` so a pipeline engine can cut
-the model into stages between them.
+Single-device code that knows nothing of parallelism, kernels or the loss. Parameter
+names and the math match ``transformers.LlamaForCausalLM``, so a checkpoint exports to
+it as is (``molds.export``). The forward returns logits; ``molds.models.loss`` computes
+the objective. The blocks are a plain ``ModuleList`` so a pipeline engine can cut the
+model into stages between them; a block needs only (hidden, position_ids,
+document_ids) to rebuild its attention layout (``PackedLayout``), so it can sit on any
+stage. Elementwise regions (RoPE, SwiGLU, RMSNorm) are module attributes that a kernel
+converter (``molds.kernels``) may swap for fused versions.
 
 Packed rows: pass ``position_ids`` (restarting per molecule) and ``document_ids`` (-1
 on padding): attention is causal *within* each molecule only (``PackedLayout``), so a
@@ -12,14 +16,11 @@ packed row computes exactly what each molecule alone would.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from ..data.packing import IGNORE_INDEX
 
 
 @dataclass
@@ -35,7 +36,8 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
-    compile_regions: bool = False  # torch.compile the elementwise regions (RoPE, SwiGLU, RMSNorm)
+    moe: object = None  # molds.models.moe.MoEConfig: some blocks are mixture-of-experts
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3; the MoE decoder)
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
@@ -65,23 +67,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.cache
-def _compiled(fn):
-    """``fn`` compiled once per process for every shape (these regions are elementwise:
-    inductor fuses each into one kernel forward and one backward)."""
-    return torch.compile(fn, dynamic=True)
-
-
-def _region(fn, cfg: DecoderConfig):
-    return _compiled(fn) if cfg.compile_regions else fn
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, compiled: bool = False):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
-        self.norm = _compiled(rms_norm) if compiled else rms_norm
+        self.norm = rms_norm  # an elementwise region (molds.kernels may fuse it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, self.weight, self.variance_epsilon)
@@ -104,7 +95,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
-        self.rope = _region(apply_rope, cfg)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rope = apply_rope  # an elementwise region (molds.kernels may fuse it)
 
     def forward(self, x, cos, sin, layout, cache=None):
         """x: [B, S, hidden] (one sequence per row), or [T, hidden] real tokens with ``layout``.
@@ -116,6 +110,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cache is not None:
             past = "k" in cache
@@ -176,11 +172,6 @@ class PackedLayout:
         # where each packed-row token went (``t``: a padding token, reads a zero row)
         self.token_source = torch.full((b * s,), t, dtype=torch.long, device=dev)
         self.token_source[token] = flat_index
-        # within-molecule successor: the next token of the same molecule, else none
-        nxt = torch.full((t,), -1, dtype=torch.long, device=dev)
-        last = pos + 1 == doc_len[doc]
-        nxt[flat_index[~last]] = flat_index[~last] + 1
-        self.successor = nxt
         # attention groups over molecules in length order
         self.groups = []  # (molecules, longest) per group
         slot_of = torch.empty(t, dtype=torch.long, device=dev)
@@ -198,6 +189,22 @@ class PackedLayout:
         self.slot_source[slot_of] = torch.arange(t, device=dev)
         self.slot_of = slot_of
         self.shape = (b, s)
+        self.doc_lengths = doc_len
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, position_ids: torch.Tensor) -> "PackedLayout":
+        """The layout of these packed rows, built once per pair of tensors: the layers of
+        one pipeline stage receive the same (position_ids, document_ids) and share it."""
+        key = (id(document_ids), document_ids._version, id(position_ids), position_ids._version)
+        cached = getattr(document_ids, "_molds_layout", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layout = cls(document_ids, position_ids)
+        try:
+            document_ids._molds_layout = (key, layout)
+        except (AttributeError, RuntimeError):
+            pass
+        return layout
 
     def to_flat(self, t: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] in packed rows -> [T, ...] real tokens in flat order."""
@@ -207,13 +214,6 @@ class PackedLayout:
         """[T, ...] flat -> [B, S, ...] in packed rows (padding tokens get zeros)."""
         pad = t.new_zeros((1, *t.shape[1:]))
         return torch.cat([t, pad]).index_select(0, self.token_source).view(*self.shape, *t.shape[1:])
-
-    def next_token_targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """Packed-row labels -> the target of every flat token: the label of the next token
-        of the same molecule, IGNORE_INDEX on each molecule's last token."""
-        flat = self.to_flat(labels)
-        has = self.successor >= 0
-        return torch.where(has, flat[self.successor.clamp(min=0)], torch.full_like(flat, IGNORE_INDEX))
 
     def attend(self, q, k, v):
         """q [T, H, D], k and v [T, KV, D] -> [T, H, D], causal within each molecule."""
@@ -234,23 +234,28 @@ class PackedLayout:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = _region(swiglu, cfg)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.act = swiglu  # an elementwise region (molds.kernels may fuse it)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """Attention and an MLP, each pre-normed with a residual. ``layer_id`` is the block's
+    global index (the name it has in checkpoints, whatever stage it runs on)."""
+
+    def __init__(self, cfg: DecoderConfig, layer_id: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layout, cache=None):
@@ -259,53 +264,74 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    """``model.*`` of the HF layout: embeddings, blocks, final norm."""
+    """``model.*`` of the HF layout: embeddings, blocks, final norm. ``make_layer(cfg, i)``
+    builds block i (default: ``DecoderLayer``; ``molds.models.moe`` passes its own)."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, make_layer=None):
         super().__init__()
+        make_layer = make_layer or DecoderLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.compile_regions)
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def part_seed(base: int, *key) -> int:
+    """The seed of one part of a model (the embeddings, block i, the head): each part's
+    initialization depends on the run's seed and the part's name only, so a model built
+    whole and one built stage by stage (a pipeline) start from the same weights."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr((base, *key)).encode()).digest()[:8], "little") % (2**63 - 1)
+
+
+def init_part(module: nn.Module, std: float, base: int, *key) -> None:
+    """Normal(0, std) for linear and embedding weights (RMSNorm weights stay 1), drawn from
+    a generator seeded by ``part_seed(base, *key)``; a module with its own
+    ``init_weights(std, base, key)`` (the experts) does it itself."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(part_seed(base, *key))
+        for m in module.modules():
+            if hasattr(m, "init_weights"):
+                m.init_weights(std, base, key)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
 
 
 class CausalDecoder(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, make_layer=None):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the manifest's tokenizer)")
         self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.model = DecoderBody(cfg, make_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.apply(self._init)
+        base, std = torch.initial_seed(), cfg.initializer_range
+        init_part(self.model.embed_tokens, std, base, "embed")
+        for i, layer in enumerate(self.model.layers):
+            init_part(layer, std, base, "layer", i)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            init_part(self.lm_head, std, base, "head")
 
-    def _init(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=self.config.initializer_range)
-
-    def forward(self, input_ids, position_ids=None, document_ids=None, labels=None, **_):
+    def forward(self, input_ids, position_ids=None, document_ids=None, **_):
+        """Logits [B, S, vocab]. Packed rows (``document_ids`` given) run on their real
+        tokens only; padding positions get zero logits."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         layout = None
         if document_ids is not None:  # packed rows: run on the real tokens only
-            layout = PackedLayout(document_ids, position_ids)
+            layout = PackedLayout.of(document_ids, position_ids)
             input_ids, position_ids = layout.to_flat(input_ids), layout.positions
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, layout)
         logits = self.lm_head(self.model.norm(x))
-        loss = None
-        if labels is not None:
-            if layout is None:
-                loss = causal_lm_loss(logits, labels)
-            else:  # the same (prediction, target) pairs, never across molecules
-                loss = F.cross_entropy(_upcast(logits), layout.next_token_targets(labels), ignore_index=IGNORE_INDEX)
         if layout is not None:
             logits = layout.to_packed(logits)
-        return {"logits": logits, "loss": loss}
+        return {"logits": logits}
 
     def decode(self, input_ids: torch.Tensor, cache: list[dict], start: int) -> torch.Tensor:
         """Generation step with a key/value cache: ``input_ids`` [B, S] sit at positions
@@ -319,22 +345,16 @@ class CausalDecoder(nn.Module):
             x = layer(x, cos, sin, None, layer_cache)
         return self.lm_head(self.model.norm(x[:, -1]))
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x parameters (embeddings excluded) + attention."""
+    def flops_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs (forward + backward) of a batch = a x real tokens + b x the sum
+        of squared molecule lengths: a = 6 x the parameters a token passes through
+        (embeddings excluded; an MoE layer counts its top-k experts and shared expert
+        only), b = 12 x layers x hidden (attention within each molecule)."""
         cfg = self.config
-        params = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n)
+        active = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n and ".experts." not in n)
         if cfg.tie_word_embeddings:
-            params += self.lm_head.weight.numel()
-        return 6 * params + 12 * cfg.num_layers * cfg.hidden_size * seq_len
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, HF convention: position i predicts labels[i + 1]."""
-    shift_logits = _upcast(logits[:, :-1].reshape(-1, logits.shape[-1]))
-    shift_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
-
-
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    """Cross entropy in at least fp32 (bf16/fp16 logits are upcast, fp64 kept)."""
-    return logits.float() if logits.element_size() < 4 else logits
+            active += self.lm_head.weight.numel()
+        for layer in self.model.layers:
+            if hasattr(layer, "active_expert_params"):
+                active += layer.active_expert_params()
+        return 6.0 * active, 12.0 * cfg.num_layers * cfg.hidden_size

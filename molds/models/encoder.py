@@ -2,9 +2,10 @@
 MoLFormer's job), built from a config with HuggingFace ``transformers`` modules.
 
 Heads: the MLM head of ``RobertaForMaskedLM`` and, with ``num_tasks > 0``, a
-``RobertaClassificationHead`` on the <bos> token: masked binary cross-entropy for
-sparse multi-task classification, or masked MSE for regression (missing labels carry
-no loss). The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
+``RobertaClassificationHead`` on the <bos> token. The forward returns the MLM logits
+and the head's predictions; ``molds.models.loss.EncoderLoss`` scores them (masked
+binary cross-entropy for sparse multi-task classification or masked MSE for
+regression, missing labels carrying no loss). The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
 so ``molds-export`` writes either without renaming.
 """
 
@@ -12,11 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import nn
-
-from ..data.packing import IGNORE_INDEX
 
 
 @dataclass
@@ -58,38 +55,16 @@ class MoleculeEncoder(nn.Module):
         self.mlm = RobertaForMaskedLM(hf)
         self.classifier = RobertaClassificationHead(hf) if cfg.num_tasks else None
 
-    def forward(self, input_ids, attention_mask=None, mlm_labels=None, labels=None, label_mask=None, **_):
+    def forward(self, input_ids, attention_mask=None, **_):
         hidden = self.mlm.roberta(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        out = {"loss": None}
-        losses = []
-        if mlm_labels is not None:
-            logits = self.mlm.lm_head(hidden)
-            out["logits"] = logits
-            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), mlm_labels.reshape(-1),
-                                          ignore_index=IGNORE_INDEX))
+        out = {"logits": self.mlm.lm_head(hidden)}
         if self.classifier is not None:
-            pred = self.classifier(hidden)
-            out["predictions"] = pred
-            if labels is not None:
-                losses.append(masked_task_loss(pred.float(), labels.float(), label_mask, self.config.task_type))
-        if losses:
-            out["loss"] = sum(losses)
+            out["predictions"] = self.classifier(hidden)
         return out
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs of a batch = a x tokens + b x the sum of squared row lengths:
+        a = 6 x non-embedding parameters, b = 12 x layers x hidden (attention)."""
         cfg = self.config
         params = sum(p.numel() for n, p in self.named_parameters() if "embeddings" not in n)
-        return 6 * params + 12 * cfg.num_layers * cfg.hidden_size * seq_len
-
-
-def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, task_type: str):
-    """Mean over the labels that are present (``mask``): BCE with logits, or MSE."""
-    if mask is None:
-        mask = torch.ones_like(labels, dtype=torch.bool)
-    mask = mask.bool()
-    if task_type == "classification":
-        per = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
-    else:
-        per = (pred - labels) ** 2
-    per = per * mask
-    return per.sum() / mask.sum().clamp(min=1)
+        return 6.0 * params, 12.0 * cfg.num_layers * cfg.hidden_size

@@ -13,7 +13,8 @@ import torch
 
 from molds.data.loader import merge_states
 from molds.data.manifest import ManifestError
-from molds.data.packing import IGNORE_INDEX, block_causal_mask
+from molds.data.packing import block_causal_mask
+from molds.tokens import IGNORE_INDEX
 
 from .conftest import make_loader, train_rows
 
@@ -60,7 +61,7 @@ def test_packed_rows_hold_whole_molecules(dataset):
     for shard in ld.manifest.shards("train"):
         table.update({shard.path: pq.read_table(shard.path, columns=["token_ids"]).column(0).to_pylist()})
     flat_rows = [r for shard in ld.manifest.shards("train") for r in table[shard.path]]
-    bos, eos = ld.specials["bos"], ld.specials["eos"]
+    bos, eos = ld.specials.bos, ld.specials.eos
     total_pad = total = 0
     for batch in ld:
         ids, pos, doc, lab = (batch[k].numpy() for k in ("input_ids", "position_ids", "document_ids", "labels"))
@@ -76,7 +77,7 @@ def test_packed_rows_hold_whole_molecules(dataset):
                 assert lab[r, where[0]] == IGNORE_INDEX and lab[r, where[1:]].tolist() == toks[1:]
                 k += 1
             pad = doc[r] < 0
-            assert np.all(lab[r, pad] == IGNORE_INDEX) and np.all(ids[r, pad] == ld.specials["pad"])
+            assert np.all(lab[r, pad] == IGNORE_INDEX) and np.all(ids[r, pad] == ld.specials.pad)
             if not pad.all():  # the epoch's last batch is topped up with empty rows
                 total_pad += pad.sum()
                 total += len(pad)
@@ -169,7 +170,7 @@ def test_world_size_change_keeps_exactly_once(dataset):
 def test_bucketed_batches_respect_budget_labels_and_masking(dataset):
     ld = make_loader(dataset, mode="bucketed", max_tokens_per_batch=512, bucket_pool=200, max_length=80,
                      with_labels=True, mlm_probability=0.15)
-    specials = set(ld.specials["ids"])
+    specials = set(ld.specials.ids)
     chosen = candidates = 0
     for b in ld:
         ids, att = b["input_ids"], b["attention_mask"]
@@ -197,14 +198,18 @@ def test_bad_shards_and_bad_configs_fail_early_with_names(dataset, tmp_path):
     data = _copy(dataset, tmp_path)
     manifest = json.load(open(os.path.join(data, "manifest.json")))
     victim = manifest["splits"]["train"][1]["uri"]
+    rows, total = manifest["splits"]["train"][1]["num_rows"], manifest["stats"]["splits"]["train"]["rows"]
     with open(os.path.join(data, victim), "r+b") as fh:
         fh.seek(100)
         fh.write(b"\x00\x01")
     with pytest.raises(ManifestError, match=victim):
         make_loader(data)
-    ld = make_loader(data, on_bad_shard="skip")
+    with pytest.raises(ManifestError, match=rf"1 bad shard\(s\) skipped, {rows} of {total} rows .*max_skipped"):
+        make_loader(data, on_bad_shard="skip")  # the default bound: 1 %
+    ld = make_loader(data, on_bad_shard="skip", max_skipped_fraction=0.2)
     assert ld.source.skipped and ld.source.skipped[0][0] == victim
-    assert len(np.concatenate([b["gids"].numpy() for b in ld])) == ld.source.num_rows
+    assert ld.skipped["shards"] == 1 and ld.skipped["rows"] == rows and victim in ld.skipped_note
+    assert len(np.concatenate([b["gids"].numpy() for b in ld])) == ld.source.num_rows == total - rows
     os.remove(os.path.join(data, victim))
     with pytest.raises(ManifestError, match="missing"):
         make_loader(data)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, out_dir: str):
+def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu", **env)
     torch.set_num_threads(1)
     result = fn(rank, world, *args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -26,11 +27,19 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str):
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout_s: int = 600) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns each rank's result."""
+def run_ranks(fn, world: int, *args, timeout_s: float = 600, env: dict | None = None) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns each rank's result. A
+    rank that raises fails the call; ranks still running after ``timeout_s`` are killed
+    and the call fails."""
     out_dir = tempfile.mkdtemp(prefix="molds-dist-")
-    ctx = torch.multiprocessing.start_processes(_entry, args=(world, _free_port(), fn, args, out_dir),
+    ctx = torch.multiprocessing.start_processes(_entry, args=(world, free_port(), fn, args, out_dir, env or {}),
                                                 nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=timeout_s):
-        pass
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout_s} s")
+    # results are written by this test's own child processes
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

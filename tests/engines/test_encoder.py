@@ -35,12 +35,14 @@ def _params(rank, world, argv, dataset):
     from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model
+    from molds.models.loss import build_loss
     from molds.recipe import parse_recipe
 
     dist = init_distributed()
     recipe = parse_recipe(argv + ["--trainer.grad_accum", str(2 // world)])
     ld = MoleculeLoader(DataConfig(**{**recipe.data.__dict__}))
-    engine = build_engine(recipe, build_model(recipe, ld.specials["vocab_size"], ld.specials), dist)
+    engine = build_engine(recipe, build_model(recipe.model, ld.specials, seed=recipe.run.seed),
+                          build_loss(recipe.model), dist)
     keep = ("input_ids", "attention_mask", "mlm_labels", "labels", "label_mask")
     batches = []
     for b in ld:
@@ -66,10 +68,10 @@ def test_encoder_two_ranks_match_single_process(dataset, tmp_path):
 def test_encoder_trains_and_exports(dataset, tmp_path, tasks):
     from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
 
+    from molds.checkpoint import open_checkpoint
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.export import export
-    from molds.models import build_model
     from molds.recipe import parse_recipe
     from molds.train import main
 
@@ -79,15 +81,11 @@ def test_encoder_trains_and_exports(dataset, tmp_path, tasks):
     hf_dir = export(result["checkpoint"], str(tmp_path / "hf"))
     recipe = parse_recipe(argv)
     ld = MoleculeLoader(DataConfig(**{**recipe.data.__dict__}))
-    ours = build_model(recipe, ld.specials["vocab_size"], ld.specials)
-    from safetensors.torch import load_model
-
-    load_model(ours, os.path.join(result["checkpoint"], "model.safetensors"), strict=False)
-    ours.eval()
+    ours = open_checkpoint(result["checkpoint"]).model  # strict: every weight, nothing else
     batch = next(iter(ld))
     x, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        mine = ours(x, attention_mask=mask, mlm_labels=torch.full_like(x, -100))
+        mine = ours(x, attention_mask=mask)
         if tasks:
             hf = AutoModelForSequenceClassification.from_pretrained(hf_dir, local_files_only=True).eval()
             torch.testing.assert_close(hf(input_ids=x, attention_mask=mask).logits, mine["predictions"],

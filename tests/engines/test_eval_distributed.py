@@ -11,7 +11,9 @@ from tests.engines.test_resume import _argv, _main
 
 
 def test_zero3_eval_matches_a_single_process_evaluation(dataset, tmp_path):
-    from molds.eval.evaluate import split_data_config, load_model, split_loss
+    from molds.checkpoint import open_checkpoint
+    from molds.eval.scoring import model_forward, split_data_config, split_loss
+    from molds.models.loss import build_loss
 
     out = str(tmp_path / "run")
     argv = _argv(dataset, out, "zero", 4, stage=3, extra=[
@@ -23,6 +25,7 @@ def test_zero3_eval_matches_a_single_process_evaluation(dataset, tmp_path):
     assert sorted(evals) == [2, 4]  # a smoke eval at 2, the final full one at 4
     assert "eval/validity" in evals[2] and "eval/unfinished_or_special" in evals[4]  # samples from both ranks, scored
     # the whole valid split, scored by one process from the consolidated checkpoint
-    loaded = load_model(os.path.join(out, "checkpoints"))
-    total, count = split_loss(loaded.model, "decoder", split_data_config(loaded.recipe["data"], dataset, "valid"))
+    loaded = open_checkpoint(os.path.join(out, "checkpoints"))
+    forward = model_forward(loaded.model, build_loss(loaded.recipe["model"]))
+    total, count = split_loss(forward, "decoder", split_data_config(loaded.recipe["data"], dataset, "valid"))
     assert abs(evals[4]["eval/loss"] - total / count) < 1e-5 * (total / count)

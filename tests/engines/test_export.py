@@ -15,11 +15,12 @@ from tests.engines.test_resume import _argv, _main
 def test_export_logits_match(dataset, tmp_path, engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from molds.checkpoint import open_checkpoint
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.export import export
-    from molds.recipe import parse_recipe
     from molds.models import build_model
+    from molds.recipe import parse_recipe
 
     out = str(tmp_path / "run")
     argv = _argv(dataset, out, engine, 3)
@@ -29,23 +30,12 @@ def test_export_logits_match(dataset, tmp_path, engine):
         main(argv)
     else:
         run_ranks(_main, 2, argv)
-    ckpt = os.path.join(out, "checkpoints", "step-00000003")
-    hf_dir = export(ckpt, str(tmp_path / "hf"))
+    hf_dir = export(out, str(tmp_path / "hf"))  # a run directory: its latest checkpoint
 
     recipe = parse_recipe(argv)
-    from molds.data.manifest import Manifest
-
-    vocab = Manifest.load(dataset).check_tokenizer()
-    ours = build_model(recipe, len(vocab))
-    if engine == "ddp":
-        from safetensors.torch import load_model
-
-        load_model(ours, os.path.join(ckpt, "model.safetensors"))
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        ours.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="deepspeed"), strict=False)
-    ours.eval()
+    loaded = open_checkpoint(os.path.join(out, "checkpoints", "latest"))
+    assert loaded.checkpoint.endswith("step-00000003")
+    ours = loaded.model
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     batch = next(iter(MoleculeLoader(DataConfig(manifest=dataset, seq_len=128, micro_batch_size=2))))
@@ -58,5 +48,6 @@ def test_export_logits_match(dataset, tmp_path, engine):
         doc = batch["document_ids"][:1]
         first = batch["input_ids"][:1][doc >= 0][: int((doc == 0).sum())][None]
         torch.testing.assert_close(hf(first).logits, ours(first)["logits"], rtol=1e-4, atol=1e-5)
-    changed = any((p != q).any() for p, q in zip(build_model(recipe, len(vocab)).parameters(), ours.parameters()))
+    fresh = build_model(recipe.model, loaded.specials, seed=recipe.run.seed)
+    changed = any((p != q).any() for p, q in zip(fresh.parameters(), ours.parameters()))
     assert changed

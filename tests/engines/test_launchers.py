@@ -11,6 +11,8 @@ import time
 
 import psutil
 
+from tests.dist.spawn import free_port
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -21,8 +23,10 @@ def _cmd(launcher, dataset, out, steps):
             "--trainer.max_steps", str(steps), "--trainer.precision", "fp32", "--logging.interval_steps", "1",
             "--logging.progress", "false", "--run.output_dir", out]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"] + args
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29534"] + args + [
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port())] + args
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+            str(free_port())] + args + [
         "--parallel.engine", "zero"]
 
 

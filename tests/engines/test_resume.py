@@ -1,4 +1,5 @@
-"""Stop-and-resume gives the losses of an uninterrupted run (2 gloo ranks, CPU, fp32)."""
+"""Stop-and-resume gives the losses of an uninterrupted run (2 gloo ranks, CPU, fp32),
+and the canonical checkpoint moves between engines and world sizes."""
 
 from __future__ import annotations
 
@@ -30,9 +31,18 @@ def _main(rank, world, argv):
     return main(argv)
 
 
-def _losses(out):
+def losses(out):
     with open(os.path.join(out, "metrics.jsonl")) as fh:
-        return {r["step"]: r["train/loss"] for r in map(json.loads, fh)}
+        return {r["step"]: r["train/loss"] for r in map(json.loads, fh) if "train/loss" in r}
+
+
+def copy_checkpoint(src_run, step, dst_run):
+    """A run directory holding only checkpoint ``step`` of ``src_run``."""
+    name = f"step-{step:08d}"
+    os.makedirs(os.path.join(dst_run, "checkpoints"))
+    shutil.copytree(os.path.join(src_run, "checkpoints", name), os.path.join(dst_run, "checkpoints", name))
+    with open(os.path.join(dst_run, "checkpoints", "latest"), "w") as fh:
+        fh.write(name)
 
 
 @pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)], ids=["ddp", "zero2", "zero3"])
@@ -41,27 +51,67 @@ def test_resume_matches_uninterrupted(dataset, tmp_path, engine, stage):
     run_ranks(_main, 2, _argv(dataset, full, engine, 7, stage=stage))
     ckpts = sorted(os.listdir(os.path.join(full, "checkpoints")))
     assert ckpts == ["latest", "step-00000003", "step-00000006", "step-00000007"]
-    lineage = json.load(open(os.path.join(full, "checkpoints", "step-00000003", "lineage.json")))
+    step3 = os.path.join(full, "checkpoints", "step-00000003")
+    assert sorted(os.listdir(step3)) == ["COMPLETE", "data_state.json", "lineage.json", "model.safetensors",
+                                         "optimizer.safetensors", "rng-rank00000.json", "rng-rank00001.json",
+                                         "train_state.json"]  # the canonical layout, nothing pickled
+    lineage = json.load(open(os.path.join(step3, "lineage.json")))
     for key in ("recipe", "manifest_hash", "vocab_hash", "canonicalization_hash", "world_topology", "step",
-                "code_version"):
+                "code_version", "engine", "schedule", "global_batch_sequences"):
         assert key in lineage
+    assert lineage["world_topology"] == {"world_size": 2, "rank": 0, "dp_size": 2, "dp_rank": 0, "pp_size": 1,
+                                         "pp_rank": 0, "ep_size": 1, "ep_rank": 0}
     assert os.listdir(os.path.join(full, "tensorboard"))
 
     resumed = str(tmp_path / "resumed")
-    os.makedirs(os.path.join(resumed, "checkpoints"))
-    shutil.copytree(os.path.join(full, "checkpoints", "step-00000003"),
-                    os.path.join(resumed, "checkpoints", "step-00000003"))
-    with open(os.path.join(resumed, "checkpoints", "latest"), "w") as fh:
-        fh.write("step-00000003")
+    copy_checkpoint(full, 3, resumed)
     run_ranks(_main, 2, _argv(dataset, resumed, engine, 7, ["--checkpoint.resume", "auto"], stage=stage))
-    a, b = _losses(full), _losses(resumed)
+    a, b = losses(full), losses(resumed)
     assert sorted(b) == [4, 5, 6, 7]
     for step in b:
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
 
 
-def test_resume_refuses_another_manifest(dataset, tmp_path):
-    from molds.checkpoint import CheckpointError
+def _reload_and_save(rank, world, argv, source, target):
+    """Build the run the recipe describes, load ``source`` into its engine and save it
+    again at the same step into ``target``: resharding in and out."""
+    from molds.checkpoint import restore, save_checkpoint
+    from molds.train import setup
+
+    from molds.recipe import parse_recipe
+
+    run = setup(parse_recipe(argv))
+    step, data_state = restore(source, run.engine, run.dist)
+    save_checkpoint(target, run.engine, run.dist, step, data_state, run.lineage, keep_last=0)
+    run.log.close()
+
+
+@pytest.mark.parametrize("engine,stage,world", [("zero", 2, 1), ("zero", 3, 1), ("ddp", 0, 1), ("zero", 1, 2)],
+                         ids=["zero2-to-1rank", "zero3-to-1rank", "zero2-to-ddp", "zero2-to-zero1"])
+def test_canonical_state_moves_between_engines_and_world_sizes(dataset, tmp_path, engine, stage, world):
+    """A ZeRO-2 checkpoint of 2 ranks, loaded on another engine / stage / world size and
+    saved again: weights and optimizer moments are what they were, to the bit."""
+    from safetensors.torch import load_file
+
+    src = str(tmp_path / "src")
+    run_ranks(_main, 2, _argv(dataset, src, "zero", 3, stage=2))
+    source = os.path.join(src, "checkpoints", "step-00000003")
+    out = str(tmp_path / "dst")
+    accum = ["--trainer.grad_accum", str(4 // (2 * world))]
+    run_ranks(_reload_and_save, world, _argv(dataset, str(tmp_path / "w"), engine, 3, accum, stage=stage), source,
+              out)
+    target = os.path.join(out, "checkpoints", "step-00000003")
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(os.path.join(source, name)), load_file(os.path.join(target, name))
+        assert a.keys() == b.keys() and len(a) > 10
+        for k in a:
+            assert (a[k] == b[k]).all(), (name, k)
+    meta = [json.load(open(os.path.join(d, "train_state.json"))) for d in (source, target)]
+    assert meta[0] == meta[1] and meta[0]["optimizer_step"] == 3
+
+
+def test_resume_refuses_another_manifest_and_a_fork_starts_fresh(dataset, tmp_path):
+    from molds.errors import CheckpointError
     from molds.train import main
 
     out = str(tmp_path / "run")
@@ -72,6 +122,14 @@ def test_resume_refuses_another_manifest(dataset, tmp_path):
     m["split"]["seed"] = 123  # different content, same files
     json.dump(m, open(os.path.join(other, "manifest.json"), "w"))
     argv = _argv(other, out, "ddp", 2, ["--checkpoint.resume", "auto"])
-    with pytest.raises(CheckpointError, match="manifest"):
+    with pytest.raises(CheckpointError, match="another manifest"):
         main(argv)
-    assert main(argv + ["--checkpoint.fork", "true"])["step"] == 2
+    forked = str(tmp_path / "fork")
+    result = main(_argv(other, forked, "ddp", 2, ["--checkpoint.resume", out, "--checkpoint.fork", "true"]))
+    assert result["step"] == 2
+    lineage = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
+    assert lineage["parent"]["step"] == 1 and lineage["parent"]["checkpoint"].endswith("step-00000001")
+    assert lineage["manifest_hash"] != lineage["parent"]["manifest_hash"]
+    state = json.load(open(os.path.join(result["checkpoint"], "data_state.json")))
+    assert all(v["epoch"] == 0 for v in state["vranks"].values())  # a fresh cursor on the new manifest
+    assert sorted(losses(forked)) == [1, 2]

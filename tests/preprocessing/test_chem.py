@@ -7,7 +7,7 @@ from rdkit import Chem
 from rdkit.Chem.MolStandardize import rdMolStandardize
 from rdkit.Chem.Scaffolds import MurckoScaffold
 
-from molds.preprocessing.chem import Canonicalizer, ChemOptions, Molecule
+from molds.chem import Canonicalizer, ChemOptions, Molecule
 
 from .conftest import sample_smiles
 
@@ -71,3 +71,29 @@ def test_generic_scaffold_and_inchikey():
     generic = MurckoScaffold.MakeScaffoldGeneric(MurckoScaffold.GetScaffoldForMol(mol))
     assert got.scaffold == Chem.MolToSmiles(generic, isomericSmiles=False)
     assert got.dedupe_key == Chem.MolToInchiKey(mol)
+
+
+def test_caps_are_bounded_and_checked_before_the_costly_steps(monkeypatch):
+    import re
+
+    import pytest
+
+    import molds.chem
+    from molds.chem import MAX_HEAVY_ATOMS_CAP
+
+    with pytest.raises(ValueError, match="max_heavy_atoms=20000 is outside"):
+        ChemOptions(max_heavy_atoms=20000)
+    with pytest.raises(ValueError, match="max_smiles_length"):
+        ChemOptions(max_smiles_length=10**6)
+    canon = Canonicalizer(ChemOptions(max_heavy_atoms=MAX_HEAVY_ATOMS_CAP, max_smiles_length=20000,
+                                      largest_fragment=True))
+
+    def forbidden(*_):
+        raise AssertionError("the scaffold of an over-cap molecule was computed")
+
+    canon._scaffold_of = forbidden
+    canon._steps = [forbidden]  # nor was it standardized
+    big = "C1CC(C2CC2)CC1" * 130  # 1,040 heavy atoms (8 per copy)
+    assert canon(big) == "too_many_heavy_atoms"  # refused by the estimate, before parsing
+    monkeypatch.setattr(molds.chem, "_HEAVY_ATOM_TOKEN", re.compile(r"(?!)"))  # an estimate that misses them
+    assert canon(big) == "too_many_heavy_atoms"  # refused by the exact count right after parsing

@@ -103,15 +103,22 @@ def test_missing_column_names_file_and_columns(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
-def test_unreadable_file_leaves_no_output(tmp_path):
+def test_unreadable_file_leaves_no_output_and_accounts_for_what_was_read(tmp_path):
+    import json
+
     good = tmp_path / "a.csv"
     good.write_text("smiles\n" + "\n".join(SMILES) + "\n")
     bad = tmp_path / "b.csv.gz"
     blob = gzip.compress(("smiles\n" + "\n".join(SMILES) + "\n").encode())
     bad.write_bytes(blob[: len(blob) // 2])  # truncated gzip
-    with pytest.raises(InputError, match="b.csv.gz"):
+    with pytest.raises(InputError, match=r"b.csv.gz.*rows were read \(up to .*b.csv.gz line/row \d+\)"):
         run_etl(str(tmp_path / "out"), [str(good), str(bad)])
-    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+    # no output, no temporary directory: only the failure report
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("out")) == ["out.failed-report.json",
+                                                                             "out.failed-report.md"]
+    rep = json.load(open(tmp_path / "out.failed-report.json"))
+    assert len(SMILES) < rep["rows_in"] < 2 * len(SMILES)  # all of a.csv and the readable part of b.csv.gz
+    assert rep["rows_in"] == rep["canonicalized"] + sum(rep["rejected"].values())
 
 
 def test_existing_output_is_kept_unless_overwrite(tmp_path):
@@ -208,5 +215,30 @@ def test_cli_with_dashes_json_config_and_print_config(tmp_path, capsys):
         main(["--config", str(conf), "--print_config"])
     printed = capsys.readouterr().out
     assert "smiles_column" in printed and str(path) in printed
-    with pytest.raises(SystemExit):
+    from molds.errors import InputError
+
+    with pytest.raises(InputError, match="no_such_option"):
         parse(["--input", str(path), "--output", "o", "--no_such_option", "1"])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "smi", "jsonl"])
+def test_report_locations_are_line_numbers(tmp_path, fmt):
+    """file:line in the report points at the line an editor shows (header and blank lines counted)."""
+    import json
+
+    good = ["CCO", "c1ccccc1", "CC(=O)O"]
+    if fmt == "csv":
+        text = "smiles,id\n" + "CCO,a\n\nc1ccccc1,b\nC1CC,c\nCC(=O)O,d\n"  # the bad molecule is on line 5
+    elif fmt == "smi":
+        text = "CCO a\n\nc1ccccc1 b\nC1CC c\nCC(=O)O d\n"  # line 4
+    else:
+        text = '{"smiles": "CCO"}\n\n{"smiles": "c1ccccc1"}\n{"smiles": "C1CC"}\n{"smiles": "CC(=O)O"}\n'  # line 4
+    path = tmp_path / f"in.{fmt}"
+    path.write_text(text)
+    out = str(tmp_path / "out")
+    run_etl(out, [str(path)])
+    line = 5 if fmt == "csv" else 4
+    assert f"`{path}:{line}`: `C1CC`" in open(os.path.join(out, "report.md")).read()
+    assert json.load(open(os.path.join(out, "report.json")))["rejected_examples"]["parse_error"][0][0] == \
+        f"{path}:{line}"
+    assert len(good) == json.load(open(os.path.join(out, "manifest.json")))["stats"]["rows_out"]

@@ -1,0 +1,197 @@
+"""Checkpoints: canonical state, written atomically, resolved in one place, opened safely.
+
+``save_checkpoint`` is a collective: every rank writes its part into ``step-N.tmp``
+(the engine its canonical state, each rank its generator state), the ranks agree that
+every write succeeded, then rank 0 writes the data cursor, the lineage and the
+``COMPLETE`` marker (the file list with sizes), renames the directory into place,
+points ``latest`` at it and prunes old ones. A failure on any rank (a full disk, a
+read-only directory, non-finite weights) removes the partial directory, leaves the
+previous checkpoint and ``latest`` as they were, and raises one clear error on every
+rank. Layout and references: ``molds.checkpoint.layout``; canonical files:
+``molds.checkpoint.state``; what a resume may change: ``molds.checkpoint.resume``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, MoldsError
+from .layout import (COMPLETE, LATEST, checkpoints_dir, complete_checkpoints, prune, read_lineage, resolve,
+                     step_name, write_latest)
+from .state import read_json, rng_file, rng_state, set_rng_state
+
+__all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
+           "read_lineage", "resolve", "restore", "save_checkpoint"]
+
+DATA_STATE = "data_state.json"
+
+
+def _agree(ok: bool, dist) -> bool:
+    from ..distributed import all_have
+
+    return all_have(ok, dist)
+
+
+def _run_phase(fn, dist, tmp: str, what: str) -> None:
+    """Run ``fn`` on every rank; if it fails on any, remove ``tmp`` and raise everywhere."""
+    error = None
+    try:
+        fn()
+    except (OSError, MoldsError) as exc:
+        error = exc
+    if _agree(error is None, dist):
+        return
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is None:
+        raise CheckpointError(f"{what}: another rank failed to write its part; {tmp} was removed")
+    if isinstance(error, MoldsError):
+        raise error
+    raise _explain_os_error(error, tmp, what) from error
+
+
+def _explain_os_error(exc: OSError, tmp: str, what: str) -> CheckpointError:
+    import errno
+
+    root = os.path.dirname(tmp)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+        err = CheckpointError(f"{what}: no space left on the device holding {root} ({free / 2**20:.1f} MiB free); "
+                              f"the partial {tmp} was removed and the previous checkpoint is intact")
+    elif exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        err = CheckpointError(f"{what}: cannot write in {root} ({exc.strerror}); the previous checkpoint is intact")
+    else:
+        err = CheckpointError(f"{what}: {exc}; the partial {tmp} was removed and the previous checkpoint is intact")
+    err.shared = False
+    return err
+
+
+def _complete_marker(directory: str, step: int) -> None:
+    from ..atomic import fsync_tree, write_json
+
+    files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
+             if os.path.isfile(os.path.join(directory, n))}
+    fsync_tree(directory)
+    write_json(os.path.join(directory, COMPLETE), {"step": step, "files": files}, indent=1)
+
+
+def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, lineage: dict, *,
+                    keep_last: int, needed_bytes: int = 0) -> str:
+    """Write checkpoint ``step`` under ``output_dir/checkpoints`` (every rank calls this)."""
+    from ..atomic import publish_directory, write_json
+
+    root = checkpoints_dir(output_dir)
+    name = step_name(step)
+    final = os.path.join(root, name)
+    tmp = final + ".tmp"
+    what = f"saving checkpoint {name}"
+
+    def prepare():
+        if not dist.is_main:
+            return
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free
+        if needed_bytes and free < needed_bytes:
+            err = CheckpointError(f"{what}: {root} has {free / 2**20:.1f} MiB free, the checkpoint needs about "
+                                  f"{needed_bytes / 2**20:.1f} MiB; nothing was written, the previous checkpoint "
+                                  f"is intact")
+            err.shared = False
+            raise err
+        os.makedirs(tmp)
+
+    def engine_part():
+        engine.save(tmp)
+        write_json(rng_file(tmp, dist.rank), rng_state())
+
+    def publish():
+        if not dist.is_main:
+            return
+        write_json(os.path.join(tmp, DATA_STATE), data_state)
+        record = dict(lineage, step=step, created=datetime.datetime.now(datetime.timezone.utc).isoformat())
+        write_json(os.path.join(tmp, "lineage.json"), record, indent=2)
+        _complete_marker(tmp, step)
+        publish_directory(tmp, final, durable=True)
+        write_latest(root, name)
+        prune(root, keep_last)
+
+    _run_phase(prepare, dist, tmp, what)
+    _run_phase(engine_part, dist, tmp, what)
+    _run_phase(publish, dist, tmp, what)
+    return final
+
+
+def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int = 0,
+            keep_schedule: bool = True) -> tuple[int, dict]:
+    """Load ``checkpoint`` into ``engine`` and this rank's generators; returns (step,
+    the data cursor of every old rank). On another world size the generators cannot be
+    the old ones: each rank is reseeded from (seed, step, rank), and this is said.
+    ``keep_schedule=False`` (a fork): the schedule starts again at step 0 and the
+    generators are not restored."""
+    import sys
+
+    import torch
+
+    lineage = read_lineage(checkpoint)
+    step = int(lineage["step"])
+    engine.load(checkpoint, optimizer=optimizer)
+    if not keep_schedule:
+        engine.set_lr_schedule(engine.recipe.optim, engine.recipe.trainer.max_steps, position=0)
+        return step, read_json(os.path.join(checkpoint, DATA_STATE))
+    old_world = int(lineage.get("world_topology", {}).get("world_size", lineage.get("world_size", 0)) or 0)
+    path = rng_file(checkpoint, dist.rank)
+    if old_world == dist.world_size:
+        set_rng_state(read_json(path), path)
+    else:
+        torch.manual_seed(seed * 1_000_003 + step * 7919 + dist.rank)
+        if dist.is_main:
+            print(f"[molds] {checkpoint} was written by {old_world} ranks, this run has {dist.world_size}: "
+                  f"generators reseeded from (run.seed, step, rank)", file=sys.stderr)
+    data_state = read_json(os.path.join(checkpoint, DATA_STATE))
+    return step, data_state
+
+
+@dataclass
+class Loaded:
+    """A checkpoint opened for evaluation, sampling or export."""
+
+    model: object
+    family: str
+    recipe: dict
+    manifest: object
+    tokenizer: object  # transformers tokenizer, loaded from the manifest's files
+    specials: object  # molds.tokens.TokenizerInfo
+    lineage: dict
+    checkpoint: str  # the checkpoint directory (a run directory resolves to its latest)
+
+
+def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cpu", *,
+                    with_tokenizer: bool = True) -> Loaded:
+    """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
+    with the single model factory and loaded from the canonical weights (no pickle)."""
+    from ..data.manifest import Manifest
+    from ..models import build_model
+    from ..tokens import tokenizer_info
+    from .state import load_canonical, read_model
+
+    checkpoint = resolve(ref)
+    lineage = read_lineage(checkpoint)
+    recipe = lineage["recipe"]
+    manifest = Manifest.load(manifest_dir or recipe["data"]["manifest"])
+    info = tokenizer_info(manifest)
+    if info.vocab_hash != lineage.get("vocab_hash"):
+        raise CheckpointError(f"{manifest.path} has another tokenizer than {checkpoint} was trained with "
+                              f"(vocab_hash {info.vocab_hash[:12]} != {str(lineage.get('vocab_hash'))[:12]})")
+    model = build_model(recipe["model"], info, seed=0)
+    load_canonical(model, read_model(checkpoint), checkpoint)
+    model.to(device).eval()
+    tok = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+    return Loaded(model, recipe["model"]["family"], recipe, manifest, tok, info, lineage, checkpoint)
+

@@ -1,0 +1,76 @@
+"""Resume and fork semantics: what a run may change when it continues a checkpoint.
+
+``--checkpoint.resume auto`` continues the run in ``run.output_dir`` from its latest
+complete checkpoint; ``--checkpoint.resume REF`` from any checkpoint reference. The
+recipe given now is compared with the one the checkpoint recorded:
+
+- keys in ``RESUME_MUTABLE`` may change: the new values are applied (the learning-rate
+  schedule is rebuilt from them at the resumed step) and recorded in the lineage's
+  ``resume_changes``;
+- any other changed key is refused, naming it, unless the run is forked
+  (``--checkpoint.fork true``). So is another manifest (content hash) or tokenizer, and
+  another global batch (sequences per optimizer step, whatever keys produce it).
+
+A fork starts a new run from a checkpoint's weights (and its optimizer state with
+``checkpoint.fork_optimizer``): step 0, a fresh data cursor on the recipe's (possibly
+new) manifest, a new schedule, and ``parent`` in its lineage. It writes into its own
+``run.output_dir``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from ..errors import CheckpointError
+
+RESUME_MUTABLE = (
+    # the learning-rate schedule and the length of the run
+    "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "trainer.max_steps",
+    # what is logged, evaluated and saved, and when
+    "logging.*", "eval.*", "checkpoint.*", "run.name", "run.output_dir", "run.overwrite",
+    # how the same global batch is computed: topology, engine, launch and data-reading details
+    "parallel.engine", "parallel.zero_stage", "parallel.ds_config", "parallel.offload_optimizer",
+    "parallel.offload_params", "parallel.pp_size", "parallel.ep_size", "parallel.ddp_bucket_mb",
+    "parallel.static_graph", "parallel.compile", "parallel.collective_timeout_s", "parallel.partition_method",
+    "parallel.activation_checkpoint_interval", "parallel.schedule",
+    "trainer.grad_accum", "trainer.global_batch_size", "trainer.on_nonfinite", "trainer.max_nonfinite_steps",
+    "data.manifest", "data.verify", "data.on_bad_shard", "data.max_skipped_fraction", "data.num_workers",
+    "kernels.compile_regions",
+)
+
+
+def is_mutable(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_MUTABLE)
+
+
+def flatten(recipe: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in recipe.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def recipe_changes(saved: dict, current: dict) -> dict:
+    """key -> [saved value, current value] for every key that differs."""
+    a, b = flatten(saved), flatten(current)
+    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def check_resume(path: str, saved: dict, lineage: dict, fork: bool) -> dict:
+    """Refuse what a resume may not change; returns the applied changes (key -> [old, new])."""
+    problems = []
+    for key, what in (("manifest_hash", "manifest (content hash)"), ("vocab_hash", "tokenizer vocabulary")):
+        if saved.get(key) != lineage.get(key):
+            problems.append(f"another {what}: {str(saved.get(key))[:12]} -> {str(lineage.get(key))[:12]}")
+    old_batch, new_batch = saved.get("global_batch_sequences"), lineage.get("global_batch_sequences")
+    if old_batch is not None and old_batch != new_batch:
+        problems.append(f"another global batch: {old_batch} -> {new_batch} sequences per step (trainer."
+                        f"global_batch_size / trainer.grad_accum x data-parallel size x data.micro_batch_size)")
+    changes = recipe_changes(saved.get("recipe", {}), lineage["recipe"])
+    refused = {k: v for k, v in changes.items() if not is_mutable(k)}
+    problems += [f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in refused.items()]
+    if problems and not fork:
+        raise CheckpointError(
+            f"cannot resume {path} with these changes: " + "; ".join(problems)
+            + ". Keys that may change on resume: " + ", ".join(RESUME_MUTABLE[:4]) + ", logging.*, eval.*, "
+            "checkpoint.*, the parallel layout and data-reading options; to start a new run from these "
+            "weights pass --checkpoint.fork true (and a new --run.output_dir)")
+    return {k: v for k, v in changes.items() if is_mutable(k)}

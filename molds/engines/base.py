@@ -1,0 +1,79 @@
+"""The engine contract: ``Engine`` (a ``typing.Protocol``), ``StepResult``, ``Topology``."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: data-, pipeline- and expert-parallel rank and size."""
+
+    world_size: int = 1
+    rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class StepResult:
+    """One optimizer step. ``skipped``: the gradients were not finite and the optimizer
+    did not step (the trainer's non-finite policy decides what happens next)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool = False
+    extras: dict = field(default_factory=dict)  # tag -> float, or list of floats (a histogram)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    topology: Topology
+    #: the single-device module (for sampling); None where no rank holds the whole model
+    model: object
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        """Forward, backward and (unless gradients are not finite) one optimizer step
+        over this rank's micro-batches; every rank calls it with the same count."""
+
+    def eval_forward(self, batch: dict) -> dict:
+        """Model outputs and the batch's ``loss`` without gradients (every rank calls it)."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision context training uses (for evaluation and sampling)."""
+
+    def extras(self) -> dict:
+        """Engine-specific scalars since the last call (``moe/*``, ``pipeline/*``), the
+        same on every rank (a collective: the trainer calls it at logging steps)."""
+
+    def save(self, directory: str) -> None:
+        """Write the canonical state into ``directory`` (a collective: every rank calls it)."""
+
+    def load(self, directory: str, *, optimizer: bool = True) -> None:
+        """Read the canonical state from ``directory`` (weights; optimizer and schedule
+        unless ``optimizer`` is False)."""
+
+    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
+        """Use this learning-rate schedule from now on (a resume may change it), at
+        ``position`` optimizer steps (default: where the engine is)."""
+
+
+def moe_extras(model, dist) -> dict:
+    """``moe/*`` of a model that one rank holds whole (ddp, zero), summed over all ranks."""
+    import torch
+
+    from ..models.moe import collect_stats, moe_layers
+
+    group = torch.distributed.group.WORLD if dist.distributed else None
+    return collect_stats(moe_layers(model), group=group)

@@ -1,0 +1,430 @@
+"""``parallel.engine=pipeline``: DeepSpeed's pipeline engine, with expert parallelism.
+
+What is DeepSpeed's and reused as is: ``PipelineModule`` (stage partitioning by
+``parallel.partition_method``, activation checkpointing, tied embeddings through
+``TiedLayerSpec``), ``PipelineEngine`` with its 1F1B ``TrainSchedule``, ZeRO stage 0/1,
+and the expert-parallel process groups of ``deepspeed.utils.groups`` (expert and
+expert-data-parallel groups) with its MoE gradient reduction and MoE optimizer groups.
+
+What molds adds around it, and why:
+- The model is the single-device decoder (``molds.models``), cut into stages here. Every
+  block takes and returns the fixed-shape tuple (hidden [B*S, H], position_ids [B, S],
+  document_ids [B, S]) and rebuilds its packed attention layout from the ids, so any
+  block can sit on any stage. hidden holds the real tokens first (in the layout's order)
+  and zeros after, so its shape never changes.
+- The loss (``molds.models.loss``) runs on the last stage only (``loss_fn``).
+- MoE auxiliary losses reach the gradient inside each block (``AuxLossToGradient``):
+  DeepSpeed's pipeline does not route them; nothing but hidden states crosses stages.
+  Their gradient is scaled by 1 / micro-batches, as DeepSpeed scales the loss.
+- DeepSpeed recognizes MoE parameters only around its own ``deepspeed.moe.layer.MoE``:
+  ``_ExpertParallelMarker`` (a parameter-free subclass) tells its engine that this model
+  has expert parameters (marked ``allreduce=False`` with their group name, DeepSpeed's
+  convention), so their gradients are reduced over the expert-data-parallel group.
+  molds' own MoE block replaces DeepSpeed's layer: dropless, sort + grouped GEMM instead
+  of capacity padding and a GEMM per expert, softmax or sigmoid routing, shared experts.
+- Checkpoints are the canonical state (``molds.checkpoint.state``) under the single-device
+  names, gathered to rank 0: a run saved with pp = 2, ep = 2 resumes with pp = 1, ep = 1.
+- ZeRO-0 has no overflow check in DeepSpeed (its plain optimizer steps on NaN
+  gradients); molds skips such a step itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..recipe import deepspeed_config
+from .base import StepResult, Topology
+from .ddp import autocast_dtype
+from .optim import adamw, build_scheduler, param_groups, set_schedule
+
+
+# ---------------------------------------------------------------- stage modules
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` [T, H] followed by zero rows up to ``rows``: the fixed stage shape."""
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
+
+
+def _layout(position_ids, document_ids):
+    from ..models.decoder import PackedLayout
+
+    return PackedLayout.of(document_ids, position_ids)
+
+
+class EmbedPipe(nn.Module):
+    """Stage entry: token ids -> hidden [B*S, H] (real tokens first, zeros after)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, inputs):
+        input_ids, position_ids, document_ids = inputs
+        layout = _layout(position_ids, document_ids)
+        x = F.embedding(layout.to_flat(input_ids), self.weight)
+        return _pad_rows(x, input_ids.numel()), position_ids, document_ids
+
+
+class BlockPipe(nn.Module):
+    """One decoder block (dense or MoE) on the stage tuple."""
+
+    def __init__(self, block: nn.Module, head_dim: int, rope_theta: float):
+        super().__init__()
+        self.block, self.head_dim, self.rope_theta = block, head_dim, rope_theta
+
+    def forward(self, inputs):
+        from ..models.decoder import rope_cos_sin
+
+        hidden, position_ids, document_ids = inputs
+        layout = _layout(position_ids, document_ids)
+        t = layout.positions.numel()
+        cos, sin = rope_cos_sin(layout.positions, self.head_dim, self.rope_theta, hidden.dtype)
+        y = self.block(hidden[:t], cos, sin, layout)
+        return _pad_rows(y, hidden.shape[0]), position_ids, document_ids
+
+
+class NormPipe(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs):
+        hidden, position_ids, document_ids = inputs
+        return self.norm(hidden), position_ids, document_ids
+
+
+class HeadPipe(nn.Module):
+    """Last stage: hidden -> logits [B, S, vocab] in packed rows (what the loss takes)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, inputs):
+        return head_forward(self, inputs)
+
+
+def head_forward(module, inputs):
+    """The LM head through a (possibly tied) weight: logits of the real tokens, back in rows."""
+    hidden, position_ids, document_ids = inputs
+    layout = _layout(position_ids, document_ids)
+    return layout.to_packed(F.linear(hidden[:layout.positions.numel()], module.weight))
+
+
+def _rename(num_blocks: int, tied: bool):
+    """PipelineModule parameter names -> the single-device model's (canonical) names."""
+    def rename(name: str) -> str:
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":  # tied_modules.embed.weight
+            return "model.embed_tokens.weight"
+        index = int(head)
+        if index == 0:
+            return "model.embed_tokens.weight"
+        if index <= num_blocks:
+            return f"model.layers.{index - 1}." + rest.removeprefix("block.")
+        if index == num_blocks + 1:
+            return "model.norm." + rest.removeprefix("norm.")
+        return "lm_head.weight"
+
+    return rename
+
+
+def _ExpertParallelMarker(num_experts: int, ep_size: int):
+    """A parameter-free ``deepspeed.moe.layer.MoE``: its presence makes DeepSpeed's engine
+    reduce expert gradients over the expert-data-parallel groups and split the optimizer's
+    MoE groups; its expert groups already exist (created before the model is cut)."""
+    from deepspeed.moe.layer import MoE
+
+    class Marker(MoE):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.num_experts, self.ep_size = num_experts, ep_size
+            self.expert_group_name = f"ep_size_{ep_size}"
+            self.num_local_experts = num_experts // ep_size
+            self.enable_expert_tensor_parallelism = False
+            self.use_residual = False
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass  # the groups exist already
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the expert-parallel marker is not a layer")
+
+    return Marker()
+
+
+# ---------------------------------------------------------------- the engine
+
+class PipelineEngine:
+    name = "pipeline"
+
+    def __init__(self, recipe, model: nn.Module, loss_fn, dist):
+        import deepspeed
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
+
+        from ..distributed import quiet_on_other_ranks
+        from ..models.moe import moe_layers, set_aux_loss_scale
+        from ..recipe import resolve_batching
+
+        self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
+        with quiet_on_other_ranks(dist):  # DeepSpeed's communication layer over molds' process group
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+        p = recipe.parallel
+        self.pp, self.ep = p.pp_size, p.ep_size
+        self.stage_zero = p.zero_stage
+        self.dtype = autocast_dtype(recipe.trainer.precision, dist.device)
+        cfg = model.config
+        self.expected_keys = set(_canonical_keys(model))
+        # expert parallelism: DeepSpeed's groups, then each MoE block keeps its own experts
+        self.ep_group, self.ep_rank = None, 0
+        num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
+        if num_experts and self.ep > 1:
+            from deepspeed.utils import groups
+
+            name = f"ep_size_{self.ep}"
+            if name not in groups._get_expert_parallel_group_dict():
+                groups._create_expert_and_data_parallel(self.ep, pp_size=self.pp)
+            self.ep_group = groups._get_expert_parallel_group(name)
+            self.ep_rank = torch.distributed.get_rank(self.ep_group)
+            for layer in moe_layers(model):
+                _shard_experts(layer, self.ep, self.ep_rank, self.ep_group, name)
+        # the model as a sequence of stage modules (DeepSpeed builds the local ones)
+        body = model.model
+        tied = cfg.tie_word_embeddings
+        specs = [TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight) if tied
+                 else LayerSpec(EmbedPipe, body.embed_tokens.weight)]
+        specs += [LayerSpec(BlockPipe, block, cfg.head_dim, cfg.rope_theta) for block in body.layers]
+        specs.append(LayerSpec(NormPipe, body.norm))
+        specs.append(TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight, forward_fn=head_forward) if tied
+                     else LayerSpec(HeadPipe, model.lm_head.weight))
+        self.rename = _rename(len(body.layers), tied)
+
+        def pipe_loss(outputs, targets):
+            labels, document_ids = targets
+            return loss_fn({"logits": outputs}, {"labels": labels, "document_ids": document_ids})
+
+        with quiet_on_other_ranks(dist), torch.no_grad():  # (its tied-weight broadcast is no training op)
+            self.module = PipelineModule(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
+                                         partition_method=p.partition_method,
+                                         activation_checkpoint_interval=p.activation_checkpoint_interval)
+        if num_experts and self.ep > 1:
+            self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep)
+        self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
+        self.moe_layers = moe_layers(self.module)
+        batching = resolve_batching(recipe, dist.world_size)
+        set_aux_loss_scale(self.module, 1.0 / batching.grad_accum)
+        groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
+        if num_experts and self.ep > 1:
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
+        optimizer = adamw(groups_, recipe.optim)
+        scheduler = build_scheduler(optimizer, recipe.optim, recipe.trainer.max_steps)
+        ds_cfg = deepspeed_config(recipe, dist.world_size, self.dtype is not None)
+        self.clip = recipe.optim.grad_clip
+        if self.stage_zero == 0:
+            # DeepSpeed's ZeRO-0 pipeline counts only the first stage's gradients in the norm it
+            # clips by (the others are not "model parallel" parameters to it): molds clips by
+            # the norm of every stage's gradients itself (_guard_non_finite_steps)
+            ds_cfg["gradient_clipping"] = 0.0
+        with quiet_on_other_ranks(dist):
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg,
+                dist_init_required=False)
+        grid = self.module._grid
+        self.topology = Topology(world_size=dist.world_size, rank=dist.rank, dp_size=grid.get_data_parallel_world_size(),
+                                 dp_rank=grid.get_data_parallel_id(), pp_size=self.pp, pp_rank=grid.get_stage_id(),
+                                 ep_size=self.ep, ep_rank=self.ep_rank)
+        self._skipped, self._norm = False, None
+        if self.stage_zero == 0:
+            self._guard_non_finite_steps()
+        self._stage_seconds = []
+
+    # ------------------------------------------------------------ steps
+    @staticmethod
+    def _as_pipe(batch: dict):
+        return ((batch["input_ids"], batch["position_ids"], batch["document_ids"]),
+                (batch["labels"], batch["document_ids"]))
+
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed casts the module itself (bf16 config)
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        lr = self.scheduler.get_last_lr()[0]
+        skipped_before = self.engine.skipped_steps
+        self._skipped = False
+        start = time.perf_counter()
+        self._norm = None
+        self.engine.train_batch(iter([self._as_pipe(b) for b in micro_batches]))
+        self._stage_seconds.append(time.perf_counter() - start)
+        norm = self._norm if self._norm is not None else self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        loss = float(self.engine.dp_group_loss)
+        skipped = self._skipped or self.engine.skipped_steps > skipped_before
+        return StepResult(loss=loss, grad_norm=norm, lr=lr, skipped=skipped)
+
+    @torch.no_grad()
+    def eval_forward(self, batch: dict) -> dict:
+        from ..models.loss import has_targets
+
+        if not has_targets(batch):
+            raise RuntimeError("the pipeline engine evaluates losses only")
+        loss = self.engine.eval_batch(iter([self._as_pipe(batch)]), num_micro_batches=1, bcast_loss=True)
+        return {"loss": loss}
+
+    def extras(self) -> dict:
+        """``moe/*`` of every MoE block and ``pipeline/*`` stage times since the last call,
+        gathered from all stages (a collective: every rank calls it)."""
+        from ..distributed import gather_objects
+        from ..models.moe import collect_stats
+
+        dp_group = self.module._grid.get_data_parallel_group() if self.topology.dp_size > 1 else None
+        mine = collect_stats(self.moe_layers, group=dp_group)
+        mean_s = sum(self._stage_seconds) / max(1, len(self._stage_seconds))
+        self._stage_seconds = []
+        parts = gather_objects((self.topology.pp_rank, mine, mean_s), self.dist)
+        out, per_stage = {}, {}
+        for stage, stats, seconds in parts:
+            out.update(stats)
+            per_stage.setdefault(stage, []).append(seconds)
+        for stage, secs in sorted(per_stage.items()):
+            out[f"pipeline/step_s/stage{stage}"] = sum(secs) / len(secs)
+        merged = [v for k, v in out.items() if k.startswith("moe/load_max_over_mean/layer")]
+        if merged:
+            out["moe/load_max_over_mean"] = sum(merged) / len(merged)
+        aux = [s.get("moe/aux_loss") for _, s, _ in parts if s.get("moe/aux_loss") is not None]
+        if aux:
+            out["moe/aux_loss"] = sum(aux) / len(aux)
+        z = [s.get("moe/z_loss") for _, s, _ in parts if s.get("moe/z_loss") is not None]
+        if z:
+            out["moe/z_loss"] = sum(z) / len(z)
+        return out
+
+    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
+        set_schedule(self.scheduler, optim, max_steps, position)
+
+    def _global_grad_norm(self) -> float:
+        """The norm of the whole model's gradient: every stage's parameters, each dense
+        parameter once (not once per data-parallel replica), each expert once (not once
+        per expert-data-parallel replica), a tied embedding once."""
+        dense = expert = 0.0
+        for p in self.engine.module.parameters():
+            if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+                continue
+            sq = float(p.grad.detach().float().pow(2).sum())
+            if getattr(p, "allreduce", True) is False:
+                expert += sq
+            else:
+                dense += sq
+        dp, ep = self.topology.dp_size, self.ep
+        t = torch.tensor([dense / dp + expert / max(1, dp // ep)], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return math.sqrt(float(t)) if math.isfinite(float(t)) else float("nan")
+
+    def _guard_non_finite_steps(self) -> None:
+        """ZeRO-0: DeepSpeed's plain optimizer steps whatever the gradients hold, and clips
+        by a partial norm; here the whole model's gradient norm is taken, a non-finite one
+        skips the step (counted), a finite one clips as torch.nn.utils.clip_grad_norm_ does."""
+        engine, original = self.engine, self.engine._take_model_step
+
+        def guarded(*args, **kwargs):
+            norm = self._global_grad_norm()
+            self._norm = norm
+            if not math.isfinite(norm):
+                engine.optimizer.zero_grad(set_to_none=True)
+                engine.skipped_steps += 1
+                self._skipped = True
+                return None
+            if self.clip > 0:
+                coef = self.clip / (norm + 1e-6)
+                if coef < 1.0:
+                    for p in engine.module.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            return original(*args, **kwargs)
+
+        engine._take_model_step = guarded
+
+    # ------------------------------------------------------------ canonical state
+    def _slots(self):
+        from ..checkpoint.state import slots
+
+        return slots(self.module, self.rename)
+
+    def save(self, directory: str) -> None:
+        from ..checkpoint.state import write_model, write_optimizer
+        from .optim import adam_step_count
+        from .zero import _base_optimizer, full_state
+
+        local = [s for s in self._slots() if not s.name.startswith("molds_expert_parallel")]
+        weights, moments = full_state(self.engine, local, keep=True)
+        step = adam_step_count(_base_optimizer(self.engine))
+        parts = [None] * self.dist.world_size if self.dist.is_main else None
+        torch.distributed.gather_object((weights, moments, step), parts, dst=0)  # every stage's part, to rank 0
+        if not self.dist.is_main:
+            return
+        all_weights, all_moments = {}, {"exp_avg": {}, "exp_avg_sq": {}}
+        for w, m, _ in parts:
+            for k, v in w.items():
+                all_weights.setdefault(k, v)
+            for kind in all_moments:
+                for k, v in m.get(kind, {}).items():
+                    all_moments[kind].setdefault(k, v)
+        missing = self.expected_keys - all_weights.keys()
+        if missing:
+            raise RuntimeError(f"pipeline checkpoint misses {sorted(missing)[:5]}")
+        write_model(directory, all_weights)
+        write_optimizer(directory, all_moments, {"optimizer_step": max(s for _, _, s in parts),
+                                                 "scheduler_step": self.scheduler.last_epoch})
+
+    def load(self, directory: str, *, optimizer: bool = True) -> None:
+        from ..checkpoint.state import read_model, read_optimizer
+        from ..errors import CheckpointError
+        from .zero import set_full_state
+
+        weights = read_model(directory)
+        if weights.keys() != self.expected_keys:
+            missing, unexpected = sorted(self.expected_keys - weights.keys()), sorted(weights.keys() - self.expected_keys)
+            raise CheckpointError(f"{directory} does not fit this model: missing {missing[:8]}, unexpected "
+                                  f"{unexpected[:8]}")
+        moments, meta = read_optimizer(directory) if optimizer else (None, {})
+        set_full_state(self.engine, self._slots(), weights, moments, meta, stage=self.stage_zero,
+                       device=self.dist.device, where=directory)
+        if optimizer:
+            set_schedule(self.scheduler, self.recipe.optim, self.recipe.trainer.max_steps, int(meta["scheduler_step"]))
+            self.engine.global_steps = int(meta["scheduler_step"])
+        with torch.no_grad():
+            self.module._synchronize_tied_weights()
+
+
+def _canonical_keys(model: nn.Module) -> list[str]:
+    from ..checkpoint.state import slots
+
+    return [k for s in slots(model) for k in s.keys()]
+
+
+def _shard_experts(layer, ep_size: int, ep_rank: int, group, group_name: str) -> None:
+    """Keep this rank's experts of an MoE block (the block was built with all of them, so
+    every expert's initialization is the same whatever the layout); mark their parameters
+    the way DeepSpeed's MoE does, so its engine reduces them over the expert-data-parallel
+    group."""
+    from ..models.moe import Experts
+
+    full = layer.mlp.experts
+    local = Experts(full.hidden, full.width, full.num_experts, ep_size, ep_rank)
+    with torch.no_grad():
+        sl = slice(local.offset, local.offset + local.num_local)
+        for name in ("gate", "up", "down"):
+            getattr(local, name).copy_(getattr(full, name)[sl])
+    local.act = full.act
+    for p in local.parameters():
+        p.allreduce = False
+        p.group_name = group_name
+    layer.mlp.experts = local
+    layer.ep_group, layer.ep_size, layer.ep_rank = group, ep_size, ep_rank

@@ -1,0 +1,91 @@
+"""The training objectives, outside the models' forward.
+
+Models return logits (and, for encoders with property heads, predictions); a loss
+module turns them and the batch's targets into one scalar. Engines call the loss where
+the outputs are: the whole model for ddp and ZeRO, the last pipeline stage for the
+pipeline engine (``PipelineModule(loss_fn=...)``). MoE auxiliary losses never pass
+through here: each MoE layer attaches its own to the gradient (``molds.models.moe``).
+
+Every loss is a mean over the positions that carry a target, computed in at least
+fp32, so that ``sum over micro-batches / number of micro-batches`` is what the engines
+average.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..tokens import IGNORE_INDEX
+
+#: batch keys that are targets (the loss reads them), not model inputs
+TARGET_KEYS = ("labels", "mlm_labels", "label_mask")
+
+
+def has_targets(batch: dict) -> bool:
+    return any(batch.get(k) is not None for k in ("labels", "mlm_labels"))
+
+
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16/fp16 logits are upcast, fp64 kept)."""
+    return logits.float() if logits.element_size() < 4 else logits
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None):
+    """Next-token cross entropy, HF convention: position i predicts ``labels[i + 1]``.
+    With ``document_ids`` (packed rows) a position never predicts the first token of
+    the next molecule, whatever the labels say."""
+    targets = labels[:, 1:]
+    if document_ids is not None:
+        targets = targets.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
+    return F.cross_entropy(upcast(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, task_type: str):
+    """Mean over the labels that are present (``mask``): BCE with logits, or MSE."""
+    if mask is None:
+        mask = torch.ones_like(labels, dtype=torch.bool)
+    mask = mask.bool()
+    if task_type == "classification":
+        per = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
+    else:
+        per = (pred - labels) ** 2
+    per = per * mask
+    return per.sum() / mask.sum().clamp(min=1)
+
+
+class CausalLMLoss:
+    """Decoders: next-token cross entropy within each molecule."""
+
+    def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
+        return causal_lm_loss(outputs["logits"], batch["labels"], batch.get("document_ids"))
+
+
+class EncoderLoss:
+    """Encoders: masked-token cross entropy (when the batch is masked) plus the masked
+    property loss (when the model has heads and the batch has labels)."""
+
+    def __init__(self, task_type: str):
+        self.task_type = task_type
+
+    def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
+        losses = []
+        if batch.get("mlm_labels") is not None and "logits" in outputs:
+            logits = outputs["logits"]
+            losses.append(F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]),
+                                          batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX))
+        if batch.get("labels") is not None and "predictions" in outputs:
+            losses.append(masked_task_loss(upcast(outputs["predictions"]), batch["labels"].to(
+                upcast(outputs["predictions"]).dtype), batch.get("label_mask"), self.task_type))
+        if not losses:
+            raise ValueError("the batch has no target this model can be trained on")
+        return sum(losses)
+
+
+def build_loss(model_section) -> object:
+    """The objective of a recipe's ``model`` section (a dataclass or its dict)."""
+    get = model_section.get if isinstance(model_section, dict) else lambda k: getattr(model_section, k)
+    if get("family") == "decoder":
+        return CausalLMLoss()
+    return EncoderLoss(get("task_type"))

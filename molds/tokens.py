@@ -1,0 +1,57 @@
+"""Token-level constants shared by the data plane, the models and the losses, and the
+special-token ids of a tokenizer artifact (the one place that knows them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IGNORE_INDEX = -100
+"""Label of a position that carries no loss (padding, a molecule's first token, unmasked MLM tokens)."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the trainer, the models and export need of the ETL's tokenizer."""
+
+    path: str  # the tokenizer directory (AutoTokenizer.from_pretrained loads it)
+    vocab_size: int
+    vocab_hash: str
+    pad: int
+    bos: int
+    eos: int
+    mask: int | None
+    unk: int | None
+    special_ids: tuple[int, ...]
+
+    @property
+    def first_regular(self) -> int:
+        """The smallest id of an ordinary (non-special) token."""
+        return max(self.special_ids) + 1
+
+    @property
+    def ids(self) -> dict:
+        return {"pad": self.pad, "bos": self.bos, "eos": self.eos}
+
+
+def tokenizer_info(manifest) -> TokenizerInfo:
+    """The manifest's tokenizer, its files checked against the manifest's vocab hash."""
+    from .errors import ManifestError
+
+    vocab = manifest.check_tokenizer()
+    block = manifest.data["tokenizer"]
+    names = block.get("special_tokens") or {}
+    ids = {}
+    for key in ("pad_token", "bos_token", "eos_token", "mask_token", "unk_token"):
+        token = names.get(key)
+        if token is not None:
+            if token not in vocab:
+                raise ManifestError(f"{manifest.path}: tokenizer.special_tokens.{key}={token!r} is not in the "
+                                    f"tokenizer's vocabulary")
+            ids[key] = vocab[token]
+    missing = [k for k in ("pad_token", "bos_token", "eos_token") if k not in ids]
+    if missing:
+        raise ManifestError(f"{manifest.path}: tokenizer.special_tokens lacks {missing}")
+    special = tuple(sorted({vocab[t] for t in names.values() if t in vocab}))
+    return TokenizerInfo(path=manifest.tokenizer_path, vocab_size=len(vocab), vocab_hash=block.get("vocab_hash", ""),
+                         pad=ids["pad_token"], bos=ids["bos_token"], eos=ids["eos_token"],
+                         mask=ids.get("mask_token"), unk=ids.get("unk_token"), special_ids=special)

@@ -1,0 +1,40 @@
+"""Fault 6: a hung peer. The job ends within the configured collective timeout (plus the
+launcher's teardown), with one line naming the rank that noticed and the operation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.dist.spawn import free_port
+from tests.faults.common import argv
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+INJECT = os.path.join(os.path.dirname(__file__), "inject")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,engine", [("deepspeed", "zero"), ("torchrun", "ddp")])
+def test_a_hung_peer_ends_the_job_within_the_timeout(dataset, tmp_path, launcher, engine):
+    out = str(tmp_path / "run")
+    args = ["molds/train.py", *argv(dataset, out, engine, 20, "--parallel.collective_timeout_s", "5")]
+    if launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+               str(free_port()), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([INJECT, os.path.abspath(ROOT)]), MOLDS_TEST_FAULT="hang:1:3")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    line = [x for x in proc.stderr.splitlines() if x.startswith("molds-train: error")]
+    assert line, proc.stderr[-3000:]
+    assert "[rank 0]" in line[0] and "step 3: forward/backward/optimizer did not complete" in line[0]
+    assert "collective_timeout_s=5" in line[0] and "another rank is hung or has died" in line[0]
+    assert took < 120, f"the job took {took:.0f} s to end"

@@ -1,0 +1,87 @@
+"""Fault 5: a NaN/inf step (an injected NaN loss, and a real divergence at lr 1e6).
+``stop`` ends the run with nothing non-finite saved; ``skip`` drops the step and counts
+it; ``rollback`` reloads the last checkpoint and goes on past the bad batch; the bound
+holds; no policy ever saves non-finite weights or prunes the newest finite checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.dist.spawn import run_ranks
+from tests.faults.common import argv, losses, metrics, train, train_with
+
+
+def _finite_checkpoints(out):
+    import torch
+    from safetensors.torch import load_file
+
+    root = os.path.join(out, "checkpoints")
+    steps = []
+    for d in sorted(os.listdir(root)):
+        if d.startswith("step-") and not d.endswith(".tmp"):
+            weights = load_file(os.path.join(root, d, "model.safetensors"))
+            assert all(torch.isfinite(t).all() for t in weights.values()), d
+            steps.append(int(d[5:]))
+    return steps
+
+
+def test_stop_saves_nothing_non_finite(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    with pytest.raises(Exception, match=r"NonFiniteError.*step 3: loss nan.*not finite.*trainer.on_nonfinite=stop"):
+        run_ranks(train_with, 1, argv(dataset, out, "ddp", 6), "nan", 3)
+    assert _finite_checkpoints(out) == [2]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-00000002"
+
+
+@pytest.mark.parametrize("engine,world", [("ddp", 1), ("zero", 2)])
+def test_skip_drops_the_step_and_counts_it(dataset, tmp_path, engine, world):
+    out = str(tmp_path / "run")
+    run_ranks(train_with, world, argv(dataset, out, engine, 6, "--trainer.on_nonfinite", "skip"), "nan", 3)
+    rows = metrics(out)
+    assert max(r["step"] for r in rows) == 6  # six applied steps: the skipped one did not count
+    assert [r["train/nonfinite_steps"] for r in rows if "train/loss" in r][-1] == 1
+    assert _finite_checkpoints(out) == [2, 4, 6]
+    ref = str(tmp_path / "ref")
+    run_ranks(train, world, argv(dataset, ref, engine, 2))
+    assert losses(out)[2] == pytest.approx(losses(ref)[2], rel=1e-6)  # before the bad step: the same run
+
+
+def test_rollback_reloads_and_moves_past_the_batch(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    run_ranks(train_with, 1, argv(dataset, out, "ddp", 6, "--trainer.on_nonfinite", "rollback"), "nan", 4)
+    rows = metrics(out)
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # the log was rewound, not duplicated
+    assert [r.get("train/rollbacks") for r in rows if "train/loss" in r][-1] == 1
+    assert _finite_checkpoints(out) == [2, 4, 6]
+    ref = str(tmp_path / "ref")
+    run_ranks(train, 1, argv(dataset, ref, "ddp", 6))
+    a, b = losses(ref), losses(out)
+    assert b[2] == pytest.approx(a[2], rel=1e-6)
+    assert b[3] != pytest.approx(a[3], rel=1e-6)  # step 3 was redone from step 2 on the batch after the bad one
+
+
+def test_the_bound_stops_a_run_that_keeps_failing(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    with pytest.raises(Exception, match="more than trainer.max_nonfinite_steps=0"):
+        run_ranks(train_with, 1, argv(dataset, out, "ddp", 6, "--trainer.on_nonfinite", "skip",
+                                      "--trainer.max_nonfinite_steps", "0"), "nan", 3)
+
+
+def test_a_real_divergence_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
+    """lr 1e6 (its declared range refuses it when parsed; the test widens it): the weights blow up within a few steps. The run exits with an error, no
+    checkpoint holds NaN, and keep_last=1 never pruned the last finite one."""
+    out = str(tmp_path / "run")
+    with pytest.raises(Exception, match="not finite"):
+        run_ranks(train_with, 1, argv(dataset, out, "ddp", 40, "--optim.lr", "1e6", "--optim.warmup_steps", "0",
+                                      "--checkpoint.interval_steps", "1", "--checkpoint.keep_last", "1",
+                                      "--optim.grad_clip", "0"), "wide-lr")
+    kept = _finite_checkpoints(out)
+    from molds.errors import RecipeError
+    from molds.recipe import parse_recipe
+
+    with pytest.raises(RecipeError, match=r"optim.lr=1000000.0 is outside its range"):
+        parse_recipe(argv(dataset, out, "ddp", 4, "--optim.lr", "1e6"))
+    assert len(kept) == 1 and open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{kept[0]:08d}"

@@ -1,0 +1,116 @@
+"""Run directories, resume and fork semantics as a user meets them (issue: a trainer a
+new user can trust)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from tests.faults.common import argv, metrics
+
+
+def test_a_second_run_into_the_same_directory_is_refused(dataset, tmp_path):
+    from molds.errors import RecipeError
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    main(argv(dataset, out, "ddp", 2))
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    with pytest.raises(RecipeError, match=r"already holds a run .*--checkpoint.resume auto.*--run.overwrite true"):
+        main(argv(dataset, out, "ddp", 2))
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before  # nothing touched
+    main(argv(dataset, out, "ddp", 2, "--run.overwrite", "true"))  # start over: the old run is gone
+    assert [r["step"] for r in metrics(out) if "train/loss" in r] == [1, 2]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step-00000002"]
+
+
+def test_resume_continues_logs_without_duplicates(dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    main(argv(dataset, out, "ddp", 5, "--checkpoint.interval_steps", "2"))  # checkpoints at 2, 4, 5
+    os.remove(os.path.join(out, "checkpoints", "latest"))
+    import shutil
+
+    shutil.rmtree(os.path.join(out, "checkpoints", "step-00000005"))  # as if the run had died after step 4
+    main(argv(dataset, out, "ddp", 6, "--checkpoint.resume", "auto"))
+    steps = [r["step"] for r in metrics(out) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    acc = EventAccumulator(os.path.join(out, "tensorboard")).Reload()
+    tb = [e.step for e in acc.Scalars("train/loss")]
+    assert sorted(tb) == [1, 2, 3, 4, 5, 6]  # the events of the lost step 5 were purged
+
+
+def test_learning_rate_change_on_resume_is_applied_and_recorded(dataset, tmp_path):
+    from molds.errors import CheckpointError
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    main(argv(dataset, out, "ddp", 2, "--optim.warmup_steps", "0", "--optim.min_lr_ratio", "1.0"))
+    result = main(argv(dataset, out, "ddp", 4, "--optim.warmup_steps", "0", "--optim.min_lr_ratio", "1.0",
+                       "--optim.lr", "1e-4", "--checkpoint.resume", "auto"))
+    lrs = {r["step"]: r["train/lr"] for r in metrics(out) if "train/lr" in r}
+    assert lrs[2] == pytest.approx(3e-3) and lrs[3] == pytest.approx(1e-4) and lrs[4] == pytest.approx(1e-4)
+    lineage = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
+    change = lineage["resume_changes"][0]
+    assert change["at_step"] == 2 and change["changes"]["optim.lr"] == [3e-3, 1e-4]
+    assert change["changes"]["trainer.max_steps"] == [2, 4]
+    with pytest.raises(CheckpointError, match=r"model.hidden_size: 32 -> 64.*--checkpoint.fork true"):
+        main(argv(dataset, out, "ddp", 6, "--model.hidden_size", "64", "--checkpoint.resume", "auto"))
+    with pytest.raises(CheckpointError, match=r"optim.weight_decay"):
+        main(argv(dataset, out, "ddp", 6, "--optim.weight_decay", "0.5", "--checkpoint.resume", "auto"))
+
+
+def test_fork_keeps_weights_and_optionally_the_optimizer(dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    from molds.train import main
+
+    src = str(tmp_path / "src")
+    main(argv(dataset, src, "ddp", 2))
+    ckpt = os.path.join(src, "checkpoints", "step-00000002")
+    for keep in (False, True):
+        out = str(tmp_path / f"fork-{keep}")
+        extra = ["--checkpoint.fork_optimizer", "true"] if keep else []
+        # a fork may change anything, the model's width excepted (the weights must fit)
+        main(argv(dataset, out, "ddp", 1, "--checkpoint.resume", src, "--checkpoint.fork", "true",
+                  "--optim.weight_decay", "0.0", "--optim.lr", "0.0", "--optim.warmup_steps", "0", *extra))
+        new = os.path.join(out, "checkpoints", "step-00000001")
+        a, b = load_file(os.path.join(ckpt, "model.safetensors")), load_file(os.path.join(new, "model.safetensors"))
+        assert all((a[k] == b[k]).all() for k in a)  # lr 0: the weights are the parent's
+        state = json.load(open(os.path.join(new, "train_state.json")))
+        assert state["optimizer_step"] == (3 if keep else 1)  # moments kept (step count continues) or fresh
+
+
+def test_read_only_output_directory_is_refused_at_start(dataset, tmp_path):
+    from molds.errors import RecipeError
+    from molds.train import main
+
+    if os.geteuid() == 0:  # root writes anywhere: make the path impossible instead
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        out = str(blocker / "run")
+        with pytest.raises(RecipeError, match="run.output_dir"):
+            main(argv(dataset, out, "ddp", 2))
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    with pytest.raises(RecipeError, match="not writable"):
+        main(argv(dataset, str(ro / "run"), "ddp", 2))
+
+
+def test_seq_len_truncation_is_warned_counted_and_logged(dataset, tmp_path, capsys):
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    main(argv(dataset, out, "ddp", 3, "--data.seq_len", "40"))
+    err = capsys.readouterr().err
+    assert "data.seq_len=40 is shorter than the longest molecule" in err and "truncated" in err
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    assert rows[-1]["data/truncated_molecules"] > 0 and rows[-1]["data/truncated_tokens"] > 0
