@@ -111,13 +111,14 @@ class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.linear = F.linear  # molds.models.wgrad may make its weight gradient deferrable
 
     def init_weights(self, std: float, base: int, key: tuple) -> None:
         with torch.no_grad():
             nn.init.normal_(self.weight, std=std)
 
     def forward(self, y):
-        return F.linear(y, self.weight)
+        return self.linear(y, self.weight)
 
 
 class Experts(nn.Module):
@@ -137,6 +138,7 @@ class Experts(nn.Module):
         self.up = nn.Parameter(torch.empty(self.num_local, hidden, width))
         self.down = nn.Parameter(torch.empty(self.num_local, width, hidden))
         self.act = swiglu  # an elementwise region (molds.kernels may fuse it)
+        self.grouped_mm = F.grouped_mm  # molds.models.wgrad may make its weight gradient deferrable
 
     def init_weights(self, std: float, base: int, key: tuple) -> None:
         """Expert g's weights depend on (seed, layer, g) only: the same whatever the
@@ -154,8 +156,9 @@ class Experts(nn.Module):
         if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and self.hidden % 8 == 0 \
                 and self.width % 8 == 0:
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = self.act(F.grouped_mm(x, self.gate, offs=offs), F.grouped_mm(x, self.up, offs=offs))
-            return _ContiguousGrad.apply(F.grouped_mm(h, self.down, offs=offs))
+            mm = self.grouped_mm
+            h = self.act(mm(x, self.gate, offs=offs), mm(x, self.up, offs=offs))
+            return _ContiguousGrad.apply(mm(h, self.down, offs=offs))
         # grouped_mm has no float64 kernel (and wants 16-byte strides): one GEMM per expert
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):

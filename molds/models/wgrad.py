@@ -1,0 +1,182 @@
+"""Deferrable weight gradients: the seam a zero-bubble schedule (DualPipeV) needs.
+
+A zero-bubble schedule splits a layer's backward in two: the input gradient ("B"),
+which the previous stage is waiting for, now; the weight gradient ("W"), which nobody
+waits for, later, in a slot that would otherwise be a bubble. DeepSeek's DualPipe does
+this with a ``WeightGradStore`` that its fused linear kernels push closures into; torch's
+``ScheduleDualPipeV`` asks the stage module for a separate weight-gradient pass.
+
+Here it is one context and two autograd functions, applied to a built model by
+``defer_weight_grads(model)`` (a converter, like ``molds.kernels``: model files do not know
+about it):
+
+- ``nn.Linear`` modules become ``DeferrableLinear`` (same parameters, same state dict);
+- the MoE router's product (``Router.linear``) becomes ``deferrable_linear``, the experts'
+  grouped GEMMs (``Experts.grouped_mm``) ``deferrable_grouped_mm``.
+
+Outside ``WeightGradStore.deferring()`` both compute every gradient at once, exactly
+like the modules they replace. Inside it, their backward returns the input gradient only
+and queues the weight gradient; ``flush()`` computes the queued ones, in order, and adds
+them into ``param.grad``. Embeddings and norm weights are not deferred (a gather and an
+elementwise product: nothing worth moving). Float64 experts, which run one GEMM per
+expert instead of a grouped GEMM, are not deferred either. What a schedule must respect: a deferred
+gradient exists only after ``flush()``, so the gradient reduction and the optimizer step
+come after it, and gradient hooks on deferred parameters do not fire (molds' pipeline
+engine reduces after the whole schedule, through DeepSpeed, so it needs none).
+
+Nothing here is a schedule: the DualPipeV issue builds that on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """The queue of deferred weight gradients (one per process: a schedule runs its
+    stages' backward passes on one thread)."""
+
+    _active = False
+    _queue: list[Callable[[], None]] = []
+
+    @classmethod
+    @contextlib.contextmanager
+    def deferring(cls):
+        """Backward passes inside queue their weight gradients instead of computing them."""
+        if cls._active:
+            raise RuntimeError("WeightGradStore.deferring() is already active")
+        cls._active = True
+        try:
+            yield cls
+        finally:
+            cls._active = False
+
+    @classmethod
+    def active(cls) -> bool:
+        return cls._active
+
+    @classmethod
+    def pending(cls) -> int:
+        return len(cls._queue)
+
+    @classmethod
+    def put(cls, fn: Callable[[], None]) -> None:
+        cls._queue.append(fn)
+
+    @classmethod
+    def flush(cls) -> int:
+        """Compute every queued weight gradient, oldest first; returns how many ran."""
+        n = 0
+        with torch.no_grad():
+            while cls._queue:
+                cls._queue.pop(0)()
+                n += 1
+        return n
+
+    @classmethod
+    def clear(cls) -> None:
+        """Drop what is queued (after a failed step: its gradients are discarded anyway)."""
+        cls._queue.clear()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        # the parameters themselves, to accumulate into when the gradient is deferred
+        ctx.params = (weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = grad @ weight if ctx.needs_input_grad[0] else None
+        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if not (need_w or need_b):
+            return dx, None, None
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        if not WeightGradStore.active():
+            return dx, (g2.t() @ x2 if need_w else None), (g2.sum(0) if need_b else None)
+        w, b = ctx.params
+
+        def weight_grad():
+            if need_w:
+                _accumulate(w, g2.t() @ x2)
+            if need_b:
+                _accumulate(b, g2.sum(0))
+
+        WeightGradStore.put(weight_grad)
+        return dx, None, None
+
+
+def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose weight (and bias) gradient ``WeightGradStore`` can defer."""
+    return _Linear.apply(x, weight, bias)
+
+
+class DeferrableLinear(nn.Linear):
+    """``nn.Linear`` on ``deferrable_linear``: the same parameters and state dict."""
+
+    def forward(self, x):
+        return deferrable_linear(x, self.weight, self.bias)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``F.grouped_mm(x, w, offs)`` for x [M, K] sorted by group and w [G, K, N]."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        ctx.param = w
+        return F.grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = F.grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None
+        if not WeightGradStore.active():
+            return dx, F.grouped_mm(x.t(), grad, offs=offs), None  # per group: x_g^T grad_g (empty: 0)
+
+        param = ctx.param
+
+        def weight_grad():
+            _accumulate(param, F.grouped_mm(x.t(), grad, offs=offs))
+
+        WeightGradStore.put(weight_grad)
+        return dx, None, None
+
+
+def deferrable_grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` (2D x 3D with offsets) whose weight gradient can be deferred."""
+    return _GroupedMM.apply(x, w, offs)
+
+
+def defer_weight_grads(model: nn.Module) -> nn.Module:
+    """Make the weight gradients of ``model``'s linears and experts deferrable (in place;
+    parameters, state dict and results unchanged)."""
+    from .moe import Experts, Router
+
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DeferrableLinear
+        elif isinstance(module, Router):
+            module.linear = deferrable_linear
+        elif isinstance(module, Experts):
+            module.grouped_mm = deferrable_grouped_mm
+    return model
