@@ -1,6 +1,6 @@
 """molds' MoE layer against DeepSpeed's ``deepspeed.moe.layer.MoE``, same experts, one process.
 
-    python benchmarks/moe_layer.py [--tokens 4096] [--hidden 256] [--rounds 7]
+    python benchmarks/moe_layer.py [--tokens 4096] [--hidden 256] [--rounds 7] [--compile-regions]
 
 Both dropless (DeepSpeed: ``drop_tokens=False``), the same SwiGLU experts (molds' weights
 copied into DeepSpeed's expert modules), the same input; timed is forward + backward of
@@ -8,7 +8,9 @@ the MoE part alone (router with its load-balancing loss, dispatch, experts, comb
 no attention, no block norm; molds adds the residual, DeepSpeed does not), alternating molds and DeepSpeed every round so machine drift hits both, median
 of ``--rounds`` (the ratio: median of the per-round ratios). Two shapes: 8 experts of width 512, top-2 (Mixtral-like) and 64
 fine-grained experts of width 128, top-8 (DeepSeek-V3 / Qwen3-like). Prints one JSON
-line: seconds per pass for each and ``molds_over_deepspeed_*`` (< 1: molds faster).
+line: seconds per pass for each and ``molds_over_deepspeed_*`` (< 1: molds faster), molds
+as ``recipes/moe_pipeline.json`` runs it (eager); ``--compile-regions`` adds ``*_compiled``
+keys with the SwiGLU regions compiled, as the dense recipes ship them.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def run(tokens: int, hidden: int, experts: int, width: int, k: int, rounds: int,
     torch.manual_seed(0)
     ours = _molds_moe(hidden, width, experts, k)
     theirs = _deepspeed_moe(hidden, width, experts, k, ours.mlp.experts).train().to(device)
-    if compiled:  # kernels.compile_regions, as the full-size recipes ship it: SwiGLU fused by inductor
+    if compiled:  # kernels.compile_regions, as the dense recipes ship it: SwiGLU fused by inductor
         from molds.kernels.compile_regions import compile_regions
 
         compile_regions(ours)
@@ -114,7 +116,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--eager", action="store_true", help="molds without kernels.compile_regions")
+    ap.add_argument("--compile-regions", action="store_true",
+                    help="also time molds with kernels.compile_regions (SwiGLU fused by inductor), as *_compiled keys")
     args = ap.parse_args()
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29621", RANK="0", WORLD_SIZE="1",
                            LOCAL_RANK="0").items():
@@ -126,14 +129,16 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    e8 = run(args.tokens, args.hidden, 8, 512, 2, args.rounds, not args.eager)
-    e64 = run(args.tokens, args.hidden, 64, 128, 8, args.rounds, not args.eager)
-    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
-                      "tokens": args.tokens, "hidden": args.hidden, "rounds": args.rounds,
-                      "molds_compile_regions": not args.eager,
-                      "e8_top2": e8, "e64_top8": e64,
-                      "molds_over_deepspeed_e8_top2": round(e8["ratio"], 3),
-                      "molds_over_deepspeed_e64_top8": round(e64["ratio"], 3)}))
+    shapes = {"e8_top2": (8, 512, 2), "e64_top8": (64, 128, 8)}
+    out = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+           "tokens": args.tokens, "hidden": args.hidden, "rounds": args.rounds}
+    # as recipes/moe_pipeline.json ships it (kernels.compile_regions off), then compiled if asked
+    for suffix, compiled in [("", False)] + ([("_compiled", True)] if args.compile_regions else []):
+        for key, (experts, width, k) in shapes.items():
+            r = run(args.tokens, args.hidden, experts, width, k, args.rounds, compiled)
+            out[key + suffix] = r
+            out[f"molds_over_deepspeed_{key}{suffix}"] = round(r["ratio"], 3)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
