@@ -422,7 +422,7 @@ def _shard_experts(layer, ep_size: int, ep_rank: int, group, group_name: str) ->
         sl = slice(local.offset, local.offset + local.num_local)
         for name in ("gate", "up", "down"):
             getattr(local, name).copy_(getattr(full, name)[sl])
-    local.act = full.act
+    local.act, local.grouped_mm = full.act, full.grouped_mm
     for p in local.parameters():
         p.allreduce = False
         p.group_name = group_name
