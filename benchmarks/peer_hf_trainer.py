@@ -37,8 +37,11 @@ class MoldsSide:
         from molds.data.manifest import Manifest
         from molds.distributed import init_distributed
         from molds.engines.ddp import DDPEngine
+        from molds.kernels import apply_kernels
         from molds.models import build_model
+        from molds.models.loss import build_loss
         from molds.recipe import Recipe
+        from molds.tokens import tokenizer_info
 
         m = Manifest.load(manifest_dir)
         st = m.data["stats"]["splits"]["train"]
@@ -52,7 +55,8 @@ class MoldsSide:
         recipe.trainer = TrainerConfig(max_steps=total_steps, precision="auto")
         recipe.kernels.compile_regions = compile_regions  # as the full-size decoder recipes ship
         self.dist = init_distributed()
-        self.engine = DDPEngine(recipe, build_model(recipe, len(m.check_tokenizer())), self.dist)
+        model = apply_kernels(build_model(recipe.model, tokenizer_info(m)), recipe.kernels)  # as train.py does
+        self.engine = DDPEngine(recipe, model, build_loss(recipe.model), self.dist)
         self.it = iter(MoleculeLoader(recipe.data))
         self.rows = rows
         self.time = 0.0

@@ -45,6 +45,8 @@ def main() -> None:
     from molds.engines.optim import build_optimizer, build_scheduler
     from molds.engines.zero import ZeroEngine
     from molds.models import build_model
+    from molds.models.loss import build_loss
+    from molds.tokens import tokenizer_info
     from molds.recipe import deepspeed_config, parse_recipe
 
     recipe = parse_recipe(["--recipe", args.recipe, "--data.manifest", args.manifest,
@@ -52,7 +54,8 @@ def main() -> None:
     dist = init_distributed()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo" if dist.device.type == "cpu" else "nccl", rank=0, world_size=1)
-    vocab = len(Manifest.load(args.manifest).check_tokenizer())
+    tok = tokenizer_info(Manifest.load(args.manifest))
+    loss_fn = build_loss(recipe.model)  # the same objective every loop computes
     keep = ("input_ids", "labels", "position_ids", "document_ids")
     batches = []
     for b in MoleculeLoader(recipe.data):
@@ -67,13 +70,13 @@ def main() -> None:
         return torch.autocast(dist.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     # plain PyTorch
-    plain_model = build_model(recipe, vocab).to(dist.device)
+    plain_model = build_model(recipe.model, tok).to(dist.device)
     opt = build_optimizer(plain_model, recipe.optim)
     sched = build_scheduler(opt, recipe.optim, recipe.trainer.max_steps)
 
     def plain_step(batch):
         with autocast():
-            loss = plain_model(**batch)["loss"]
+            loss = loss_fn(plain_model(**batch), batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plain_model.parameters(), recipe.optim.grad_clip)
         opt.step()
@@ -81,7 +84,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    molds_engine = DDPEngine(recipe, build_model(recipe, vocab), dist)
+    molds_engine = DDPEngine(recipe, build_model(recipe.model, tok), loss_fn, dist)
 
     # bare DeepSpeed
     import deepspeed
@@ -89,25 +92,25 @@ def main() -> None:
     zero_recipe = parse_recipe(["--recipe", args.recipe, "--data.manifest", args.manifest, "--parallel.engine",
                                 "zero", "--parallel.zero_stage", "2", "--trainer.max_steps", str(10**6)])
     ds_cfg = deepspeed_config(zero_recipe, 1, dtype is not None)
-    ds_model = build_model(zero_recipe, vocab)
+    ds_model = build_model(zero_recipe.model, tok)
     ds_opt = build_optimizer(ds_model, zero_recipe.optim)
     ds_engine, _, _, _ = deepspeed.initialize(model=ds_model, optimizer=ds_opt,
                                               lr_scheduler=build_scheduler(ds_opt, zero_recipe.optim, 10**6),
                                               config=ds_cfg, dist_init_required=False)
 
     def ds_step(batch):
-        loss = ds_engine(**batch)["loss"]
+        loss = loss_fn(ds_engine(**batch), batch)
         ds_engine.backward(loss)
         ds_engine.step()
         return float(loss)
 
-    molds_zero = ZeroEngine(zero_recipe, build_model(zero_recipe, vocab), dist)
+    molds_zero = ZeroEngine(zero_recipe, build_model(zero_recipe.model, tok), loss_fn, dist)
 
     loops = {
         "plain": plain_step,
-        "molds": lambda b: molds_engine.train_step([b])["loss"],
+        "molds": lambda b: molds_engine.train_step([b]).loss,
         "ds_bare": ds_step,
-        "molds_zero": lambda b: molds_zero.train_step([b])["loss"],
+        "molds_zero": lambda b: molds_zero.train_step([b]).loss,
     }
     for fn in loops.values():  # warm-up: allocations, first-call paths
         fn(batches[0])

@@ -1,0 +1,42 @@
+"""Every benchmark script still runs against the current library and ends with its JSON
+line (tiny sizes: this checks that they work, not what they measure). The figures
+themselves are taken by running the scripts, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.data.conftest import dataset  # noqa: F401  (the shared preprocessed fixture)
+from tests.dist.spawn import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
+
+CASES = {
+    "step_overhead": (["--steps", "1", "--rounds", "1"], ["molds_over_plain", "molds_zero_over_ds_bare"]),
+    "peer_hf_trainer": (["--steps", "2", "--warmup", "1", "--eager"], ["molds_over_hf"]),
+    "dataloader": (["--seq-len", "128", "--subset", "500"], []),
+    "moe_layer": (["--tokens", "256", "--hidden", "64", "--rounds", "1"],
+                  ["molds_over_deepspeed_e8_top2", "molds_over_deepspeed_e64_top8"]),
+    "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100"], []),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # noqa: F811
+    args, keys = CASES[name]
+    if name in ("step_overhead", "peer_hf_trainer", "dataloader"):
+        args = ["--manifest", dataset, *args]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in keys:
+        assert isinstance(out[key], float) and out[key] > 0, (key, out)
