@@ -69,11 +69,23 @@ class Engine(Protocol):
         ``position`` optimizer steps (default: where the engine is)."""
 
 
-def moe_extras(model, dist) -> dict:
-    """``moe/*`` of a model that one rank holds whole (ddp, zero), summed over all ranks."""
-    import torch
+class ScheduledEngine:
+    """What every engine shares: its ``self.scheduler`` takes a new schedule the same way."""
 
-    from ..models.moe import collect_stats, moe_layers
+    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
+        from .optim import set_schedule
 
-    group = torch.distributed.group.WORLD if dist.distributed else None
-    return collect_stats(moe_layers(model), group=group)
+        set_schedule(self.scheduler, optim, max_steps, position)
+
+
+class WholeModelEngine(ScheduledEngine):
+    """An engine whose every rank holds the whole model (``self.model``; ddp, zero)."""
+
+    def extras(self) -> dict:
+        """``moe/*`` of the model, summed over all ranks."""
+        import torch
+
+        from ..models.moe import collect_stats, moe_layers
+
+        group = torch.distributed.group.WORLD if self.dist.distributed else None
+        return collect_stats(moe_layers(self.model), group=group)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import StepResult, Topology, moe_extras
+from .base import StepResult, Topology, WholeModelEngine
 from .optim import (adam_step_count, build_optimizer, build_scheduler, load_moments, moments_of, set_schedule)
 
 
@@ -25,7 +25,7 @@ def autocast_dtype(precision: str, device: torch.device):
     return None
 
 
-class DDPEngine:
+class DDPEngine(WholeModelEngine):
     name = "ddp"
 
     def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist):
@@ -93,12 +93,6 @@ class DDPEngine:
             if has_targets(batch):
                 out["loss"] = self.loss_fn(out, batch)
         return out
-
-    def extras(self) -> dict:
-        return moe_extras(self.model, self.dist)
-
-    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
-        set_schedule(self.scheduler, optim, max_steps, position)
 
     # checkpoint: the replicated model and optimizer, written by rank 0
     def _param_slots(self):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..recipe import deepspeed_config
-from .base import StepResult, Topology
+from .base import ScheduledEngine, StepResult, Topology
 from .ddp import autocast_dtype
 from .optim import adamw, build_scheduler, param_groups, set_schedule
 
@@ -161,7 +161,7 @@ def _ExpertParallelMarker(num_experts: int, ep_size: int):
 
 # ---------------------------------------------------------------- the engine
 
-class PipelineEngine:
+class PipelineEngine(ScheduledEngine):
     name = "pipeline"
 
     def __init__(self, recipe, model: nn.Module, loss_fn, dist):
@@ -305,9 +305,6 @@ class PipelineEngine:
         if z:
             out["moe/z_loss"] = sum(z) / len(z)
         return out
-
-    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
-        set_schedule(self.scheduler, optim, max_steps, position)
 
     def _global_grad_norm(self) -> float:
         """The norm of the whole model's gradient: every stage's parameters, each dense

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..recipe import deepspeed_config
-from .base import StepResult, Topology, moe_extras
+from .base import StepResult, Topology, WholeModelEngine
 from .ddp import autocast_dtype
 from .optim import build_optimizer, build_scheduler, set_schedule
 
@@ -51,7 +51,7 @@ def _relink_optimizer_fragments(engine) -> None:
             zero._lazy_init_hp_params_optimizer_state()
 
 
-class ZeroEngine:
+class ZeroEngine(WholeModelEngine):
     name = "zero"
 
     def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist):
@@ -104,12 +104,6 @@ class ZeroEngine:
         if has_targets(batch):
             out["loss"] = self.loss_fn(out, batch)
         return out
-
-    def extras(self) -> dict:
-        return moe_extras(self.model, self.dist)
-
-    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
-        set_schedule(self.scheduler, optim, max_steps, position)
 
     # ------------------------------------------------------------ canonical state
     def save(self, directory: str) -> None:
