@@ -140,3 +140,22 @@ def test_the_context_does_not_nest_and_clear_drops_the_queue():
     assert WeightGradStore.pending() == 1
     WeightGradStore.clear()
     assert WeightGradStore.pending() == 0 and WeightGradStore.flush() == 0 and lin.weight.grad is None
+
+
+def test_under_bf16_autocast_the_gradients_match_nn_linear():
+    torch.manual_seed(2)
+    ref = torch.nn.Linear(16, 8)
+    lin = defer_weight_grads(copy.deepcopy(ref))
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = ref(x)
+        b = lin(x)
+    assert a.dtype == b.dtype == torch.bfloat16
+    torch.testing.assert_close(a, b)
+    a.float().square().sum().backward()
+    with WeightGradStore.deferring():
+        b.float().square().sum().backward()
+    WeightGradStore.flush()
+    assert lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=2e-2, atol=2e-2)

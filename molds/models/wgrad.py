@@ -103,6 +103,8 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        # under autocast the forward ran in a lower precision than its saved inputs: match it
+        x, weight = x.to(grad.dtype), weight.to(grad.dtype)
         dx = grad @ weight if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if not (need_w or need_b):
@@ -147,6 +149,7 @@ class _GroupedMM(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
+        x, w = x.to(grad.dtype), w.to(grad.dtype)
         dx = F.grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return dx, None, None
