@@ -13,16 +13,10 @@ from tests.dist.spawn import run_ranks
 
 
 def _argv(dataset, out, engine, steps, extra=(), stage=2):
-    return ["--data.manifest", dataset, "--data.seq_len", "128", "--data.micro_batch_size", "2",
-            "--data.lookahead", "64", "--data.shuffle_window", "300",
-            "--model.hidden_size", "64", "--model.num_layers", "2", "--model.num_heads", "4",
-            "--model.num_kv_heads", "2", "--model.max_position_embeddings", "256",
-            "--parallel.engine", engine, "--parallel.zero_stage", str(stage),
-            "--optim.lr", "3e-3", "--optim.warmup_steps", "2",
-            "--trainer.max_steps", str(steps), "--trainer.grad_accum", "2", "--trainer.precision", "fp32",
-            "--checkpoint.interval_steps", "3", "--checkpoint.keep_last", "0",
-            "--logging.interval_steps", "1", "--logging.progress", "false", "--logging.tensorboard", "true",
-            "--run.output_dir", out, *extra]
+    from tests.faults.common import argv
+
+    return argv(dataset, out, engine, steps, "--logging.tensorboard", "true", *extra, stage=stage, interval=3,
+                accum=2, hidden=64)
 
 
 def _main(rank, world, argv):

@@ -7,10 +7,10 @@ import json
 import os
 
 
-def argv(dataset, out, engine="ddp", steps=6, *extra, stage=2, interval=2, accum=1):
+def argv(dataset, out, engine="ddp", steps=6, *extra, stage=2, interval=2, accum=1, hidden=32):
     return ["--data.manifest", dataset, "--data.seq_len", "128", "--data.micro_batch_size", "2",
             "--data.lookahead", "64", "--data.shuffle_window", "300",
-            "--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "4",
+            "--model.hidden_size", str(hidden), "--model.num_layers", "2", "--model.num_heads", "4",
             "--model.num_kv_heads", "2", "--model.max_position_embeddings", "256",
             "--parallel.engine", engine, "--parallel.zero_stage", str(stage),
             "--optim.lr", "3e-3", "--optim.warmup_steps", "2",
