@@ -182,7 +182,10 @@ def setup(recipe) -> Run:
     from molds.recipe import resolve_batching
     from molds.tokens import tokenizer_info
 
+    from molds.allocator import retain_freed_memory
+
     _quiet_third_party()
+    allocator = retain_freed_memory()  # before the first large allocation
     dist = init_distributed(recipe.parallel.collective_timeout_s,
                             need_group=recipe.parallel.engine in ("zero", "pipeline"))
     manifest = Manifest.load(recipe.data.manifest)
@@ -205,7 +208,7 @@ def setup(recipe) -> Run:
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
-        "parameters": parameters,
+        "parameters": parameters, "host_allocator": allocator,
     }
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops)
     if plan is not None:
@@ -460,7 +463,9 @@ def _start_summary(run: Run, parameters: int) -> None:
     print(f"[molds] {recipe.model.family} of {parameters:,} parameters on {run.engine.name} "
           f"(world {topo.world_size}: dp {topo.dp_size}, pp {topo.pp_size}, ep {topo.ep_size}); one step = "
           f"{b.global_batch} sequences ({b.micro_batch} per micro-batch x {b.grad_accum} accumulation x "
-          f"{b.dp_size} data-parallel){mols}", file=sys.stderr)
+          f"{b.dp_size} data-parallel){mols}; host allocator: {run.lineage['host_allocator']}"
+          f"{' (MOLDS_SYSTEM_ALLOCATOR=1 to keep the C library defaults)' if run.lineage['host_allocator'] == 'retain' else ''}",
+          file=sys.stderr)
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)

@@ -106,3 +106,30 @@ def test_compiled_regions_match_eager():
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         for (name, a), b in zip(eager.named_parameters(), fused.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cpu_bf16_autocast_runs_attention_in_float32():
+    """Under CPU bf16 autocast, attention runs in float32 on the bf16 inputs and comes
+    back in bf16: autocast would otherwise send it to torch's bf16 CPU flash-attention
+    kernel, whose backward is several times slower than the float32 one."""
+    from molds.models.decoder import causal_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 9, 8, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 9, 8, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = causal_attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)  # one rounding, at the end
+    g_out = torch.randn(got.shape, generator=g)
+    got.backward(g_out.bfloat16())
+    want.backward(g_out.bfloat16().float())
+    for mine, ref in ((q, q32), (k, k32), (v, v32)):
+        assert mine.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(mine.grad, ref.grad.bfloat16(), rtol=0, atol=0)
+    # fp32 inputs without autocast: the plain kernel, unchanged
+    f = [t.detach().float() for t in (q, k, v)]
+    torch.testing.assert_close(causal_attention(*f), torch.nn.functional.scaled_dot_product_attention(
+        *f, is_causal=True, enable_gqa=True), rtol=0, atol=0)

@@ -86,6 +86,22 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype:
     return emb.cos().to(dtype)[..., None, :], emb.sin().to(dtype)[..., None, :]
 
 
+def causal_attention(q, k, v, is_causal: bool = True):
+    """Scaled dot-product attention over [N, heads, S, D] with grouped KV heads.
+
+    On a CPU, half-precision inputs (bf16 autocast) run in float32 and come back in
+    their dtype: torch 2.13's CPU flash-attention kernel is slower in bf16 than in fp32
+    (its backward about 8x on a 2-core AVX-512 machine, for a decoder whose attention
+    is a few percent of the FLOPs), while the bf16 GEMMs around it are about 4x faster.
+    GPUs keep the half-precision kernel."""
+    if q.device.type == "cpu" and (q.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")):
+        with torch.autocast("cpu", enabled=False):  # CPU autocast would cast it back to bf16
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal,
+                                                 enable_gqa=True)
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -120,11 +136,10 @@ class Attention(nn.Module):
             cache["k"], cache["v"] = k, v
             if past and q.shape[1] != 1:
                 raise ValueError("with a filled cache, decode one token at a time")
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=not past, enable_gqa=True).transpose(1, 2)
+            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   is_causal=not past).transpose(1, 2)
         elif layout is None:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, enable_gqa=True).transpose(1, 2)
+            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         else:
             out = layout.attend(q, k, v)
         return self.o_proj(out.reshape(*lead, -1))
@@ -227,8 +242,7 @@ class PackedLayout:
             def per_molecule(t):  # [n, heads, longest, D]
                 return t.view(n, longest, *t.shape[1:]).transpose(1, 2)
 
-            o = F.scaled_dot_product_attention(per_molecule(gq), per_molecule(gk), per_molecule(gv), is_causal=True,
-                                               enable_gqa=True)
+            o = causal_attention(per_molecule(gq), per_molecule(gk), per_molecule(gv))
             outs.append(o.transpose(1, 2).reshape(n * longest, o.shape[1], o.shape[3]))
         return torch.cat(outs).index_select(0, self.slot_of)
 

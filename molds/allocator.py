@@ -1,0 +1,58 @@
+"""Host memory allocator policy of a training process: keep freed memory for reuse.
+
+PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves blocks above its
+mmap threshold (128 KiB, raised on the fly up to 32 MiB) with fresh ``mmap`` calls and
+hands heap tops above its trim threshold back to the kernel, so a training step that
+frees and re-allocates the same activations every step pays a page fault (and the
+kernel's zeroing of the page) for every 4 KiB it touches again. On the 2-core VMs molds is
+tested on, a fresh 16 MiB activation costs ~10x the elementwise op that fills it; an
+MoE layer whose sorted tokens make a few large activations pays it on every op
+(``benchmarks/moe_layer.py``), a dense CPU step a few percent.
+
+``retain_freed_memory`` fixes the thresholds, as ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` would at process start (and as the jemalloc/tcmalloc preloads
+of ``torch.backends.xeon.run_cpu`` do for Intel's CPU recipes, without a second
+allocator): blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap and
+freed memory stays in the process for the next step. The price is that the process's
+resident size stays at its peak instead of shrinking between steps. Set
+``MOLDS_SYSTEM_ALLOCATOR=1`` to keep the C library's defaults.
+
+Written with ctypes because no maintained Python package exposes ``mallopt``; on a C
+library without it (musl, macOS) this is a no-op that says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of free heap top in the process
+
+_state: str | None = None
+
+
+def retain_freed_memory() -> str:
+    """Apply the policy once per process. Returns what is in force: ``"retain"``,
+    ``"system"`` (``MOLDS_SYSTEM_ALLOCATOR=1``) or ``"unavailable (...)"``."""
+    global _state
+    if _state is not None:
+        return _state
+    if os.environ.get("MOLDS_SYSTEM_ALLOCATOR", "") not in ("", "0"):
+        _state = "system"
+        return _state
+    if not sys.platform.startswith("linux"):
+        _state = f"unavailable ({sys.platform})"
+        return _state
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError) as exc:
+        _state = f"unavailable ({exc.__class__.__name__})"
+        return _state
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    _state = "retain" if ok else "unavailable (mallopt refused)"
+    return _state
