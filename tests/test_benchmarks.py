@@ -18,8 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
 
 CASES = {
+    "cpu_step": (["--recipe", os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"), "--steps", "1", "--rounds", "1"],
+                 ["fp32_over_bf16", "bf16_system_over_bf16", "bf16_attn16_over_bf16"]),
     "step_overhead": (["--steps", "1", "--rounds", "1"], ["molds_over_plain", "molds_zero_over_ds_bare"]),
-    "peer_hf_trainer": (["--steps", "2", "--warmup", "1", "--eager"], ["molds_over_hf"]),
+    "peer_hf_trainer": (["--steps", "2", "--warmup", "1", "--rounds", "2", "--profile-steps", "1", "--eager"],
+                        ["molds_over_hf"]),
     "dataloader": (["--seq-len", "128", "--subset", "500"], []),
     "moe_layer": (["--tokens", "256", "--hidden", "64", "--rounds", "1"],
                   ["molds_over_deepspeed_e8_top2", "molds_over_deepspeed_e64_top8"]),
@@ -31,7 +34,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # noqa: F811
     args, keys = CASES[name]
-    if name in ("step_overhead", "peer_hf_trainer", "dataloader"):
+    if name in ("step_overhead", "peer_hf_trainer", "dataloader", "cpu_step"):
         args = ["--manifest", dataset, *args]
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args], cwd=tmp_path,

@@ -1,0 +1,120 @@
+"""One rank's training step of a recipe on a CPU: fp32 against bf16, and molds' host
+allocator policy against the C library's defaults, side by side in one run.
+
+    python benchmarks/cpu_step.py [--recipe recipes/cpu_moses.json] [--manifest DIR] [--steps 8] [--rounds 2]
+
+Each variant runs in its own process (the allocator policy is per process) with one
+thread, as each of ``torchrun --nproc_per_node 2``'s ranks does: the recipe's model and
+ddp engine on one process, the recipe's micro-batches from its manifest, ``--steps``
+timed steps after 4 untimed ones (compilation of ``kernels.compile_regions`` included
+there). Variants:
+  fp32         trainer.precision fp32
+  bf16         trainer.precision bf16 (attention kept in float32, molds' default on CPU)
+  bf16_system  bf16 with MOLDS_SYSTEM_ALLOCATOR=1 (the C library's allocator defaults)
+  bf16_attn16  bf16 with attention left to CPU autocast (torch's bf16 flash attention)
+The variants alternate for ``--rounds`` rounds; the figure per variant is the median of
+its rounds. One JSON line: seconds per step and the ratios fp32/bf16,
+bf16_system/bf16 and bf16_attn16/bf16 (> 1: molds' choice is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+VARIANTS = {
+    "fp32": ({}, ["--trainer.precision", "fp32"], False),
+    "bf16": ({}, ["--trainer.precision", "bf16"], False),
+    "bf16_system": ({"MOLDS_SYSTEM_ALLOCATOR": "1"}, ["--trainer.precision", "bf16"], False),
+    "bf16_attn16": ({}, ["--trainer.precision", "bf16"], True),
+}
+
+
+def one(argv: list[str], steps: int, attn16: bool) -> float:
+    """Seconds per step of one rank (runs inside the variant's process)."""
+    import time
+
+    import torch
+
+    from molds.allocator import retain_freed_memory
+
+    torch.set_num_threads(1)
+    retain_freed_memory()  # as molds/train.py does first
+    from molds.data.loader import MoleculeLoader
+    from molds.data.manifest import Manifest
+    from molds.distributed import init_distributed
+    from molds.engines.ddp import DDPEngine
+    from molds.kernels import apply_kernels
+    from molds.models import build_model
+    from molds.models.loss import build_loss
+    from molds.recipe import parse_recipe
+    from molds.tokens import tokenizer_info
+
+    if attn16:  # what CPU autocast does without molds' float32 attention
+        import molds.models.decoder as decoder
+
+        def autocast_attention(q, k, v, is_causal=True):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+        decoder.causal_attention = autocast_attention
+    recipe = parse_recipe(argv)
+    manifest = Manifest.load(recipe.data.manifest)
+    dist = init_distributed()
+    model = apply_kernels(build_model(recipe.model, tokenizer_info(manifest)), recipe.kernels)
+    engine = DDPEngine(recipe, model, build_loss(recipe.model), dist)
+    keep = ("input_ids", "labels", "position_ids", "document_ids")
+    it = iter(MoleculeLoader(recipe.data))
+    batches = [{k: b[k] for k in keep} for b in (next(it) for _ in range(4 + steps))]
+    for b in batches[:4]:
+        engine.train_step([b])
+    start = time.perf_counter()
+    for b in batches[4:]:
+        engine.train_step([b])
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_moses.json"))
+    ap.add_argument("--manifest", default=None, help="instead of the recipe's data.manifest")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    argv = ["--recipe", args.recipe, *(["--data.manifest", args.manifest] if args.manifest else []), *rest]
+    if args.child:
+        env, extra, attn16 = VARIANTS[args.child]
+        print(json.dumps({"s_per_step": one(argv + extra, args.steps, attn16)}))
+        return
+    names = args.variants.split(",")
+    times = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1")
+            env.pop("MOLDS_SYSTEM_ALLOCATOR", None)
+            env.update(VARIANTS[name][0])
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--steps",
+                                  str(args.steps), *argv], env=env, capture_output=True, text=True, cwd=os.getcwd())
+            if out.returncode:
+                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+            times[name].append(json.loads(out.stdout.strip().splitlines()[-1])["s_per_step"])
+    med = {n: statistics.median(v) for n, v in times.items()}
+    result = {"recipe": os.path.relpath(args.recipe, ROOT), "steps": args.steps, "rounds": args.rounds,
+              "s_per_step": {n: round(v, 4) for n, v in med.items()},
+              "s_per_step_rounds": {n: [round(x, 4) for x in v] for n, v in times.items()}}
+    for other in ("fp32", "bf16_system", "bf16_attn16"):
+        if other in med and "bf16" in med:
+            result[f"{other}_over_bf16"] = round(med[other] / med["bf16"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
