@@ -11,6 +11,12 @@ fine-grained experts of width 128, top-8 (DeepSeek-V3 / Qwen3-like). Prints one 
 line: seconds per pass for each and ``molds_over_deepspeed_*`` (< 1: molds faster), molds
 as ``recipes/moe_pipeline.json`` runs it (eager); ``--compile-regions`` adds ``*_compiled``
 keys with the SwiGLU regions compiled, as the dense recipes ship them.
+
+The process keeps freed host memory as ``molds/train.py`` sets it up
+(``molds.allocator.retain_freed_memory``; both layers run under it, ``host_allocator`` in
+the JSON line says which policy was in force); ``MOLDS_SYSTEM_ALLOCATOR=1`` times both
+with the C library's defaults instead, where every large activation of the sorted batch
+is mapped fresh and faulted in again each pass.
 """
 
 from __future__ import annotations
@@ -119,6 +125,9 @@ def main() -> None:
     ap.add_argument("--compile-regions", action="store_true",
                     help="also time molds with kernels.compile_regions (SwiGLU fused by inductor), as *_compiled keys")
     args = ap.parse_args()
+    from molds.allocator import retain_freed_memory
+
+    allocator = retain_freed_memory()  # first, as molds/train.py does
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29621", RANK="0", WORLD_SIZE="1",
                            LOCAL_RANK="0").items():
         os.environ.setdefault(key, value)
@@ -131,6 +140,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     shapes = {"e8_top2": (8, 512, 2), "e64_top8": (64, 128, 8)}
     out = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+           "host_allocator": allocator,
            "tokens": args.tokens, "hidden": args.hidden, "rounds": args.rounds}
     # as recipes/moe_pipeline.json ships it (kernels.compile_regions off), then compiled if asked
     for suffix, compiled in [("", False)] + ([("_compiled", True)] if args.compile_regions else []):
