@@ -161,6 +161,8 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int):
             if len(chunk.rows) >= chunk_rows:
                 yield chunk
                 chunk = RawChunk(file_index, path)
+    except GeneratorExit:  # the consumer stopped early: nothing more may be yielded
+        raise
     except BaseException:
         if chunk.rows:
             yield chunk

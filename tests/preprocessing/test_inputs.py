@@ -242,3 +242,17 @@ def test_report_locations_are_line_numbers(tmp_path, fmt):
     assert json.load(open(os.path.join(out, "report.json")))["rejected_examples"]["parse_error"][0][0] == \
         f"{path}:{line}"
     assert len(good) == json.load(open(os.path.join(out, "manifest.json")))["stats"]["rows_out"]
+
+
+def test_a_reader_stopped_early_closes_cleanly(tmp_path):
+    """A consumer that stops reading (an error elsewhere, a row limit) closes the reader:
+    it must not try to hand on its partial chunk then (Python: 'generator ignored
+    GeneratorExit'), only when reading itself fails."""
+    from molds.preprocessing.readers import Columns, read_chunks
+
+    path = tmp_path / "in.csv"
+    path.write_text("SMILES\n" + "CCO\n" * 25)
+    gen = read_chunks(0, str(path), "csv", Columns("SMILES"), 10)
+    first = next(gen)
+    assert len(first) == 10
+    gen.close()  # raised RuntimeError before the fix
