@@ -4,10 +4,11 @@ PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves blocks 
 mmap threshold (128 KiB, raised on the fly up to 32 MiB) with fresh ``mmap`` calls and
 hands heap tops above its trim threshold back to the kernel, so a training step that
 frees and re-allocates the same activations every step pays a page fault (and the
-kernel's zeroing of the page) for every 4 KiB it touches again. On the 2-core VMs molds is
-tested on, a fresh 16 MiB activation costs ~10x the elementwise op that fills it; an
-MoE layer whose sorted tokens make a few large activations pays it on every op
-(``benchmarks/moe_layer.py``), a dense CPU step a few percent.
+kernel's zeroing of the page) for every 4 KiB it touches again. Measured on the 2-core VMs
+molds is tested on: the elementwise ops of an MoE layer, whose sorted tokens make a few
+16-32 MiB activations, ran at 2-5x the cost of DeepSpeed's on 1-2 MiB per-expert pieces
+(``benchmarks/moe_layer.py``), and a dense bf16 step of ``recipes/cpu_moses.json`` is 6-7 %
+slower (``benchmarks/cpu_step.py``).
 
 ``retain_freed_memory`` fixes the thresholds, as ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` would at process start (and as the jemalloc/tcmalloc preloads

@@ -170,6 +170,7 @@ def _leave_process_group() -> None:
 
 def setup(recipe) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator."""
+    from molds.allocator import retain_freed_memory
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
@@ -181,8 +182,6 @@ def setup(recipe) -> Run:
     from molds.models.loss import build_loss
     from molds.recipe import resolve_batching
     from molds.tokens import tokenizer_info
-
-    from molds.allocator import retain_freed_memory
 
     _quiet_third_party()
     allocator = retain_freed_memory()  # before the first large allocation
