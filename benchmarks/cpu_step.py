@@ -12,9 +12,11 @@ there). Variants:
   bf16         trainer.precision bf16 (attention kept in float32, molds' default on CPU)
   bf16_system  bf16 with MOLDS_SYSTEM_ALLOCATOR=1 (the C library's allocator defaults)
   bf16_attn16  bf16 with attention left to CPU autocast (torch's bf16 flash attention)
+  bf16_exact_rows  bf16 without the filler rows that make the GEMM shapes repeat
+               (``CausalDecoder._row_multiple``): every step a new oneDNN kernel
 The variants alternate for ``--rounds`` rounds; the figure per variant is the median of
-its rounds. One JSON line: seconds per step and the ratios fp32/bf16,
-bf16_system/bf16 and bf16_attn16/bf16 (> 1: molds' choice is faster).
+its rounds, and each reports its resident memory at the end. One JSON line: seconds per
+step and the ratios of each variant over bf16 (> 1: molds' choice is faster).
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-VARIANTS = {
-    "fp32": ({}, ["--trainer.precision", "fp32"], False),
-    "bf16": ({}, ["--trainer.precision", "bf16"], False),
-    "bf16_system": ({"MOLDS_SYSTEM_ALLOCATOR": "1"}, ["--trainer.precision", "bf16"], False),
-    "bf16_attn16": ({}, ["--trainer.precision", "bf16"], True),
+VARIANTS = {  # name: (environment, recipe overrides, what molds' CPU bf16 path leaves out)
+    "fp32": ({}, ["--trainer.precision", "fp32"], None),
+    "bf16": ({}, ["--trainer.precision", "bf16"], None),
+    "bf16_system": ({"MOLDS_SYSTEM_ALLOCATOR": "1"}, ["--trainer.precision", "bf16"], None),
+    "bf16_attn16": ({}, ["--trainer.precision", "bf16"], "attn16"),
+    "bf16_exact_rows": ({}, ["--trainer.precision", "bf16"], "exact_rows"),
 }
 
 
-def one(argv: list[str], steps: int, attn16: bool) -> float:
+def one(argv: list[str], steps: int, leave_out: str | None) -> dict:
     """Seconds per step of one rank (runs inside the variant's process)."""
     import time
 
@@ -57,7 +60,11 @@ def one(argv: list[str], steps: int, attn16: bool) -> float:
     from molds.recipe import parse_recipe
     from molds.tokens import tokenizer_info
 
-    if attn16:  # what CPU autocast does without molds' float32 attention
+    if leave_out == "exact_rows":
+        from molds.models.decoder import CausalDecoder
+
+        CausalDecoder._row_multiple = lambda self, device: 1
+    if leave_out == "attn16":  # what CPU autocast does without molds' float32 attention
         import molds.models.decoder as decoder
 
         def autocast_attention(q, k, v, is_causal=True):
@@ -77,7 +84,10 @@ def one(argv: list[str], steps: int, attn16: bool) -> float:
     start = time.perf_counter()
     for b in batches[4:]:
         engine.train_step([b])
-    return (time.perf_counter() - start) / steps
+    seconds = (time.perf_counter() - start) / steps
+    with open("/proc/self/statm") as fh:
+        rss_mb = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return {"s_per_step": seconds, "rss_mb": rss_mb}
 
 
 def main() -> None:
@@ -91,11 +101,12 @@ def main() -> None:
     args, rest = ap.parse_known_args()
     argv = ["--recipe", args.recipe, *(["--data.manifest", args.manifest] if args.manifest else []), *rest]
     if args.child:
-        env, extra, attn16 = VARIANTS[args.child]
-        print(json.dumps({"s_per_step": one(argv + extra, args.steps, attn16)}))
+        env, extra, leave_out = VARIANTS[args.child]
+        print(json.dumps(one(argv + extra, args.steps, leave_out)))
         return
     names = args.variants.split(",")
     times = {n: [] for n in names}
+    rss = {n: [] for n in names}
     for _ in range(args.rounds):
         for name in names:
             env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1")
@@ -105,12 +116,15 @@ def main() -> None:
                                   str(args.steps), *argv], env=env, capture_output=True, text=True, cwd=os.getcwd())
             if out.returncode:
                 sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            times[name].append(json.loads(out.stdout.strip().splitlines()[-1])["s_per_step"])
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            times[name].append(got["s_per_step"])
+            rss[name].append(got["rss_mb"])
     med = {n: statistics.median(v) for n, v in times.items()}
     result = {"recipe": os.path.relpath(args.recipe, ROOT), "steps": args.steps, "rounds": args.rounds,
               "s_per_step": {n: round(v, 4) for n, v in med.items()},
-              "s_per_step_rounds": {n: [round(x, 4) for x in v] for n, v in times.items()}}
-    for other in ("fp32", "bf16_system", "bf16_attn16"):
+              "s_per_step_rounds": {n: [round(x, 4) for x in v] for n, v in times.items()},
+              "rss_mb_at_end": {n: round(max(v)) for n, v in rss.items()}}
+    for other in (n for n in names if n != "bf16"):
         if other in med and "bf16" in med:
             result[f"{other}_over_bf16"] = round(med[other] / med["bf16"], 3)
     print(json.dumps(result))

@@ -19,7 +19,7 @@ SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
 
 CASES = {
     "cpu_step": (["--recipe", os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"), "--steps", "1", "--rounds", "1"],
-                 ["fp32_over_bf16", "bf16_system_over_bf16", "bf16_attn16_over_bf16"]),
+                 ["fp32_over_bf16", "bf16_system_over_bf16", "bf16_attn16_over_bf16", "bf16_exact_rows_over_bf16"]),
     "step_overhead": (["--steps", "1", "--rounds", "1"], ["molds_over_plain", "molds_zero_over_ds_bare"]),
     "peer_hf_trainer": (["--steps", "2", "--warmup", "1", "--rounds", "2", "--profile-steps", "1", "--eager"],
                         ["molds_over_hf"]),

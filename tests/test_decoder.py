@@ -133,3 +133,45 @@ def test_cpu_bf16_autocast_runs_attention_in_float32():
     f = [t.detach().float() for t in (q, k, v)]
     torch.testing.assert_close(causal_attention(*f), torch.nn.functional.scaled_dot_product_attention(
         *f, is_causal=True, enable_gqa=True), rtol=0, atol=0)
+
+
+def test_filler_rows_change_nothing():
+    """Flat rows rounded up to a multiple (as a CPU in bf16 runs them): the same logits
+    and the same gradient of every parameter as the exact rows (float64)."""
+    from molds.models.decoder import PackedLayout
+
+    torch.manual_seed(2)
+    model = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2))
+    model = model.double()
+    ids, pos, doc, _ = _packed_batch([[5, 9, 3], [12, 1], [], [7, 7, 2]], 20, 40)
+    labels = torch.where(doc >= 0, ids, torch.full_like(ids, -100))
+    results = []
+    for multiple in (1, 64):
+        model.zero_grad()
+        model._row_multiple = lambda device, m=multiple: m
+        out = model(ids, position_ids=pos, document_ids=doc)["logits"]
+        layout = PackedLayout.of(doc, pos, multiple)
+        assert layout.rows == (layout.tokens if multiple == 1 else 64) and layout.tokens == 46
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 40), labels.reshape(-1), ignore_index=-100)
+        loss.backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_cpu_bf16_rounds_flat_rows_and_moe_does_not():
+    from molds.models.moe import MoEConfig, make_moe_layer
+
+    dense = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2))
+    cpu = torch.device("cpu")
+    assert dense._row_multiple(cpu) == 1  # fp32: exact rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dense._row_multiple(cpu) == CausalDecoder.CPU_BF16_ROW_MULTIPLE
+    assert dense.to(torch.bfloat16)._row_multiple(cpu) == CausalDecoder.CPU_BF16_ROW_MULTIPLE  # DeepSpeed's bf16
+    moe = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                      moe=MoEConfig(num_experts=4, top_k=2, expert_size=16)),
+                        make_layer=make_moe_layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe._row_multiple(cpu) == 1

@@ -155,11 +155,19 @@ class PackedLayout:
     molecule sees another and the cost follows the molecules' own lengths (not seq_len
     squared). Every real token gets exactly the block-diagonal causal attention of
     ``molds.data.packing.block_causal_mask``; padded slots are never read back.
+
+    ``row_multiple`` > 1 rounds the flat sequence up to a multiple of it with filler rows
+    (they read packed row 0, sit at position 0, and are never read back: ``to_packed``
+    and attention skip them, so they get no gradient). A CPU under bf16 wants it: its
+    bf16 GEMMs go through oneDNN, which builds and caches a kernel per distinct matrix
+    shape, and a flat length that changes every step makes a new one each step (three
+    times slower than a repeated shape, and resident memory that grows by ~1.5 MB per
+    shape: 4 GB per rank after 8,000 steps of ``recipes/cpu_moses.json``).
     """
 
     GROUPS = 4
 
-    def __init__(self, document_ids: torch.Tensor, position_ids: torch.Tensor):
+    def __init__(self, document_ids: torch.Tensor, position_ids: torch.Tensor, row_multiple: int = 1):
         b, s = document_ids.shape
         dev = document_ids.device
         flat_doc = document_ids.reshape(-1)
@@ -180,16 +188,18 @@ class PackedLayout:
         doc_start[by_len] = torch.cumsum(doc_len[by_len], 0) - doc_len[by_len]
         flat_index = doc_start[doc] + pos
         t = len(token)
-        self.packed_source = torch.empty(t, dtype=torch.long, device=dev)  # flat -> packed row index
+        rows = -(-t // row_multiple) * row_multiple  # flat rows: the real tokens, then fillers
+        self.tokens, self.rows = t, rows
+        self.packed_source = torch.zeros(rows, dtype=torch.long, device=dev)  # flat -> packed row index
         self.packed_source[flat_index] = token
-        self.positions = pos.new_empty(t)
+        self.positions = pos.new_zeros(rows)
         self.positions[flat_index] = pos
-        # where each packed-row token went (``t``: a padding token, reads a zero row)
-        self.token_source = torch.full((b * s,), t, dtype=torch.long, device=dev)
+        # where each packed-row token went (``rows``: a padding token, reads a zero row)
+        self.token_source = torch.full((b * s,), rows, dtype=torch.long, device=dev)
         self.token_source[token] = flat_index
         # attention groups over molecules in length order
         self.groups = []  # (molecules, longest) per group
-        slot_of = torch.empty(t, dtype=torch.long, device=dev)
+        slot_of = torch.zeros(rows, dtype=torch.long, device=dev)  # fillers read slot 0, never read back
         base = 0
         for g in (g for g in torch.tensor_split(by_len, min(self.GROUPS, max(1, num_docs))) if len(g)):
             longest = int(doc_len[g[-1]])
@@ -201,20 +211,20 @@ class PackedLayout:
         # slot -> flat token; a padded slot (after its molecule's end) reads token 0, and
         # causal attention keeps every real token clear of it
         self.slot_source = torch.zeros(base, dtype=torch.long, device=dev)
-        self.slot_source[slot_of] = torch.arange(t, device=dev)
+        self.slot_source[slot_of[:t]] = torch.arange(t, device=dev)
         self.slot_of = slot_of
         self.shape = (b, s)
         self.doc_lengths = doc_len
 
     @classmethod
-    def of(cls, document_ids: torch.Tensor, position_ids: torch.Tensor) -> "PackedLayout":
+    def of(cls, document_ids: torch.Tensor, position_ids: torch.Tensor, row_multiple: int = 1) -> "PackedLayout":
         """The layout of these packed rows, built once per pair of tensors: the layers of
         one pipeline stage receive the same (position_ids, document_ids) and share it."""
-        key = (id(document_ids), document_ids._version, id(position_ids), position_ids._version)
+        key = (id(document_ids), document_ids._version, id(position_ids), position_ids._version, row_multiple)
         cached = getattr(document_ids, "_molds_layout", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        layout = cls(document_ids, position_ids)
+        layout = cls(document_ids, position_ids, row_multiple)
         try:
             document_ids._molds_layout = (key, layout)
         except (AttributeError, RuntimeError):
@@ -336,7 +346,7 @@ class CausalDecoder(nn.Module):
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         layout = None
         if document_ids is not None:  # packed rows: run on the real tokens only
-            layout = PackedLayout.of(document_ids, position_ids)
+            layout = PackedLayout.of(document_ids, position_ids, self._row_multiple(input_ids.device))
             input_ids, position_ids = layout.to_flat(input_ids), layout.positions
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
@@ -346,6 +356,19 @@ class CausalDecoder(nn.Module):
         if layout is not None:
             logits = layout.to_packed(logits)
         return {"logits": logits}
+
+    CPU_BF16_ROW_MULTIPLE = 64
+
+    def _row_multiple(self, device: torch.device) -> int:
+        """Flat rows rounded up to a multiple of 64 on a CPU in bf16 (autocast, or
+        weights cast by DeepSpeed), so its GEMM shapes repeat (see ``PackedLayout``); at
+        most 63 filler rows, ~1.5 % of a 4,096-token micro-batch. MoE decoders keep the
+        exact rows: their routing and load statistics must see real tokens only, and their
+        expert GEMMs change shape with the routing anyway."""
+        if device.type != "cpu" or self.config.moe is not None:
+            return 1
+        half = torch.is_autocast_enabled("cpu") or self.lm_head.weight.dtype in (torch.bfloat16, torch.float16)
+        return self.CPU_BF16_ROW_MULTIPLE if half else 1
 
     def decode(self, input_ids: torch.Tensor, cache: list[dict], start: int) -> torch.Tensor:
         """Generation step with a key/value cache: ``input_ids`` [B, S] sit at positions
