@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from molds.chem import Canonicalizer, ChemOptions, Molecule
 from .readers import RawChunk, parse_labels
 from .split import assign_split, group_major
-from .tokenizer import count_tokens, make_encoder, regex_covers, split_smiles
+from .tokenizer import count_tokens, counts_of_codes, make_encoder, token_codes
 
 NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
@@ -155,20 +155,14 @@ class MapStage:
 
     def _check_regex(self, accepted: list) -> list:
         """Reject rows whose canonical SMILES the tokenizer regex does not cover, and
-        count the tokens of the rest: one regex pass over the whole chunk, per-row
-        checks only when the chunk as a whole does not round-trip."""
-        canonical = [a[2].canonical for a in accepted]
-        tokens = split_smiles(" ".join(canonical))
-        if "".join(tokens) != "".join(canonical):
-            good = []
-            for a, text in zip(accepted, canonical):
-                if regex_covers(text):
-                    good.append(a)
-                else:
-                    self.stats.reject("tokenizer_roundtrip", a[4], a[1])
-            accepted = good
-            tokens = split_smiles(" ".join(a[2].canonical for a in accepted))
-        self.tokens.update(Counter(tokens))
+        count the tokens of the rest, in one batch pass over the chunk."""
+        tc = token_codes([a[2].canonical for a in accepted])
+        if not tc.covered.all():
+            for a in (a for a, ok in zip(accepted, tc.covered.tolist()) if not ok):
+                self.stats.reject("tokenizer_roundtrip", a[4], a[1])
+            self.tokens.update(counts_of_codes(tc, tc.covered))
+            return [a for a, ok in zip(accepted, tc.covered.tolist()) if ok]
+        self.tokens.update(counts_of_codes(tc))
         return accepted
 
     def flush(self) -> None:

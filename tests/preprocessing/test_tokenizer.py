@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from molds.preprocessing.tokenizer import (RegexEncoder, build_regex_tokenizer, count_tokens, regex_covers,
-                                            save_tokenizer, split_smiles, train_bpe_tokenizer, vocab_from_counts)
+                                            save_tokenizer, split_smiles, token_codes, train_bpe_tokenizer,
+                                            vocab_from_counts)
 
 from .conftest import sample_smiles
 
@@ -18,6 +19,40 @@ def test_regex_tokens():
         "[Na+]", ".", "[O-]", "C", "(", "=", "O", ")", "/", "C", "=", "C", "\\", "C", "#", "N"]
     assert split_smiles("C%(123)C") == ["C", "%(123)", "C"]
     assert regex_covers("c1ccccc1") and not regex_covers("CC\u00e9")
+
+
+def _decoded(tc):
+    """Per-row token strings of a ``token_codes`` batch."""
+    toks = [chr(c) if c < 0xF0000 else tc.multi[c - 0xF0000] for c in tc.codes.tolist()]
+    bounds = np.concatenate([[0], np.cumsum(tc.lengths)])
+    return [toks[bounds[i]:bounds[i + 1]] for i in range(len(tc.lengths))]
+
+
+def _fuzz_texts(rng, n):
+    """SMILES-like strings with every edge the batch tokenizer has: bracket atoms (unclosed,
+    empty, nested '['), %nn / %(n) closures (short, unclosed), Br / Cl and lone r / l,
+    characters no token covers (ASCII, accented, private-use), spaces, empty rows."""
+    pieces = ["C", "c", "N", "O", "(", ")", "=", "#", "1", "2", "9", "Br", "Cl", "B", "r", "l", "[", "]",
+              "[nH]", "[C@@H]", "[Na+]", "[[C]", "[]", "%", "%1", "%12", "%(123)", "%(", "%(1", ")",
+              "\\", "/", ".", "*", "$", "&", "X", "\u00e9", "\U000F0001", " ", "\t"]
+    texts = []
+    for _ in range(n):
+        k = int(rng.integers(0, 12))
+        texts.append("".join(pieces[i] for i in rng.integers(0, len(pieces), k)))
+    return texts
+
+
+def test_batch_tokens_equal_findall_on_every_edge():
+    rng = np.random.default_rng(0)
+    smiles = sample_smiles(2000)
+    fuzz = _fuzz_texts(rng, 3000)
+    clean = [t for t in fuzz if " " not in t and "\U000F0001" not in t]  # the fast path's batches
+    for texts in (smiles, fuzz, clean, [""], ["", "C", ""], []):
+        tc = token_codes(texts)
+        assert _decoded(tc) == [split_smiles(t) for t in texts]
+        assert tc.covered.tolist() == ["".join(split_smiles(t)) == t for t in texts]
+        assert count_tokens(texts) == __import__("collections").Counter(t for s in texts for t in split_smiles(s))
+    assert not token_codes(["CC\u00e9", "[C"]).covered.any() and not regex_covers("[C")
 
 
 def test_batch_encoder_equals_hf_tokenizer(tmp_path):
