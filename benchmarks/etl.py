@@ -15,6 +15,7 @@ it at once, the ratio to that, and the time of each ETL stage.
 from __future__ import annotations
 
 import argparse
+import csv
 import gzip
 import json
 import os
@@ -106,9 +107,14 @@ def main() -> None:
                 dst.write(line)
     # the floor's sample is spread evenly over the whole input (every k-th molecule), so
     # it costs what the ETL's molecules cost on average wherever the file changes character
-    with gzip.open(data, "rt") as fh:
-        next(fh)
-        everything = [line.split(",")[0].strip() for line in fh]
+    opener = gzip.open if data.endswith(".gz") else open
+    with opener(data, "rt", newline="") as fh:
+        rows = csv.reader(fh)
+        header = next(rows)
+        if args.smiles_column not in header:
+            sys.exit(f"{data}: no column {args.smiles_column!r} in its header {header}")
+        col = header.index(args.smiles_column)
+        everything = [row[col].strip() for row in rows if len(row) > col]
     sample = everything[::max(1, len(everything) // args.floor_sample)][:args.floor_sample]
     del everything
 
