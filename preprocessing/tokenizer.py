@@ -92,7 +92,7 @@ def token_codes(texts: list[str]) -> TokenCodes:
             ch = multi[tok] = chr(_PLACEHOLDER + len(multi))
         return ch
 
-    cp = np.frombuffer((_MULTI.sub(placeholder, joined) + " ").encode("utf-32-le"), dtype=np.uint32)
+    cp = np.frombuffer((_MULTI.sub(placeholder, joined) + " ").encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     border = cp == 32
     keep = border | (cp >= _PLACEHOLDER) | _SINGLE[np.minimum(cp, 127)] & (cp < 128)
     row_of = np.cumsum(border) - border  # row index of every character

@@ -31,10 +31,11 @@ def _decoded(tc):
 def _fuzz_texts(rng, n):
     """SMILES-like strings with every edge the batch tokenizer has: bracket atoms (unclosed,
     empty, nested '['), %nn / %(n) closures (short, unclosed), Br / Cl and lone r / l,
-    characters no token covers (ASCII, accented, private-use), spaces, empty rows."""
+    characters no token covers (ASCII, accented, private-use, a lone surrogate as the readers'
+    surrogateescape leaves an undecodable byte), spaces, empty rows."""
     pieces = ["C", "c", "N", "O", "(", ")", "=", "#", "1", "2", "9", "Br", "Cl", "B", "r", "l", "[", "]",
               "[nH]", "[C@@H]", "[Na+]", "[[C]", "[]", "%", "%1", "%12", "%(123)", "%(", "%(1", ")",
-              "\\", "/", ".", "*", "$", "&", "X", "\u00e9", "\U000F0001", " ", "\t"]
+              "\\", "/", ".", "*", "$", "&", "X", "\u00e9", "\U000F0001", "\udc80", " ", "\t"]
     texts = []
     for _ in range(n):
         k = int(rng.integers(0, 12))
