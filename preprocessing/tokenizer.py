@@ -62,6 +62,11 @@ def regex_covers(smiles: str) -> bool:
 _MULTI = re.compile(r"\[[^\] ]+]|%\([0-9]+\)|%[0-9]{2}|Br|Cl")
 _PLACEHOLDER = 0xF0000  # first code point of Unicode's supplementary private use area A
 _PRIVATE = re.compile("[\U000F0000-\U0010FFFF]")
+_LAST_PLACEHOLDER = 0x10FFFF
+
+
+class _OutOfPlaceholders(Exception):
+    pass
 _SINGLE = np.array([ch != 32 and _TOKEN.fullmatch(chr(ch)) is not None for ch in range(128)])
 
 
@@ -89,10 +94,16 @@ def token_codes(texts: list[str]) -> TokenCodes:
         tok = m.group()
         ch = multi.get(tok)
         if ch is None:
+            if len(multi) > _LAST_PLACEHOLDER - _PLACEHOLDER:
+                raise _OutOfPlaceholders
             ch = multi[tok] = chr(_PLACEHOLDER + len(multi))
         return ch
 
-    cp = np.frombuffer((_MULTI.sub(placeholder, joined) + " ").encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    try:
+        substituted = _MULTI.sub(placeholder, joined)
+    except _OutOfPlaceholders:  # over 131,072 distinct multi-character tokens in one batch
+        return _token_codes_per_row(texts)
+    cp = np.frombuffer((substituted + " ").encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     border = cp == 32
     keep = border | (cp >= _PLACEHOLDER) | _SINGLE[np.minimum(cp, 127)] & (cp < 128)
     row_of = np.cumsum(border) - border  # row index of every character

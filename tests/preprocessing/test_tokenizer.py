@@ -117,3 +117,13 @@ def test_map_stage_rejects_what_the_regex_cannot_cover(tmp_path):
     assert [r[1] for r in kept] == ["CCO", "c1ccccc1"]
     assert stage.stats.rejected == {"tokenizer_roundtrip": 1}
     assert stage.tokens == count_tokens(["CCO", "c1ccccc1"])
+
+
+def test_batch_with_more_multi_character_tokens_than_placeholders():
+    # one batch, 131,080 distinct bracket atoms: more than the private-use code points
+    texts = [f"C[X{i}]Cl" for i in range(131_080)] + ["Br%12", "[C"]
+    tc = token_codes(texts)
+    assert len(tc.multi) == 131_080 + 3
+    assert _decoded(tc)[-3:] == [split_smiles(t) for t in texts[-3:]]
+    assert _decoded(tc)[131_000] == ["C", "[X131000]", "Cl"]
+    assert tc.covered.tolist() == [True] * 131_081 + [False]
