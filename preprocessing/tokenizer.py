@@ -61,13 +61,13 @@ def regex_covers(smiles: str) -> bool:
 # never do), so no token spans two rows.
 _MULTI = re.compile(r"\[[^\] ]+]|%\([0-9]+\)|%[0-9]{2}|Br|Cl")
 _PLACEHOLDER = 0xF0000  # first code point of Unicode's supplementary private use area A
+_LAST_PLACEHOLDER = 0x10FFFF  # the last code point
 _PRIVATE = re.compile("[\U000F0000-\U0010FFFF]")
-_LAST_PLACEHOLDER = 0x10FFFF
+_SINGLE = np.array([ch != 32 and _TOKEN.fullmatch(chr(ch)) is not None for ch in range(128)])
 
 
 class _OutOfPlaceholders(Exception):
     pass
-_SINGLE = np.array([ch != 32 and _TOKEN.fullmatch(chr(ch)) is not None for ch in range(128)])
 
 
 class TokenCodes(NamedTuple):
