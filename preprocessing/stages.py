@@ -157,13 +157,12 @@ class MapStage:
         """Reject rows whose canonical SMILES the tokenizer regex does not cover, and
         count the tokens of the rest, in one batch pass over the chunk."""
         tc = token_codes([a[2].canonical for a in accepted])
-        if not tc.covered.all():
-            for a in (a for a, ok in zip(accepted, tc.covered.tolist()) if not ok):
+        covered = tc.covered.tolist()
+        for a, ok in zip(accepted, covered):
+            if not ok:
                 self.stats.reject("tokenizer_roundtrip", a[4], a[1])
-            self.tokens.update(counts_of_codes(tc, tc.covered))
-            return [a for a, ok in zip(accepted, tc.covered.tolist()) if ok]
-        self.tokens.update(counts_of_codes(tc))
-        return accepted
+        self.tokens.update(counts_of_codes(tc, tc.covered))
+        return [a for a, ok in zip(accepted, covered) if ok]
 
     def flush(self) -> None:
         cols = self._cols
