@@ -22,6 +22,7 @@ class DataConfig:
         "seq_len": (8, 1 << 20), "micro_batch_size": (1, 1 << 16), "lookahead": (1, 1 << 20),
         "shuffle_window": (0, _BIG), "seed": (0, 2**32 - 1), "max_tokens_per_batch": (8, 1 << 26),
         "bucket_pool": (1, 1 << 24), "max_length": (3, 1 << 20), "mlm_probability": (0.0, 0.9),
+        "randomized_smiles": (0.0, 1.0),
         "num_workers": (0, 256), "max_steps": (1, None), "max_epochs": (1, None), "stop_after_epoch": (0, None),
         "max_skipped_fraction": (0.0, 1.0),
     }
@@ -72,6 +73,17 @@ class DataConfig:
 
     mlm_probability: float = 0.0
     """Bucketed: BERT masking rate (0 disables MLM masking)."""
+
+    randomized_smiles: float = 0.0
+    """Augmentation (Arus-Pous et al. 2019, J. Cheminform. 11:71): the probability that a
+    molecule is read, in a given epoch, as a randomized SMILES (its atoms renumbered at random,
+    then RDKit's non-canonical writer) instead of the manifest's canonical one. Drawn per (seed,
+    epoch, molecule), so every epoch sees other forms and a resume is exact. 0 disables it."""
+
+    randomized_marker: Literal["sep", "none"] = "sep"
+    """With ``randomized_smiles``: ``sep`` starts each randomized molecule with the tokenizer's
+    sep token after BOS (unused otherwise by causal LMs), and sampling forbids that token, so a
+    decoder samples canonical SMILES while it learns from both forms; ``none``: untagged."""
 
     with_labels: bool = False
     """Bucketed: return the manifest's ``labels`` with a missing-value mask."""

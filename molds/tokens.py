@@ -22,6 +22,7 @@ class TokenizerInfo:
     mask: int | None
     unk: int | None
     special_ids: tuple[int, ...]
+    sep: int | None = None
 
     @property
     def first_regular(self) -> int:
@@ -41,7 +42,7 @@ def tokenizer_info(manifest) -> TokenizerInfo:
     block = manifest.data["tokenizer"]
     names = block.get("special_tokens") or {}
     ids = {}
-    for key in ("pad_token", "bos_token", "eos_token", "mask_token", "unk_token"):
+    for key in ("pad_token", "bos_token", "eos_token", "mask_token", "unk_token", "sep_token"):
         token = names.get(key)
         if token is not None:
             if token not in vocab:
@@ -54,4 +55,5 @@ def tokenizer_info(manifest) -> TokenizerInfo:
     special = tuple(sorted({vocab[t] for t in names.values() if t in vocab}))
     return TokenizerInfo(path=manifest.tokenizer_path, vocab_size=len(vocab), vocab_hash=block.get("vocab_hash", ""),
                          pad=ids["pad_token"], bos=ids["bos_token"], eos=ids["eos_token"],
-                         mask=ids.get("mask_token"), unk=ids.get("unk_token"), special_ids=special)
+                         mask=ids.get("mask_token"), unk=ids.get("unk_token"), special_ids=special,
+                         sep=ids.get("sep_token"))

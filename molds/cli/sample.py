@@ -29,7 +29,7 @@ def run(argv: list[str]) -> int:
     from ..atomic import write_text
     from ..checkpoint import open_checkpoint
     from ..errors import MoldsError
-    from ..eval.sampling import default_max_tokens, ids_to_smiles, sample_ids
+    from ..eval.sampling import default_max_tokens, forbidden_tokens, ids_to_smiles, sample_ids
 
     args = parse(build_parser(), argv)
     if args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.batch_size < 1 or args.max_tokens < 0:
@@ -40,7 +40,7 @@ def run(argv: list[str]) -> int:
     max_tokens = args.max_tokens or default_max_tokens(loaded.manifest, loaded.model.config.max_position_embeddings)
     ids = sample_ids(loaded.model, args.num, bos=loaded.specials.bos, eos=loaded.specials.eos,
                      max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
-                     batch_size=args.batch_size, seed=args.seed)
+                     batch_size=args.batch_size, seed=args.seed, forbid=forbidden_tokens(loaded.recipe, loaded.specials))
     lines = "".join((s or "") + "\n" for s in ids_to_smiles(loaded.tokenizer, ids))
     if args.out == "-":
         sys.stdout.write(lines)

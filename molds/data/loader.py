@@ -82,6 +82,7 @@ class VirtualRank:
         cfg = self.cfg
         while self.epoch <= self.last_epoch():
             plan = EpochPlan(self.source.units, cfg.seed, self.epoch, cfg.shuffle)
+            self.source.set_epoch(self.epoch)
             stream = self._stream(plan)
             body = self._packed(stream) if cfg.mode == "packed" else self._bucketed(stream)
             for batch, state in body:
@@ -191,12 +192,23 @@ class MoleculeLoader:
                                 f"has none")
         self._check(cfg)
         sp = self.specials
+        randomizer = None
+        if cfg.randomized_smiles > 0:
+            from ..errors import RecipeError
+            from .randomize import Randomizer
+
+            if cfg.randomized_marker == "sep" and sp.sep is None:
+                raise RecipeError(f"data.randomized_marker=sep: the tokenizer of {self.manifest.path} has no sep "
+                                  f"token; set data.randomized_marker to none")
+            randomizer = Randomizer(cfg.randomized_smiles, cfg.seed, sp.path, bos_id=sp.bos, eos_id=sp.eos,
+                                    unk_id=sp.unk, marker_id=sp.sep if cfg.randomized_marker == "sep" else None)
         self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
                                   bos_id=sp.bos, eos_id=sp.eos, pad_id=sp.pad,
                                   with_labels=cfg.mode == "bucketed" and cfg.with_labels,
                                   max_skipped_fraction=cfg.max_skipped_fraction,
                                   span_molecules=(cfg.shuffle_window if cfg.shuffle else 0)
-                                  + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool))
+                                  + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool),
+                                  randomizer=randomizer)
         self.k = max(1, cfg.num_workers)
         self.vworld = world_size * self.k
         self.vranks = [rank * self.k + w for w in range(self.k)]

@@ -45,7 +45,7 @@ class SplitSource:
 
     def __init__(self, manifest: Manifest, split: str, *, verify: str = "eager", on_bad_shard: str = "error",
                  bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, with_labels: bool = False, cache_units: int = 8,
-                 max_skipped_fraction: float = 0.0, span_molecules: int = 0):
+                 max_skipped_fraction: float = 0.0, span_molecules: int = 0, randomizer=None):
         if verify not in ("eager", "lazy", "off"):
             raise ValueError(f"data.verify must be eager, lazy or off, got {verify!r}")
         if on_bad_shard not in ("error", "skip"):
@@ -54,6 +54,8 @@ class SplitSource:
             raise ValueError("data.on_bad_shard=skip needs data.verify=eager (every rank must skip the same shards)")
         self.manifest, self.split = manifest, split
         self.verify, self.with_labels = verify, with_labels
+        self.randomizer = randomizer  # randomize.Randomizer: some molecules read as randomized SMILES
+        self.epoch = 0  # which epoch's randomized forms ``load`` returns
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         shards = manifest.shards(split)
         if not shards or sum(s.num_rows for s in shards) == 0:
@@ -155,6 +157,12 @@ class SplitSource:
             gid += shard.num_rows
         return units
 
+    def set_epoch(self, epoch: int) -> None:
+        """Loads from now on are epoch ``epoch``'s (only randomized SMILES differ by epoch)."""
+        if epoch != self.epoch and self.randomizer is not None:
+            self._cache.clear()
+        self.epoch = epoch
+
     def unit_of_gid(self, gid: int) -> int:
         return int(np.searchsorted(self._gid_starts, gid, side="right") - 1)
 
@@ -164,7 +172,8 @@ class SplitSource:
             self._cache.move_to_end(unit_index)
             return hit
         unit = self.units[unit_index]
-        columns = ["token_ids"] + (["labels"] if self.with_labels else [])
+        columns = (["token_ids"] + (["labels"] if self.with_labels else [])
+                   + (["canonical_smiles"] if self.randomizer is not None else []))
         try:
             table = self._file(unit.shard).read_row_group(unit.row_group, columns=columns)
         except (OSError, ValueError) as exc:
@@ -182,6 +191,9 @@ class SplitSource:
         tokens[new_offsets[1:] - 1] = self.eos_id
         row_of = np.repeat(np.arange(n), lengths)
         tokens[np.arange(len(flat)) + 2 * row_of + 1] = flat
+        if self.randomizer is not None:
+            tokens, new_offsets = self.randomizer.rewrite(unit, self.epoch, tokens, new_offsets,
+                                                          table.column("canonical_smiles").to_pylist())
         labels = None
         if self.with_labels:
             lab = table.column("labels").combine_chunks()

@@ -23,7 +23,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     from ..checkpoint import open_checkpoint
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
-    from .sampling import default_max_tokens, ids_to_smiles, sample_ids
+    from .sampling import default_max_tokens, forbidden_tokens, ids_to_smiles, sample_ids
     from .scoring import model_forward, property_predictions, property_report, split_data_config, split_loss
 
     loaded = open_checkpoint(checkpoint, manifest_dir)
@@ -46,7 +46,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         for seed in seeds:
             ids = sample_ids(loaded.model, num, bos=loaded.specials.bos, eos=loaded.specials.eos,
                              max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                             batch_size=batch_size)
+                             batch_size=batch_size, forbid=forbidden_tokens(loaded.recipe, loaded.specials))
             smiles = ids_to_smiles(loaded.tokenizer, ids)
             metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed)
             metrics["unfinished_or_special"] = sum(s is None for s in smiles)

@@ -11,7 +11,7 @@ same molecules. The same function samples during training, on every rank at once
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,8 +19,10 @@ import torch
 @torch.no_grad()
 def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperature: float = 1.0, top_k: int = 0,
                batch_size: int = 512, seed: int = 0, device=None,
-               stop_together: Callable[[bool], bool] | None = None) -> list[list[int] | None]:
-    """``num`` token-id lists (without bos/eos), or None for a sample that never ended."""
+               stop_together: Callable[[bool], bool] | None = None,
+               forbid: Sequence[int] = ()) -> list[list[int] | None]:
+    """``num`` token-id lists (without bos/eos), or None for a sample that never ended.
+    Tokens in ``forbid`` are never drawn (their probability goes to the others)."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
     device = device or next(model.parameters()).device
@@ -35,6 +37,8 @@ def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperat
         steps = []
         for t in range(max_tokens):
             logits = logits.float() / temperature
+            if forbid:
+                logits[:, list(forbid)] = float("-inf")
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,6 +54,17 @@ def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperat
         for row in ids:
             out.append(row[:row.index(eos)] if eos in row else None)
     return out
+
+
+def forbidden_tokens(recipe: dict, specials) -> tuple[int, ...]:
+    """What a decoder trained under ``recipe`` must not sample: the marker that started its
+    randomized-SMILES training rows (``data.randomized_marker``), so that what it samples
+    follows its canonical-SMILES rows."""
+    data = recipe.get("data") or {}
+    if (data.get("randomized_smiles") or 0) > 0 and data.get("randomized_marker", "sep") == "sep" \
+            and specials.sep is not None:
+        return (specials.sep,)
+    return ()
 
 
 def ids_to_smiles(tokenizer, samples: list[list[int] | None]) -> list[str | None]:

@@ -19,13 +19,15 @@ from ..tokens import IGNORE_INDEX
 
 
 def split_data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
-    """The recipe's data section (a dict) set to read ``split`` once, in order, in-process."""
+    """The recipe's data section (a dict) set to read ``split`` once, in order, in-process,
+    as the manifest wrote it (no randomized SMILES: scores are on canonical molecules)."""
     from ..config import DataConfig
 
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     cfg = DataConfig(**{k: v for k, v in recipe_data.items() if k in fields})
     return dataclasses.replace(cfg, manifest=manifest_dir, split=split, shuffle=False, max_epochs=1, max_steps=None,
-                               stop_after_epoch=None, num_workers=0, **over)
+                               stop_after_epoch=None, num_workers=0, randomized_smiles=0.0,
+                               **over)
 
 
 def model_forward(model, loss_fn, autocast=None):

@@ -114,7 +114,7 @@ class TrainingEvaluator:
         return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
     def _sample(self, total: int, step: int) -> list:
-        from molds.eval.sampling import default_max_tokens, ids_to_smiles, sample_ids
+        from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_smiles, sample_ids
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -127,7 +127,8 @@ class TrainingEvaluator:
                              max_tokens=default_max_tokens(self.manifest, self.recipe.model.max_position_embeddings),
                              temperature=ev.temperature, top_k=ev.top_k, batch_size=min(per_rank, 1024),
                              seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,
-                             stop_together=self._agree)
+                             stop_together=self._agree,
+                             forbid=forbidden_tokens(dataclasses.asdict(self.recipe), self.specials))
         return ids_to_smiles(self.tokenizer, ids)
 
     def _score(self, smiles: list, step: int, kind: str) -> dict:

@@ -1,0 +1,112 @@
+"""Randomized-SMILES augmentation in the data plane (``data.randomized_smiles``).
+
+Arus-Pous et al. (2019, J. Cheminform. 11:71) showed that a SMILES language model trained
+on a new randomized SMILES of each molecule every epoch generalizes better than one trained
+on the canonical string: it cannot learn a molecule by heart from one fixed spelling. Their
+"restricted" form (atoms renumbered at random, then RDKit's ordinary non-canonical writer,
+which keeps RDKit's branch preferences) is the one they recommend and the one built here.
+
+The manifest stays the data contract (canonical SMILES, tokenized once by the ETL): a
+randomized molecule is written and tokenized when its row group is loaded, with the
+manifest's own tokenizer. Which molecules are rewritten, and the atom order of each, comes
+from (seed, epoch, shard, row group, row), so it does not depend on ranks or workers and a
+resume reads exactly the batches an uninterrupted run reads.
+
+RDKit writes and the tokenizers library encodes; what is done here is only the choice and
+the splice into the loaded unit's flat token array.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .plan import Unit, _rng
+
+_SALT = 0x5A11E5
+
+
+def randomized_smiles(smiles: str, seed: int) -> str | None:
+    """A restricted randomized SMILES of ``smiles`` (None if RDKit cannot read it)."""
+    from rdkit import Chem
+
+    mol = Chem.MolFromSmiles(smiles)
+    if mol is None or mol.GetNumAtoms() == 0:
+        return None
+    order = np.random.default_rng(seed).permutation(mol.GetNumAtoms()).tolist()
+    return Chem.MolToSmiles(Chem.RenumberAtoms(mol, order), canonical=False)
+
+
+class Randomizer:
+    """Rewrites a fraction of a loaded unit's molecules as randomized SMILES."""
+
+    def __init__(self, probability: float, seed: int, tokenizer_path: str, *, bos_id: int, eos_id: int,
+                 unk_id: int | None, marker_id: int | None):
+        if not 0.0 < probability <= 1.0:
+            raise ValueError(f"randomized SMILES probability must be in (0, 1], got {probability}")
+        self.probability, self.seed = float(probability), int(seed)
+        self.tokenizer_file = tokenizer_path.rstrip("/") + "/tokenizer.json"  # local path or fsspec URI
+        self.bos_id, self.eos_id, self.unk_id, self.marker_id = bos_id, eos_id, unk_id, marker_id
+        self._tokenizer = None
+        self.rewritten = 0  # molecules read in a randomized form (loads of this process)
+        self.fallbacks = 0  # chosen molecules kept canonical: RDKit or the vocabulary could not take them
+
+    def __getstate__(self):  # DataLoader workers open their own tokenizer
+        state = dict(self.__dict__)
+        state["_tokenizer"] = None
+        return state
+
+    def _encode(self, strings: list[str]) -> list[list[int]]:
+        if self._tokenizer is None:
+            import fsspec
+            from tokenizers import Tokenizer
+
+            with fsspec.open(self.tokenizer_file, "r", encoding="utf-8") as fh:
+                self._tokenizer = Tokenizer.from_str(fh.read())
+        return [e.ids for e in self._tokenizer.encode_batch(strings, add_special_tokens=False)]
+
+    def choose(self, unit: Unit, epoch: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows to rewrite, atom-order seed of each) for one unit in one epoch."""
+        rng = _rng(self.seed, epoch, _SALT, unit.shard, unit.row_group)
+        draw = rng.random(n)
+        seeds = rng.integers(0, 2**63 - 1, n, dtype=np.int64)
+        rows = np.flatnonzero(draw < self.probability)
+        return rows, seeds[rows]
+
+    def rewrite(self, unit: Unit, epoch: int, tokens: np.ndarray, offsets: np.ndarray, canonical: list[str]):
+        """``tokens``/``offsets`` (BOS .. EOS per molecule, back to back) with the chosen
+        molecules replaced by BOS [marker] randomized tokens EOS."""
+        n = len(offsets) - 1
+        rows, seeds = self.choose(unit, epoch, n)
+        if len(rows) == 0:
+            return tokens, offsets
+        texts, kept = [], []
+        for row, seed in zip(rows.tolist(), seeds.tolist()):
+            text = randomized_smiles(canonical[row], seed) if canonical[row] else None
+            if text is None:
+                self._fallback(unit, row, canonical[row], "RDKit cannot read it")
+                continue
+            texts.append(text)
+            kept.append(row)
+        head = [self.bos_id] + ([self.marker_id] if self.marker_id is not None else [])
+        pieces = {}
+        for row, text, ids in zip(kept, texts, self._encode(texts)):
+            if not ids or (self.unk_id is not None and self.unk_id in ids):
+                self._fallback(unit, row, canonical[row], f"its randomized form {text!r} has tokens outside the "
+                                                          f"vocabulary")
+                continue
+            pieces[row] = np.asarray(head + ids + [self.eos_id], np.int32)
+        if not pieces:
+            return tokens, offsets
+        self.rewritten += len(pieces)
+        parts = [pieces[i] if i in pieces else tokens[offsets[i]:offsets[i + 1]] for i in range(n)]
+        lengths = np.fromiter((len(p) for p in parts), np.int64, n)
+        return np.concatenate(parts).astype(np.int32, copy=False), np.concatenate([[0], np.cumsum(lengths)])
+
+    def _fallback(self, unit: Unit, row: int, smiles: str, why: str) -> None:
+        self.fallbacks += 1
+        if self.fallbacks <= 5:
+            print(f"[molds] data.randomized_smiles: row {unit.first_row + row} of shard #{unit.shard} is read in "
+                  f"its canonical form ({smiles!r}): {why} ({self.fallbacks} so far in this process)",
+                  file=sys.stderr)
