@@ -22,9 +22,14 @@ import sys
 
 import numpy as np
 
+from ..errors import ManifestError
 from .plan import Unit, _rng
 
 _SALT = 0x5A11E5
+#: a manifest whose molecules the randomizer mostly cannot rewrite (RDKit or the vocabulary
+#: refuses them) is refused rather than trained on canonically without anyone noticing:
+#: more than this many fallbacks in one process, and more than this fraction of its choices
+MAX_FALLBACKS, MAX_FALLBACK_FRACTION = 100, 0.01
 
 
 def randomized_smiles(smiles: str, seed: int) -> str | None:
@@ -110,3 +115,10 @@ class Randomizer:
             print(f"[molds] data.randomized_smiles: row {unit.first_row + row} of shard #{unit.shard} is read in "
                   f"its canonical form ({smiles!r}): {why} ({self.fallbacks} so far in this process)",
                   file=sys.stderr)
+        chosen = self.rewritten + self.fallbacks
+        if self.fallbacks > MAX_FALLBACKS and self.fallbacks > MAX_FALLBACK_FRACTION * chosen:
+            raise ManifestError(
+                f"data.randomized_smiles: {self.fallbacks} of the {chosen} molecules chosen so far could not be "
+                f"rewritten (last: row {unit.first_row + row} of shard #{unit.shard}, {smiles!r}: {why}); more than "
+                f"{MAX_FALLBACK_FRACTION:.0%} means the manifest's tokenizer ({self.tokenizer_file}) does not fit "
+                f"randomized SMILES: set data.randomized_smiles to 0 or rebuild the manifest")

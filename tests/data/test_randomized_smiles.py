@@ -174,3 +174,39 @@ def test_marker_needs_the_tokenizer_sep_token(dataset, tmp_path):
     with pytest.raises(RecipeError, match="randomized_marker"):
         make_loader(str(copy), randomized_smiles=0.5)
     make_loader(str(copy), randomized_smiles=0.5, randomized_marker="none")
+
+
+def test_molecules_the_randomizer_cannot_take_are_counted_kept_and_bounded(dataset):
+    from molds.data.plan import Unit
+    from molds.data.randomize import MAX_FALLBACKS, Randomizer
+    from molds.errors import ManifestError
+    from tests.preprocessing.conftest import sample_smiles
+
+    vocab = {t: i for i, t in _vocab(dataset).items()}
+    bos, eos, sep = vocab["<bos>"], vocab["<eos>"], vocab["<sep>"]
+    good = [s for s in (canon(x) for x in sample_smiles(400)) if s][:300]
+
+    def run(canonical):
+        r = Randomizer(1.0, 0, os.path.join(dataset, "tokenizer"), bos_id=bos, eos_id=eos, unk_id=vocab.get("<unk>"),
+                       marker_id=sep)
+        rows = [[bos, 7 + i % 5, eos] for i in range(len(canonical))]  # stand-ins for the ETL's ids
+        tokens = np.concatenate(rows).astype(np.int32)
+        offsets = np.concatenate([[0], np.cumsum([len(x) for x in rows])])
+        unit = Unit(shard=3, row_group=0, first_row=1000, num_rows=len(canonical), first_gid=0)
+        return r, rows, r.rewrite(unit, 0, tokens, offsets, canonical)
+
+    bad = {5, 77, 200}
+    canonical = ["C1CC(" if i in bad else s for i, s in enumerate(good)]
+    r, rows, (tokens, offsets) = run(canonical)
+    assert (r.fallbacks, r.rewritten) == (len(bad), len(good) - len(bad))
+    for i in range(len(good)):
+        piece = tokens[offsets[i]:offsets[i + 1]].tolist()
+        if i in bad:
+            assert piece == rows[i]  # kept as it was read, not dropped
+        else:
+            assert piece[:2] == [bos, sep] and piece[-1] == eos
+
+    many = ["C1CC(" if i % 2 else s for i, s in enumerate(good)]  # half of them: more than 1 % and > MAX_FALLBACKS
+    assert sum(1 for s in many if s == "C1CC(") > MAX_FALLBACKS
+    with pytest.raises(ManifestError, match=r"randomized_smiles: \d+ of the \d+ molecules.*shard #3"):
+        run(many)
