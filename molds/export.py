@@ -115,7 +115,14 @@ def export(checkpoint: str, out: str, manifest_dir: str | None = None) -> str:
 
     loaded = open_checkpoint(checkpoint, manifest_dir, with_tokenizer=False)
     if loaded.family == "decoder":
+        from .eval.sampling import forbidden_tokens
+
         hf = hf_decoder(loaded.model, loaded.specials)
+        # a decoder trained on marked randomized SMILES: generate() never draws the marker,
+        # as molds-sample does not (transformers' SuppressTokensLogitsProcessor)
+        forbid = forbidden_tokens(loaded.recipe, loaded.specials)
+        if forbid:
+            hf.generation_config.suppress_tokens = list(forbid)
     else:
         hf = hf_encoder(loaded.model)
     with atomic_directory(out.rstrip("/")) as tmp:

@@ -23,7 +23,9 @@ def test_export_logits_match(dataset, tmp_path, engine):
     from molds.recipe import parse_recipe
 
     out = str(tmp_path / "run")
-    argv = _argv(dataset, out, engine, 3)
+    # the DDP run also reads half its molecules as marked randomized SMILES (the export must
+    # keep generate() off the marker, as molds-sample does)
+    argv = _argv(dataset, out, engine, 3, extra=("--data.randomized_smiles", "0.5") if engine == "ddp" else ())
     if engine == "ddp":
         from molds.train import main
 
@@ -48,6 +50,16 @@ def test_export_logits_match(dataset, tmp_path, engine):
         doc = batch["document_ids"][:1]
         first = batch["input_ids"][:1][doc >= 0][: int((doc == 0).sum())][None]
         torch.testing.assert_close(hf(first).logits, ours(first)["logits"], rtol=1e-4, atol=1e-5)
+    sep = loaded.specials.sep
+    gen = hf.generate(torch.tensor([[loaded.specials.bos]] * 4), do_sample=True, top_k=0, max_new_tokens=3,
+                      output_scores=True, return_dict_in_generate=True, pad_token_id=loaded.specials.pad)
+    first = gen.scores[0][:, sep]
+    if engine == "ddp":
+        assert list(hf.generation_config.suppress_tokens) == [sep]
+        assert torch.isinf(first).all() and (first < 0).all()
+    else:
+        assert not hf.generation_config.suppress_tokens
+        assert torch.isfinite(first).all()
     fresh = build_model(recipe.model, loaded.specials, seed=recipe.run.seed)
     changed = any((p != q).any() for p, q in zip(fresh.parameters(), ours.parameters()))
     assert changed
