@@ -53,13 +53,13 @@ def test_export_logits_match(dataset, tmp_path, engine):
     sep = loaded.specials.sep
     gen = hf.generate(torch.tensor([[loaded.specials.bos]] * 4), do_sample=True, top_k=0, max_new_tokens=3,
                       output_scores=True, return_dict_in_generate=True, pad_token_id=loaded.specials.pad)
-    first = gen.scores[0][:, sep]
+    sep_scores = gen.scores[0][:, sep]
     if engine == "ddp":
         assert list(hf.generation_config.suppress_tokens) == [sep]
-        assert torch.isinf(first).all() and (first < 0).all()
+        assert torch.isinf(sep_scores).all() and (sep_scores < 0).all()
     else:
         assert not hf.generation_config.suppress_tokens
-        assert torch.isfinite(first).all()
+        assert torch.isfinite(sep_scores).all()
     fresh = build_model(recipe.model, loaded.specials, seed=recipe.run.seed)
     changed = any((p != q).any() for p, q in zip(fresh.parameters(), ours.parameters()))
     assert changed
