@@ -56,6 +56,7 @@ class Randomizer:
         self._tokenizer = None
         self.rewritten = 0  # molecules read in a randomized form (loads of this process)
         self.fallbacks = 0  # chosen molecules kept canonical: RDKit or the vocabulary could not take them
+        self._last_fallback = ""  # where the latest of them was, for the error past the bound
 
     def __getstate__(self):  # DataLoader workers open their own tokenizer
         state = dict(self.__dict__)
@@ -102,9 +103,10 @@ class Randomizer:
                                                           f"vocabulary")
                 continue
             pieces[row] = np.asarray(head + ids + [self.eos_id], np.int32)
+        self.rewritten += len(pieces)
+        self._check_bound()
         if not pieces:
             return tokens, offsets
-        self.rewritten += len(pieces)
         parts = [pieces[i] if i in pieces else tokens[offsets[i]:offsets[i + 1]] for i in range(n)]
         lengths = np.fromiter((len(p) for p in parts), np.int64, n)
         return np.concatenate(parts).astype(np.int32, copy=False), np.concatenate([[0], np.cumsum(lengths)])
@@ -115,10 +117,15 @@ class Randomizer:
             print(f"[molds] data.randomized_smiles: row {unit.first_row + row} of shard #{unit.shard} is read in "
                   f"its canonical form ({smiles!r}): {why} ({self.fallbacks} so far in this process)",
                   file=sys.stderr)
+        self._last_fallback = f"row {unit.first_row + row} of shard #{unit.shard}, {smiles!r}: {why}"
+
+    def _check_bound(self) -> None:
+        """Once per unit, after its rewrites are counted (a check inside the unit's loop would
+        see its failures before its successes)."""
         chosen = self.rewritten + self.fallbacks
         if self.fallbacks > MAX_FALLBACKS and self.fallbacks > MAX_FALLBACK_FRACTION * chosen:
             raise ManifestError(
                 f"data.randomized_smiles: {self.fallbacks} of the {chosen} molecules chosen so far could not be "
-                f"rewritten (last: row {unit.first_row + row} of shard #{unit.shard}, {smiles!r}: {why}); more than "
-                f"{MAX_FALLBACK_FRACTION:.0%} means the manifest's tokenizer ({self.tokenizer_file}) does not fit "
-                f"randomized SMILES: set data.randomized_smiles to 0 or rebuild the manifest")
+                f"rewritten (last: {self._last_fallback}); more than {MAX_FALLBACK_FRACTION:.0%} means the "
+                f"manifest's tokenizer ({self.tokenizer_file}) does not fit randomized SMILES: set "
+                f"data.randomized_smiles to 0 or rebuild the manifest")
