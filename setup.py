@@ -52,6 +52,7 @@ setup(
             "molds-preprocess=molds.preprocessing.cli:main",
             "molds-train=molds.train:cli",
             "molds-export=molds.cli.export:main",
+            "molds-average=molds.cli.average:main",
             "molds-sample=molds.cli.sample:main",
             "molds-eval=molds.cli.evaluate:main",
         ]

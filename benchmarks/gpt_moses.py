@@ -2,15 +2,19 @@
 
     python benchmarks/gpt_moses.py [--recipe recipes/cpu_moses.json] [--nproc 2]
                                    [--input ../shared/data/moses_train.csv.gz] [--seed 0]
-                                   [--steps N] [--num 10000] [--fcd] [-- extra recipe overrides]
+                                   [--steps N] [--num 10000] [--average_last 3] [--fcd]
+                                   [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
    ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer), or
    from the bundled sample when the manifest is the quick start's ``runs/quickstart/data``.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
    run directory; ``--seed`` sets run.seed and data.seed; ``--steps`` trainer.max_steps).
-3. Sampling and scoring: ``--num`` molecules at ``--temperature`` from the final checkpoint
-   (``molds.eval.evaluate``), the test split's loss, and FCD to it with ``--fcd``.
+3. With ``--average_last N``: ``molds-average`` of the run's N newest checkpoints (the
+   README's cpu_moses figures use 3: steps 18,000, 20,000 and 22,000).
+4. Sampling and scoring: ``--num`` molecules at ``--temperature`` from the final (or the
+   averaged) checkpoint (``molds.eval.evaluate``), the test split's loss, and FCD to it
+   with ``--fcd``.
 
 One JSON line: every metric (validity counts empty and invalid samples; unique@10k over
 the first 10,000 valid; novelty against the training split and against every split, i.e.
@@ -51,6 +55,8 @@ def main() -> int:
     ap.add_argument("--split", default="test", help="split for the loss (and FCD)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fcd", action="store_true")
+    ap.add_argument("--average_last", type=int, default=0,
+                    help="score the mean of the run's N newest checkpoints (molds-average; 0: the final one)")
     ap.add_argument("--output_dir", default=None, help="run directory (default: runs/bench-<recipe name>)")
     args, overrides = ap.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
@@ -91,9 +97,17 @@ def main() -> int:
 
     from molds.eval.evaluate import evaluate_checkpoint
 
+    scored, averaged = out, None
+    if args.average_last:
+        from molds.checkpoint.average import AVERAGED_FROM, average_checkpoints, last_checkpoints
+
+        scored = average_checkpoints(last_checkpoints(out, args.average_last),
+                                     os.path.join(out, f"averaged-last{args.average_last}"))
+        with open(os.path.join(scored, "lineage.json"), encoding="utf-8") as fh:
+            averaged = [s["step"] for s in json.load(fh)[AVERAGED_FROM]]
     t0 = time.perf_counter()
     seed = 0 if args.seed is None else args.seed
-    report = evaluate_checkpoint(out, split=args.split, num=args.num, seeds=(seed,), temperature=args.temperature,
+    report = evaluate_checkpoint(scored, split=args.split, num=args.num, seeds=(seed,), temperature=args.temperature,
                                  fcd=args.fcd, max_batches=50)
     eval_s = time.perf_counter() - t0
     m = report["per_seed"][0]
@@ -101,7 +115,7 @@ def main() -> int:
             "fcd", "unfinished_or_special")
     print(json.dumps({
         "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
-        "seed": recipe.run.seed, "steps": report["step"], "etl_s": None if etl_s is None else round(etl_s, 1),
+        "seed": recipe.run.seed, "steps": report["step"], "averaged_steps": averaged, "etl_s": None if etl_s is None else round(etl_s, 1),
         "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
         "temperature": args.temperature, f"{args.split}_loss": round(report["loss"], 4),
         **{k: m.get(k) for k in keys}, "published": PUBLISHED}))

@@ -43,3 +43,21 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in keys:
         assert isinstance(out[key], float) and out[key] > 0, (key, out)
+
+
+@pytest.mark.slow
+def test_gpt_moses_benchmark_scores_the_average_of_the_last_checkpoints(dataset, tmp_path):  # noqa: F811
+    out = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpt_moses.py"),
+                           "--recipe", os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"), "--nproc", "1",
+                           "--steps", "4", "--num", "16", "--average_last", "2", "--output_dir", out, "--",
+                           "--data.manifest", dataset, "--data.seq_len", "128", "--model.hidden_size", "32",
+                           "--checkpoint.interval_steps", "2", "--checkpoint.keep_last", "0",
+                           "--eval.interval_steps", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["averaged_steps"] == [2, 4] and line["steps"] == 4 and line["samples"] == 16
+    assert 0 <= line["validity"] <= 1 and line["test_loss"] > 0
+    assert os.path.isfile(os.path.join(out, "averaged-last2", "model.safetensors"))

@@ -135,11 +135,17 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
 
     import torch
 
+    from .average import AVERAGED_FROM, refuse_averaged
+
     lineage = read_lineage(checkpoint)
     step = int(lineage["step"])
+    if lineage.get(AVERAGED_FROM) and (keep_schedule or optimizer):
+        refuse_averaged(checkpoint, lineage)  # a fork of its weights alone (fork_optimizer false) is fine
     engine.load(checkpoint, optimizer=optimizer)
     if not keep_schedule:
         engine.set_lr_schedule(engine.recipe.optim, engine.recipe.trainer.max_steps, position=0)
+        if lineage.get(AVERAGED_FROM):
+            return step, {}
         return step, read_json(os.path.join(checkpoint, DATA_STATE))
     old_world = int(lineage.get("world_topology", {}).get("world_size", lineage.get("world_size", 0)) or 0)
     path = rng_file(checkpoint, dist.rank)
