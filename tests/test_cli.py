@@ -27,6 +27,8 @@ def _run(args, **kw):
                           "a checkpoint reference"]),
     ("molds.cli.evaluate", ["--seeds", "default: 0)", "--fcd", "--samples", "--recipe", "a checkpoint reference"]),
     ("molds.cli.export", ["checkpoint out", "a checkpoint reference", "--manifest"]),
+    ("molds.cli.average", ["--last", "the N newest complete checkpoints", "default: 0)", "--out",
+                           "a checkpoint reference"]),
     ("molds.preprocessing.cli", ["--smiles_column", "default: smiles)", "--max_heavy_atoms"]),
 ])
 def test_help_shows_every_option_with_default_and_description(module, needles):
@@ -102,7 +104,7 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     check = subprocess.run([py, "-c", "import molds, os; print(molds.__file__)"], cwd=here, capture_output=True,
                            text=True, env=env)
     assert str(venv) in check.stdout, check.stdout + check.stderr  # the install, not the source tree
-    for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export"):
+    for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export", "molds-average"):
         proc = subprocess.run([str(venv / "bin" / script), "--help"], cwd=here, capture_output=True, text=True,
                               env=env, timeout=300)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (script, proc.stderr[-2000:])
