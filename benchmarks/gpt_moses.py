@@ -115,7 +115,8 @@ def main() -> int:
             "fcd", "unfinished_or_special")
     print(json.dumps({
         "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
-        "seed": recipe.run.seed, "steps": report["step"], "averaged_steps": averaged, "etl_s": None if etl_s is None else round(etl_s, 1),
+        "seed": recipe.run.seed, "steps": report["step"], "averaged_steps": averaged,
+        "etl_s": None if etl_s is None else round(etl_s, 1),
         "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
         "temperature": args.temperature, f"{args.split}_loss": round(report["loss"], 4),
         **{k: m.get(k) for k in keys}, "published": PUBLISHED}))

@@ -1,6 +1,6 @@
 """Checkpoint averaging: the mean of a run's last few checkpoints as one model.
 
-    molds-average runs/cpu-moses --last 3 runs/cpu-moses/averaged
+    molds-average runs/cpu-moses runs/cpu-moses/averaged --last 3
 
 The weights of checkpoints taken a few thousand steps apart late in a run, averaged
 (Polyak averaging of snapshots, as fairseq's ``average_checkpoints.py`` and
@@ -129,7 +129,8 @@ def refuse_averaged(checkpoint: str, lineage: dict) -> None:
     src = lineage.get(AVERAGED_FROM)
     if src:
         steps = ", ".join(str(s.get("step")) for s in src if isinstance(s, dict))
+        newest = src[-1].get("checkpoint") if isinstance(src[-1], dict) else src[-1]
         raise CheckpointError(f"{checkpoint} is an average of checkpoints (steps {steps}) made by molds-average: "
                               f"it has no optimizer state or data cursor to resume from; resume from one of "
-                              f"its sources ({src[-1].get('checkpoint') if isinstance(src[-1], dict) else src[-1]}), or start a "
-                              f"new run from its weights alone with --checkpoint.fork true (fork_optimizer false)")
+                              f"its sources ({newest}), or start a new run from its weights alone with "
+                              f"--checkpoint.fork true (fork_optimizer false)")
