@@ -99,12 +99,12 @@ def main() -> int:
 
     scored, averaged = out, None
     if args.average_last:
+        from molds.checkpoint import read_lineage
         from molds.checkpoint.average import AVERAGED_FROM, average_checkpoints, last_checkpoints
 
         scored = average_checkpoints(last_checkpoints(out, args.average_last),
                                      os.path.join(out, f"averaged-last{args.average_last}"))
-        with open(os.path.join(scored, "lineage.json"), encoding="utf-8") as fh:
-            averaged = [s["step"] for s in json.load(fh)[AVERAGED_FROM]]
+        averaged = [s["step"] for s in read_lineage(scored)[AVERAGED_FROM]]
     t0 = time.perf_counter()
     seed = 0 if args.seed is None else args.seed
     report = evaluate_checkpoint(scored, split=args.split, num=args.num, seeds=(seed,), temperature=args.temperature,

@@ -30,7 +30,7 @@ import datetime
 import os
 
 from ..errors import CheckpointError
-from .layout import COMPLETE, LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage, resolve
+from .layout import LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage, resolve
 
 AVERAGED_FROM = "averaged_from"
 
@@ -71,6 +71,7 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     import torch
 
     from ..atomic import atomic_directory, write_json
+    from . import _complete_marker
     from .state import MODEL_FILE, read_model, write_model
 
     if not refs:
@@ -119,8 +120,7 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     with atomic_directory(out, durable=True) as tmp:
         write_model(tmp, mean)
         write_json(os.path.join(tmp, LINEAGE), record, indent=2)
-        files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-        write_json(os.path.join(tmp, COMPLETE), {"step": int(newest["step"]), "files": files}, indent=1)
+        _complete_marker(tmp, int(newest["step"]))  # the same marker a training save writes
     return out
 
 
