@@ -30,7 +30,7 @@ import datetime
 import os
 
 from ..errors import CheckpointError
-from .layout import LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage, resolve
+from .layout import LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage, resolve, write_complete_marker
 
 AVERAGED_FROM = "averaged_from"
 
@@ -71,7 +71,6 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     import torch
 
     from ..atomic import atomic_directory, write_json
-    from . import _complete_marker
     from .state import MODEL_FILE, read_model, write_model
 
     if not refs:
@@ -120,7 +119,7 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     with atomic_directory(out, durable=True) as tmp:
         write_model(tmp, mean)
         write_json(os.path.join(tmp, LINEAGE), record, indent=2)
-        _complete_marker(tmp, int(newest["step"]))  # the same marker a training save writes
+        write_complete_marker(tmp, int(newest["step"]))  # the same marker a training save writes
     return out
 
 

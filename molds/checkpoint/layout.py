@@ -62,6 +62,18 @@ def incomplete_reason(path: str) -> str | None:
     return None
 
 
+def write_complete_marker(directory: str, step: int) -> None:
+    """Seal ``directory`` as a checkpoint: fsync its files, then list them with their sizes in COMPLETE.
+
+    The reader is :func:`incomplete_reason`; a training save and ``molds-average`` both write it here."""
+    from ..atomic import fsync_tree, write_json
+
+    files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
+             if os.path.isfile(os.path.join(directory, n))}
+    fsync_tree(directory)
+    write_json(os.path.join(directory, COMPLETE), {"step": step, "files": files}, indent=1)
+
+
 def complete_checkpoints(root: str) -> list[str]:
     """Complete checkpoint directories under ``root``, oldest first."""
     if not os.path.isdir(root):
