@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, MoldsError
-from .layout import (COMPLETE, LATEST, checkpoints_dir, complete_checkpoints, prune, read_lineage, resolve,
+from .layout import (LATEST, LINEAGE, checkpoints_dir, complete_checkpoints, prune, read_lineage, resolve,
                      step_name, write_complete_marker, write_latest)
 from .state import read_json, rng_file, rng_state, set_rng_state
 
@@ -69,10 +69,6 @@ def _explain_os_error(exc: OSError, tmp: str, what: str) -> CheckpointError:
     return err
 
 
-# the package-level name is what save_checkpoint calls (the fault tests wrap it here)
-_complete_marker = write_complete_marker
-
-
 def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, lineage: dict, *,
                     keep_last: int, needed_bytes: int = 0) -> str:
     """Write checkpoint ``step`` under ``output_dir/checkpoints`` (every rank calls this)."""
@@ -107,8 +103,8 @@ def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, 
             return
         write_json(os.path.join(tmp, DATA_STATE), data_state)
         record = dict(lineage, step=step, created=datetime.datetime.now(datetime.timezone.utc).isoformat())
-        write_json(os.path.join(tmp, "lineage.json"), record, indent=2)
-        _complete_marker(tmp, step)
+        write_json(os.path.join(tmp, LINEAGE), record, indent=2)
+        write_complete_marker(tmp, step)
         publish_directory(tmp, final, durable=True)
         write_latest(root, name)
         prune(root, keep_last)
@@ -134,14 +130,13 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
 
     lineage = read_lineage(checkpoint)
     step = int(lineage["step"])
-    if lineage.get(AVERAGED_FROM) and (keep_schedule or optimizer):
+    averaged = bool(lineage.get(AVERAGED_FROM))
+    if averaged and (keep_schedule or optimizer):
         refuse_averaged(checkpoint, lineage)  # a fork of its weights alone (fork_optimizer false) is fine
     engine.load(checkpoint, optimizer=optimizer)
     if not keep_schedule:
         engine.set_lr_schedule(engine.recipe.optim, engine.recipe.trainer.max_steps, position=0)
-        if lineage.get(AVERAGED_FROM):
-            return step, {}
-        return step, read_json(os.path.join(checkpoint, DATA_STATE))
+        return step, {} if averaged else read_json(os.path.join(checkpoint, DATA_STATE))
     old_world = int(lineage.get("world_topology", {}).get("world_size", lineage.get("world_size", 0)) or 0)
     path = rng_file(checkpoint, dist.rank)
     if old_world == dist.world_size:

@@ -132,7 +132,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
 
         ckpt.save_checkpoint = counting_save
         for module, name, point in ((state, "write_model", "model"), (state, "write_optimizer", "optimizer"),
-                                    (ckpt, "_complete_marker", "marker"), (ckpt, "write_latest", "latest")):
+                                    (ckpt, "write_complete_marker", "marker"), (ckpt, "write_latest", "latest")):
             original = getattr(module, name)
 
             def wrapped(*a, _original=original, _point=point, **k):
