@@ -352,10 +352,27 @@ class CausalDecoder(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, layout)
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        if self.head_in_loss:
+            return self.hidden_for_loss(x, layout)
+        logits = self.lm_head(x)
         if layout is not None:
             logits = layout.to_packed(logits)
         return {"logits": logits}
+
+    #: set by ``molds.kernels`` (``kernels.triton``): the forward returns what a loss with
+    #: the LM head fused into it takes (``hidden_for_loss``) instead of logits
+    head_in_loss = False
+
+    def hidden_for_loss(self, x: torch.Tensor, layout) -> dict:
+        """The final hidden states of the real tokens [T, H], where each sits in the
+        flattened [B x S] positions (``token_index``), and the LM head's weight."""
+        if layout is None:
+            x = x.reshape(-1, x.shape[-1])
+            index = torch.arange(x.shape[0], device=x.device)
+        else:
+            x, index = x[:layout.tokens], layout.packed_source[:layout.tokens]
+        return {"hidden": x, "token_index": index, "lm_head_weight": self.lm_head.weight}
 
     CPU_BF16_ROW_MULTIPLE = 64
 

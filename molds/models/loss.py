@@ -55,11 +55,37 @@ def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
     return per.sum() / mask.sum().clamp(min=1)
 
 
+def next_token_targets(labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S]: the target of each position (``causal_lm_loss``'s), ``IGNORE_INDEX`` where
+    there is none (the last position, a molecule's last token, padding)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    if document_ids is not None:
+        targets[:, :-1].masked_fill_(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
+    return targets
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of the LM head ``hidden @ weight^T`` (the plain composition;
+    ``kernels.triton`` swaps in a fused one that never holds the full logits)."""
+    return F.cross_entropy(upcast(F.linear(hidden, weight)), targets, ignore_index=IGNORE_INDEX)
+
+
 class CausalLMLoss:
-    """Decoders: next-token cross entropy within each molecule."""
+    """Decoders: next-token cross entropy within each molecule. A decoder whose LM head
+    runs in the loss (``CausalDecoder.head_in_loss``) hands over its final hidden states
+    (``hidden`` [T, H], the rows of the flattened [B x S] positions in ``token_index``)
+    and the head's weight instead of logits."""
+
+    def __init__(self):
+        self.linear_cross_entropy = linear_cross_entropy  # molds.kernels may fuse it
 
     def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
-        return causal_lm_loss(outputs["logits"], batch["labels"], batch.get("document_ids"))
+        if "logits" in outputs:
+            return causal_lm_loss(outputs["logits"], batch["labels"], batch.get("document_ids"))
+        targets = next_token_targets(batch["labels"], batch.get("document_ids")).reshape(-1)
+        return self.linear_cross_entropy(outputs["hidden"], outputs["lm_head_weight"],
+                                         targets.index_select(0, outputs["token_index"]))
 
 
 class EncoderLoss:

@@ -72,6 +72,18 @@ class MoEConfig:
         return layer_id >= self.first_dense_layers and (layer_id - self.first_dense_layers) % self.layer_interval == 0
 
 
+def permute_tokens(y: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+    """The rows the experts take: token ``token_of[i]``'s row for each (token, slot) pair i,
+    in expert order."""
+    return y.index_select(0, token_of)
+
+
+def unpermute_tokens(x: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor, num_tokens: int):
+    """Each token's routing-weighted sum of its experts' output rows (``x`` in expert order)."""
+    src = x * weight_of[:, None]
+    return src.new_zeros(num_tokens, src.shape[1]).index_add(0, token_of, src)
+
+
 def make_moe_layer(cfg: DecoderConfig, layer_id: int, ep_size: int = 1, ep_rank: int = 0) -> nn.Module:
     """Block ``layer_id`` of an MoE decoder: mixture-of-experts where the config says, dense otherwise."""
     if cfg.moe.is_moe_layer(layer_id):
@@ -153,13 +165,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, hidden] sorted by local expert, ``counts`` [num_local] tokens per expert."""
-        if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and self.hidden % 8 == 0 \
-                and self.width % 8 == 0:
+        mm = self.grouped_mm
+        if getattr(mm, "any_shape", False) or (x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                               and self.hidden % 8 == 0 and self.width % 8 == 0):
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            mm = self.grouped_mm
             h = self.act(mm(x, self.gate, offs=offs), mm(x, self.up, offs=offs))
             return _ContiguousGrad.apply(mm(h, self.down, offs=offs))
-        # grouped_mm has no float64 kernel (and wants 16-byte strides): one GEMM per expert
+        # F.grouped_mm has no float64 kernel (and wants 16-byte strides): one GEMM per expert
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):
             out.append(self.expert(e, x[start:start + n]))
@@ -232,6 +244,7 @@ class MoEDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, ep_size, ep_rank)
         self.ep_group, self.ep_size, self.ep_rank = None, ep_size, ep_rank
+        self.permute, self.unpermute = permute_tokens, unpermute_tokens  # molds.kernels may fuse them
         self.aux_loss_scale = 1.0  # set by the engine: 1 / micro-batches per optimizer step
         self.reference = False  # run reference_forward (tests)
         self.reset_stats()
@@ -284,7 +297,7 @@ class MoEDecoderLayer(nn.Module):
         total = moe.aux_loss_coef * aux + moe.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and (moe.aux_loss_coef or moe.z_loss_coef):
             h = AuxLossToGradient.apply(h, total, self.aux_loss_scale)
-        st = RoutingState(shape, h, y, token_of, weight_of, counts, x=y.index_select(0, token_of))
+        st = RoutingState(shape, h, y, token_of, weight_of, counts, x=self.permute(y, token_of))
         st.stats = {"aux_loss": float(aux.detach()), "z_loss": float(z.detach()), "counts": counts_all.detach(),
                     "dropped": int((~keep).sum()), "pairs": int(len(flat_e))}
         return st
@@ -329,7 +342,7 @@ class MoEDecoderLayer(nn.Module):
         return st
 
     def aggregate(self, st: RoutingState) -> torch.Tensor:
-        out = torch.zeros_like(st.y).index_add(0, st.token_of, st.x * st.weight_of[:, None])
+        out = self.unpermute(st.x, st.token_of, st.weight_of, st.y.shape[0])
         if self.mlp.shared_expert is not None:
             out = out + self.mlp.shared_expert(st.y)
         self._record(st.stats)

@@ -172,14 +172,15 @@ def deferrable_grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tenso
 
 def defer_weight_grads(model: nn.Module) -> nn.Module:
     """Make the weight gradients of ``model``'s linears and experts deferrable (in place;
-    parameters, state dict and results unchanged)."""
+    parameters, state dict and results unchanged). The FP8 ones of ``molds.kernels``
+    (``kernels.fp8``) defer through ``WeightGradStore`` already and are left as they are."""
     from .moe import Experts, Router
 
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = DeferrableLinear
-        elif isinstance(module, Router):
+        elif isinstance(module, Router) and module.linear is F.linear:
             module.linear = deferrable_linear
-        elif isinstance(module, Experts):
+        elif isinstance(module, Experts) and module.grouped_mm is F.grouped_mm:
             module.grouped_mm = deferrable_grouped_mm
     return model

@@ -1,0 +1,192 @@
+"""FP8 products: the Triton block-scaled GEMMs (dense and grouped, in the interpreter) equal
+their float32 emulation; the FP8 linear and the FP8 expert GEMMs stay within the error
+FP8 implies against float64, forward and backward; their weight gradients defer through
+``WeightGradStore`` and flush to the same values.
+
+The bound (``_product_bound``): each operand element is rounded once, to half a step of
+its format at its magnitude (2^-(m+1) relative: e4m3 2^-4, e5m2 2^-3) or, in a tile's
+subnormal range, half a subnormal step times the tile's scale. For C = A B^T with
+operand errors e_a, e_b the error of an element is at most
+sum_k (e_a |b| + |a| e_b + e_a e_b) plus float32 accumulation, K 2^-24 sum_k |a||b|.
+The test computes this per element from the operands and holds every element to it, and
+checks that the bound is not vacuous (the observed error reaches a fair part of it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from molds.kernels.fp8 import FORMATS, fp8_quantize
+from molds.kernels.fp8_gemm import (fp8_grouped_mm_reference, fp8_grouped_mm_triton, fp8_grouped_wgrad_reference,
+                                    fp8_grouped_wgrad_triton, fp8_mm_reference, fp8_mm_triton, pad_groups,
+                                    scatter_rows)
+from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
+from molds.models.wgrad import WeightGradStore
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _element_error(x: torch.Tensor, fmt: str, tile_rows: int) -> torch.Tensor:
+    """Bound on |dequantize(quantize(x)) - x| per element (float64)."""
+    _, exp, man, _, _ = FORMATS[fmt]
+    bias = (1 << (exp - 1)) - 1
+    _, s = fp8_quantize(x, fmt, tile_rows)
+    full = s.repeat_interleave(tile_rows, -2)[..., :x.shape[-2], :].repeat_interleave(128, -1)[..., :x.shape[-1]]
+    return x.double().abs() * 2.0 ** -(man + 1) + full.double() * 2.0 ** (-bias - man)
+
+
+def _product_bound(a, fa, ta, bt, fb, tb):
+    """Per-element bound on the error of A @ Bt^T with A quantized (fa, ta x 128 tiles along
+    its rows) and Bt (fb, tb x 128)."""
+    ea, eb = _element_error(a, fa, ta), _element_error(bt, fb, tb)
+    aa, bb = a.double().abs(), bt.double().abs()
+    k = a.shape[1]
+    return ea @ bb.t() + aa @ eb.t() + ea @ eb.t() + k * 2.0**-24 * ((aa + ea) @ (bb + eb).t())
+
+
+def _within(got, exact, bound, tight: bool = True):
+    err = (got.detach().double() - exact).abs()
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3f}"
+    if tight:  # the bound is not vacuous
+        assert float((err / bound).max()) > 0.05
+
+
+@pytest.mark.parametrize("m,k,n,fa,fb,tb,transposed", [
+    (1023, 777, 129, "e4m3", "e4m3", 128, False),  # a forward product: activations x a weight
+    (257, 300, 200, "e5m2", "e4m3", 128, True),  # an input gradient: the weight's blocks read transposed
+    (129, 1, 300, "e5m2", "e4m3", 1, False),  # a weight gradient: K = tokens, 1x128 tiles on both
+])
+def test_triton_gemm_equals_its_emulation(m, k, n, fa, fb, tb, transposed, gen):
+    a = torch.randn(m, k, generator=gen)
+    bt = torch.randn(k, n, generator=gen).t() if transposed else torch.randn(n, k, generator=gen) * 0.1
+    qa, sa = fp8_quantize(a, fa, 1)
+    if transposed:  # the weight [k, n] quantized in blocks, used as its transpose
+        qb, sb = fp8_quantize(bt.t(), fb, tb)
+        qb, sb = qb.t(), sb.t()
+    else:
+        qb, sb = fp8_quantize(bt, fb, tb)
+    got = fp8_mm_triton(qa, sa, qb, sb, tb, torch.float32)
+    want = fp8_mm_reference(qa, sa, qb, sb, tb, torch.float32)
+    _close(got, want)
+    bf = fp8_mm_triton(qa, sa, qb, sb, tb, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and _rel(bf, want) < 2**-7
+
+
+def _close(got, want):
+    """Equal up to float32 summation order (the kernel adds 128-wide partial products)."""
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def _groups(gen, sizes=(0, 130, 1, 300, 57)):
+    counts = torch.tensor(sizes)
+    return counts, torch.cumsum(counts, 0).to(torch.int32), int(counts.sum())
+
+
+def test_grouped_triton_gemms_equal_their_emulation(gen):
+    counts, offs, m = _groups(gen)
+    g, k, n = len(counts), 200, 72
+    x, w, dy = torch.randn(m, k, generator=gen), torch.randn(g, k, n, generator=gen) * 0.05, torch.randn(m, n, generator=gen)
+    qx, sx = fp8_quantize(x, "e4m3", 1)
+    qw, sw = fp8_quantize(w, "e4m3", 128)
+    args = (qx, sx, qw.transpose(1, 2), sw.transpose(1, 2), 128, offs, torch.float32)
+    _close(fp8_grouped_mm_triton(*args), fp8_grouped_mm_reference(*args))
+    qg, sg = fp8_quantize(dy, "e5m2", 1)
+    args = (qg, sg, qw, sw, 128, offs, torch.float32)
+    _close(fp8_grouped_mm_triton(*args), fp8_grouped_mm_reference(*args))
+    index, padded_offs, rows = pad_groups(counts)
+    assert padded_offs.tolist() == [0, 256, 384, 768, 896]
+    qa, sa = fp8_quantize(scatter_rows(x, index, rows).t(), "e4m3", 1)
+    qb, sb = fp8_quantize(scatter_rows(dy, index, rows).t(), "e5m2", 1)
+    got = fp8_grouped_wgrad_triton(qa, sa, qb, sb, padded_offs, torch.float32)
+    _close(got, fp8_grouped_wgrad_reference(qa, sa, qb, sb, padded_offs, torch.float32))
+    assert bool((got[0] == 0).all())  # an expert with no token has a zero gradient
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton"])
+def test_fp8_linear_is_within_the_fp8_bound_forward_and_backward(triton, gen, request):
+    if triton:
+        request.getfixturevalue("interpret")
+    x = torch.randn(3, 111, 300, generator=gen, dtype=torch.float64).float()  # a 3-D input, K not a multiple of 128
+    w = (torch.randn(257, 300, generator=gen) * 0.05).requires_grad_()
+    b = torch.randn(257, generator=gen).requires_grad_()
+    xr = x.clone().requires_grad_()
+    y = fp8_linear(xr, w, b)
+    x2 = x.reshape(-1, 300)
+    exact = x2.double() @ w.detach().double().t() + b.detach().double()
+    _within(y.reshape(-1, 257), exact, _product_bound(x2, "e4m3", 1, w.detach(), "e4m3", 128))
+    dy = torch.randn(3, 111, 257, generator=gen)
+    y.backward(dy)
+    g2 = dy.reshape(-1, 257)
+    _within(xr.grad.reshape(-1, 300), g2.double() @ w.detach().double(),
+            _product_bound(g2, "e5m2", 1, w.detach().t(), "e4m3", 128))
+    _within(w.grad, g2.double().t() @ x2.double(), _product_bound(g2.t(), "e5m2", 1, x2.t(), "e4m3", 1))
+    torch.testing.assert_close(b.grad, g2.sum(0))
+    assert y.dtype == torch.float32 and _rel(y.reshape(-1, 257), exact) < 0.06  # e4m3: ~2^-4 per operand
+
+
+def test_fp8_linear_under_autocast_and_with_e4m3_gradients(gen):
+    x = torch.randn(64, 256, generator=gen, requires_grad=True)
+    w = (torch.randn(128, 256, generator=gen) * 0.05).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w, grad_format="e4m3")
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    exact = torch.ones(64, 128, dtype=torch.float64) @ w.detach().double()
+    bound = _product_bound(torch.ones(64, 128), "e4m3", 1, w.detach().t(), "e4m3", 128)
+    _within(x.grad, exact, bound)
+
+
+def test_weight_gradients_defer_and_flush_to_the_same_values(gen):
+    x = torch.randn(200, 96, generator=gen, requires_grad=True)
+    w = (torch.randn(130, 96, generator=gen) * 0.1).requires_grad_()
+    counts, offs, m = _groups(gen, (5, 0, 90, 33))
+    ex = torch.randn(m, 40, generator=gen, requires_grad=True)
+    ew = (torch.randn(4, 40, 24, generator=gen) * 0.1).requires_grad_()
+
+    def backward():
+        (fp8_linear(x, w).square().sum() + fp8_grouped_mm(ex, ew, offs=offs).square().sum()).backward()
+
+    backward()
+    want = [t.grad.clone() for t in (x, w, ex, ew)]
+    for t in (x, w, ex, ew):
+        t.grad = None
+    with WeightGradStore.deferring():
+        backward()
+        assert w.grad is None and ew.grad is None  # queued
+        assert WeightGradStore.pending() == 2
+    torch.testing.assert_close(x.grad, want[0], rtol=0, atol=0)  # the input gradients came at once
+    torch.testing.assert_close(ex.grad, want[2], rtol=0, atol=0)
+    assert WeightGradStore.flush() == 2
+    torch.testing.assert_close(w.grad, want[1], rtol=0, atol=0)
+    torch.testing.assert_close(ew.grad, want[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton"])
+def test_fp8_expert_gemms_are_within_the_fp8_bound(triton, gen, request):
+    if triton:
+        request.getfixturevalue("interpret")
+    counts, offs, m = _groups(gen, (0, 130, 1, 140, 57))
+    k, n = 136, 40
+    x = torch.randn(m, k, generator=gen, requires_grad=True)
+    w = (torch.randn(len(counts), k, n, generator=gen) * 0.05).requires_grad_()
+    y = fp8_grouped_mm(x, w, offs=offs)
+    dy = torch.randn(m, n, generator=gen)
+    y.backward(dy)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    _, sw = fp8_quantize(w.detach(), "e4m3", 128)
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        if s == e:
+            assert bool((w.grad[g] == 0).all())
+            continue
+        xg, wg, dg = x.detach()[s:e], w.detach()[g], dy[s:e]
+        _within(y[s:e], xg.double() @ wg.double(), _product_bound(xg, "e4m3", 1, wg.t(), "e4m3", 128))
+        _within(x.grad[s:e], dg.double() @ wg.double().t(), _product_bound(dg, "e5m2", 1, wg, "e4m3", 128))
+        # (one token: each 1x128 tile along the tokens holds one element, which FP8 represents exactly)
+        _within(w.grad[g], xg.double().t() @ dg.double(), _product_bound(xg.t(), "e4m3", 1, dg.t(), "e5m2", 1),
+                tight=e - s > 1)
