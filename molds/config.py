@@ -115,7 +115,7 @@ class DataConfig:
 class RunConfig:
     """Names and places of a run."""
 
-    RANGES: ClassVar[dict] = {"seed": (0, 2**32 - 1)}
+    RANGES: ClassVar[dict] = {"seed": (0, 2**32 - 1), "min_gpus": (0, 1024)}
 
     name: str = "molds"
     """Run name (TensorBoard and checkpoint directory names)."""
@@ -131,6 +131,10 @@ class RunConfig:
 
     seed: int = 0
     """Seed of model initialization and of every training-side random choice."""
+
+    min_gpus: int = 0
+    """GPUs per machine the recipe is sized for (0: runs anywhere). With fewer CUDA devices
+    visible the run stops at once and names its CPU twin (recipes/smoke/ of the same name)."""
 
 
 @dataclass
@@ -276,13 +280,35 @@ class ParallelConfig:
 
 @dataclass
 class KernelsConfig:
-    """Custom operators, applied to the built model as converters (molds.kernels)."""
+    """Custom operators, applied to the built model as converters (molds.kernels). Each op
+    runs its Triton kernel on a GPU and its PyTorch path on a CPU; the start line says
+    which path each op takes and how many modules each converter swapped."""
 
     fp8: bool = False
-    """FP8 matmuls (needs the FP8 kernels; not available yet)."""
+    """FP8 training (DeepSeek-V3's recipe): the decoder's and the experts' linears quantize
+    both operands in blocks (1x128 tiles for activations and gradients, 128x128 blocks for
+    weights) at every product, forward and backward, and accumulate in float32; master
+    weights stay as they are. GEMMs: torch scaled_mm on Hopper, Triton on other FP8 GPUs,
+    emulated in float32 on a CPU (same quantization, for testing recipes)."""
+
+    fp8_lm_head: bool = False
+    """kernels.fp8: the LM head in FP8 too (off: it keeps the run's precision)."""
+
+    fp8_router: bool = False
+    """kernels.fp8: the MoE router's product in FP8 too (off: routing decisions keep the
+    run's precision)."""
+
+    fp8_pow2_scales: bool = False
+    """kernels.fp8: round every block scale down to a power of two (scaling and unscaling
+    are then exact; costs up to one bit of the format's range)."""
+
+    fp8_grad_format: Literal["e5m2", "e4m3"] = "e5m2"
+    """kernels.fp8: format of the gradients in the backward products (e5m2: more range;
+    e4m3: more precision, as DeepSeek-V3 uses with its fine-grained scales)."""
 
     triton: bool = False
-    """Triton kernels (not available yet)."""
+    """Fused Triton kernels for RMSNorm, SwiGLU, the MoE token permute / unpermute and the
+    LM head with the loss (never the full float32 logits); PyTorch paths on a CPU."""
 
     compile_regions: bool = False
     """torch.compile the decoder's elementwise regions (RoPE, SwiGLU, RMSNorm) for every

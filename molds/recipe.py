@@ -136,9 +136,7 @@ def _resolve_ds_config(path: str | None, argv: list[str]) -> str | None:
         return path
     set_on_command_line = any(a.split("=")[0] == "--parallel.ds_config" for a in argv)
     if not set_on_command_line:
-        recipes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
-        recipes += [a.split("=", 1)[1] for a in argv if a.startswith("--recipe=")]
-        for recipe_file in reversed(recipes):
+        for recipe_file in reversed(recipe_files(argv)):
             try:
                 with open(recipe_file, encoding="utf-8") as fh:
                     if (json.load(fh).get("parallel") or {}).get("ds_config") == path:
@@ -218,8 +216,7 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("parallel.schedule applies to parallel.engine=pipeline")
     if p.schedule == "dualpipev":
         raise RecipeError("parallel.schedule=dualpipev is not built yet; use 1f1b")
-    if recipe.kernels.fp8 or recipe.kernels.triton:
-        raise RecipeError("kernels.fp8 and kernels.triton are not built yet")
+    check_kernels(recipe)
     dp = data_parallel_size(recipe, world_size)
     if m.num_experts:
         if m.family != "decoder":
@@ -254,8 +251,6 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
     if m.family == "decoder" and m.num_heads % m.num_kv_heads:
         raise RecipeError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
-    if m.family == "encoder" and recipe.kernels.compile_regions:
-        raise RecipeError("kernels.compile_regions applies to model.family=decoder (the encoder is HF's RoBERTa)")
     if m.family == "encoder":
         if m.num_tasks and not d.with_labels:
             raise RecipeError("model.num_tasks > 0 needs data.with_labels=true")
@@ -279,6 +274,52 @@ def validate(recipe: Recipe, world_size: int) -> None:
     if not d.manifest:
         raise RecipeError("data.manifest: give the directory written by molds-preprocess")
     resolve_batching(recipe, world_size)
+
+
+def check_kernels(recipe: Recipe) -> None:
+    """The ``kernels`` switches fit the model, and no FP8 option is set without FP8."""
+    k, family = recipe.kernels, recipe.model.family
+    if family != "decoder":
+        for key in ("fp8", "triton", "compile_regions"):
+            if getattr(k, key):
+                raise RecipeError(f"kernels.{key} applies to model.family=decoder (the encoder is HF's RoBERTa)")
+    if not k.fp8:
+        unused = [f"kernels.{key}" for key, default in (("fp8_lm_head", False), ("fp8_router", False),
+                                                         ("fp8_pow2_scales", False), ("fp8_grad_format", "e5m2"))
+                  if getattr(k, key) != default]
+        if unused:
+            raise RecipeError(f"{', '.join(unused)} applies with kernels.fp8=true (it is off)")
+    if k.fp8_lm_head and k.triton:
+        raise RecipeError("kernels.fp8_lm_head cannot combine with kernels.triton: the fused LM head + loss runs "
+                          "the head in the run's precision")
+    if k.fp8_router and not recipe.model.num_experts:
+        raise RecipeError("kernels.fp8_router needs a mixture-of-experts model (model.num_experts > 0)")
+
+
+def recipe_files(argv: list[str]) -> list[str]:
+    """The ``--recipe`` files of a command line, in order."""
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
+    return files + [a.split("=", 1)[1] for a in argv if a.startswith("--recipe=")]
+
+
+def check_machine(recipe: Recipe, argv: list[str]) -> None:
+    """A recipe sized for GPUs (``run.min_gpus``) stops at once on a machine with fewer,
+    naming its CPU twin (``recipes/smoke/`` beside it, of the same name)."""
+    need = recipe.run.min_gpus
+    if not need:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= need:
+        return
+    files = recipe_files(argv)
+    source = files[-1] if files else "this recipe"
+    twin = os.path.join(os.path.dirname(source), "smoke", os.path.basename(source)) if files else None
+    hint = (f"on this machine run its smoke twin: deepspeed --num_gpus 4 molds/train.py --recipe {twin}"
+            if twin and os.path.isfile(twin) else "it has no smoke twin in recipes/smoke/")
+    raise RecipeError(f"{source} is sized for {need} GPUs per machine (run.min_gpus) and this machine has {have}; "
+                      f"{hint}")
 
 
 def _get(cfg: dict, dotted: str):

@@ -50,12 +50,13 @@ class Run:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from molds.recipe import parse_recipe, validate
+    from molds.recipe import check_machine, parse_recipe, validate
 
     if argv is None:
         argv = sys.argv[1:]
     argv = [a for a in argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     recipe = parse_recipe(argv)
+    check_machine(recipe, argv)  # a recipe sized for GPUs on a machine without them: its twin
     validate(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group starts
     try:
         run = setup(recipe)
@@ -177,7 +178,7 @@ def setup(recipe) -> Run:
     from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.eval.training import TrainingEvaluator
-    from molds.kernels import apply_kernels
+    from molds.kernels import apply_kernels, kernel_summary
     from molds.models import build_model, count_parameters
     from molds.models.loss import build_loss
     from molds.recipe import resolve_batching
@@ -195,8 +196,10 @@ def setup(recipe) -> Run:
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed)  # the same on every rank
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
-    apply_kernels(model, recipe.kernels)
-    engine = build_engine(recipe, model, build_loss(recipe.model), dist)
+    loss = build_loss(recipe.model)
+    apply_kernels(model, recipe.kernels, loss)
+    kernels = kernel_summary(model, dist.device)  # before an engine cuts the model into stages
+    engine = build_engine(recipe, model, loss, dist)
     _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks
     topo = engine.topology
     loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=topo.dp_rank,
@@ -207,7 +210,7 @@ def setup(recipe) -> Run:
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
-        "parameters": parameters, "host_allocator": allocator,
+        "parameters": parameters, "host_allocator": allocator, "kernels": kernels,
     }
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops)
     if plan is not None:
@@ -451,6 +454,8 @@ def _start_summary(run: Run, parameters: int) -> None:
     from molds.metrics.logger import device_peak_tflops
 
     run.log.text("run/mfu_peak", device_peak_tflops(run.dist.device, recipe.logging.peak_tflops)[1])
+    if run.lineage["kernels"]:
+        run.log.text("run/kernels", run.lineage["kernels"])
     if not run.dist.is_main:
         return
     seq = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
@@ -465,6 +470,8 @@ def _start_summary(run: Run, parameters: int) -> None:
           f"{b.dp_size} data-parallel){mols}; host allocator: {run.lineage['host_allocator']}"
           f"{' (MOLDS_SYSTEM_ALLOCATOR=1 to keep the C library defaults)' if run.lineage['host_allocator'] == 'retain' else ''}",
           file=sys.stderr)
+    if run.lineage["kernels"]:
+        print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)

@@ -35,7 +35,7 @@ RESUME_MUTABLE = (
     "parallel.activation_checkpoint_interval", "parallel.schedule",
     "trainer.grad_accum", "trainer.global_batch_size", "trainer.on_nonfinite", "trainer.max_nonfinite_steps",
     "data.manifest", "data.verify", "data.on_bad_shard", "data.max_skipped_fraction", "data.num_workers",
-    "kernels.compile_regions",
+    "kernels.compile_regions", "kernels.triton",  # the same math as the PyTorch paths (not kernels.fp8*)
 )
 
 

@@ -31,6 +31,7 @@ What molds adds around it, and why:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 
@@ -100,21 +101,32 @@ class NormPipe(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    """Last stage: hidden -> logits [B, S, vocab] in packed rows (what the loss takes)."""
+    """Last stage: hidden -> logits [B, S, vocab] in packed rows (what the loss takes), or
+    with ``in_loss`` what a loss with the head fused into it takes."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, in_loss: bool = False, linear=F.linear):
         super().__init__()
-        self.weight = weight
+        self.weight, self.in_loss, self.linear = weight, in_loss, linear
 
     def forward(self, inputs):
-        return head_forward(self, inputs)
+        return head_in_loss_forward(self, inputs) if self.in_loss else head_forward(self, inputs, self.linear)
 
 
-def head_forward(module, inputs):
-    """The LM head through a (possibly tied) weight: logits of the real tokens, back in rows."""
+def head_forward(module, inputs, linear=F.linear):
+    """The LM head through a (possibly tied) weight: logits of the real tokens, back in rows.
+    ``linear``: the single-device head's product (an FP8 one under ``kernels.fp8_lm_head``)."""
     hidden, position_ids, document_ids = inputs
     layout = _layout(position_ids, document_ids)
-    return layout.to_packed(F.linear(hidden[:layout.positions.numel()], module.weight))
+    return layout.to_packed(linear(hidden[:layout.positions.numel()], module.weight))
+
+
+def head_in_loss_forward(module, inputs):
+    """The last stage of a decoder whose LM head runs in the loss (``kernels.triton``):
+    the real tokens' hidden states, where they sit in the packed rows, the head's weight."""
+    hidden, position_ids, document_ids = inputs
+    layout = _layout(position_ids, document_ids)
+    t = layout.positions.numel()
+    return {"hidden": hidden[:t], "token_index": layout.packed_source[:t], "lm_head_weight": module.weight}
 
 
 def _rename(num_blocks: int, tied: bool):
@@ -201,13 +213,17 @@ class PipelineEngine(ScheduledEngine):
                  else LayerSpec(EmbedPipe, body.embed_tokens.weight)]
         specs += [LayerSpec(BlockPipe, block, cfg.head_dim, cfg.rope_theta) for block in body.layers]
         specs.append(LayerSpec(NormPipe, body.norm))
-        specs.append(TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight, forward_fn=head_forward) if tied
-                     else LayerSpec(HeadPipe, model.lm_head.weight))
+        in_loss = getattr(model, "head_in_loss", False)  # kernels.triton: the LM head runs in the loss
+        linear = getattr(model.lm_head, "linear", F.linear)  # kernels.fp8_lm_head: its FP8 product
+        head = head_in_loss_forward if in_loss else functools.partial(head_forward, linear=linear)
+        specs.append(TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight, forward_fn=head) if tied
+                     else LayerSpec(HeadPipe, model.lm_head.weight, in_loss, linear))
         self.rename = _rename(len(body.layers), tied)
 
         def pipe_loss(outputs, targets):
             labels, document_ids = targets
-            return loss_fn({"logits": outputs}, {"labels": labels, "document_ids": document_ids})
+            outputs = outputs if isinstance(outputs, dict) else {"logits": outputs}
+            return loss_fn(outputs, {"labels": labels, "document_ids": document_ids})
 
         with quiet_on_other_ranks(dist), torch.no_grad():  # (its tied-weight broadcast is no training op)
             self.module = PipelineModule(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,

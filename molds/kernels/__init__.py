@@ -2,18 +2,110 @@
 
 A model file never imports Triton or knows about fused kernels: it keeps its
 elementwise regions as module attributes (``RMSNorm.norm``, ``MLP.act``,
-``Attention.rope``) and a converter here swaps them (torchtitan's Float8 converter is
-the pattern). The recipe's ``kernels`` section chooses the converters; ``apply_kernels``
-is the one place they are applied, in a fixed order.
+``Attention.rope``, ``MoEDecoderLayer.permute``) and its products as modules
+(``nn.Linear``) or attributes (``Experts.grouped_mm``, ``Router.linear``), and a
+converter here swaps them (torchtitan's Float8 converter is the pattern). The recipe's
+``kernels`` section chooses the converters; ``apply_kernels`` is the one place they are
+applied, in a fixed order:
+
+1. ``kernels.fp8``: linears and experts' grouped GEMMs in block-scaled FP8
+   (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``);
+2. ``kernels.triton``: RMSNorm, SwiGLU, the MoE token permute / unpermute and the
+   LM head with the loss (``rmsnorm``, ``swiglu``, ``moe_permute``, ``cross_entropy``);
+3. ``kernels.compile_regions``: the elementwise regions compiled by inductor.
+
+Every op is a ``torch.library`` custom op with a fake implementation (torch.compile
+traces through it) and a PyTorch path that runs where its kernel cannot
+(``launch``); ``kernel_summary`` says, for the start line, which path each op takes on
+the run's device and how many modules each converter swapped.
 """
 
 from __future__ import annotations
 
 
-def apply_kernels(model, kernels) -> object:
-    """``model`` with the converters the recipe's ``kernels`` section asks for."""
+def apply_kernels(model, kernels, loss=None) -> object:
+    """``model`` with the converters the recipe's ``kernels`` section asks for; ``loss``
+    (the objective, ``molds.models.loss``) takes the fused LM head under ``kernels.triton``."""
+    if kernels.fp8:
+        from .fp8_linear import convert_to_fp8
+
+        convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
+                       grad_format=kernels.fp8_grad_format)
+    if kernels.triton:
+        fuse_with_triton(model, loss)
     if kernels.compile_regions:
         from .compile_regions import compile_regions
 
         compile_regions(model)
     return model
+
+
+def fuse_with_triton(model, loss=None) -> None:
+    """Swap the regions ``kernels.triton`` covers for the custom ops (in place)."""
+    from ..models.decoder import MLP, CausalDecoder, RMSNorm
+    from ..models.moe import Experts, MoEDecoderLayer, SharedExpert
+    from .cross_entropy import linear_cross_entropy
+    from .moe_permute import moe_permute, moe_unpermute
+    from .rmsnorm import fused_rms_norm
+    from .swiglu import fused_swiglu
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.norm = fused_rms_norm
+        elif isinstance(module, (MLP, Experts, SharedExpert)):
+            module.act = fused_swiglu
+        elif isinstance(module, MoEDecoderLayer):
+            module.permute, module.unpermute = moe_permute, moe_unpermute
+    if isinstance(model, CausalDecoder) and loss is not None and hasattr(loss, "linear_cross_entropy"):
+        model.head_in_loss = True  # the forward hands the loss its hidden states and the head's weight
+        loss.linear_cross_entropy = linear_cross_entropy
+
+
+def kernel_summary(model, device) -> str:
+    """Which converters swapped how many modules, and where each op runs on ``device``."""
+    import torch
+
+    from ..models.decoder import MLP, RMSNorm
+    from ..models.moe import Experts, MoEDecoderLayer, Router, SharedExpert
+
+    parts = []
+    modules = list(model.modules())
+    fp8 = [m for m in modules if type(m).__name__ == "Fp8Linear"]
+    fp8_experts = [m for m in modules if isinstance(m, Experts) and getattr(m.grouped_mm, "any_shape", False)]
+    fp8_router = [m for m in modules if isinstance(m, Router)
+                  and getattr(getattr(m.linear, "func", None), "__name__", "") == "fp8_linear"]
+    if fp8 or fp8_experts:
+        head = getattr(model, "lm_head", None)
+        parts.append(f"fp8: {len(fp8)} linears{' (LM head included)' if any(m is head for m in fp8) else ''}, "
+                     f"{len(fp8_experts)} expert GEMM sets, {len(fp8_router)} routers -> {fp8_gemm_path(device)}")
+    fused = {"rms_norm": sum(isinstance(m, RMSNorm) and getattr(m.norm, "__name__", "") == "fused_rms_norm"
+                             for m in modules),
+             "swiglu": sum(isinstance(m, (MLP, Experts, SharedExpert))
+                           and getattr(m.act, "__name__", "") == "fused_swiglu" for m in modules),
+             "moe_permute": sum(isinstance(m, MoEDecoderLayer) and getattr(m.permute, "__name__", "") == "moe_permute"
+                                for m in modules),
+             "linear_cross_entropy": int(bool(getattr(model, "head_in_loss", False)))}
+    if any(fused.values()):
+        from .launch import describe
+
+        ops = ", ".join(f"{name} x{n}" for name, n in fused.items() if n)
+        parts.append(f"triton: {ops} -> {describe(torch.device(device))}")
+    return "; ".join(parts)
+
+
+def fp8_gemm_path(device) -> str:
+    """Where the FP8 products run on ``device``, in words."""
+    import torch
+
+    from .launch import fp8_matrix_units, runs_triton
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not fp8_matrix_units(device.index or 0):
+            return "PyTorch emulation (this GPU has no FP8 matrix units: dequantized float32 products)"
+        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+        return ("torch scaled_mm for the forward products, Triton block-scaled GEMMs for the others" if hopper
+                else "Triton block-scaled GEMMs")
+    if runs_triton(torch.empty(0)):
+        return "Triton interpreter (MOLDS_TRITON_INTERPRET=1)"
+    return "CPU: block-scaled quantization in PyTorch, products emulated in float32"

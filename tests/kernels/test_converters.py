@@ -1,0 +1,148 @@
+"""The ``kernels`` converters on whole models: what they swap and say, the Triton path of a
+whole MoE decoder equal to its PyTorch path, FP8 training close to the plain model,
+torch.compile through every op without a graph break, and the recipe rules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from molds.config import KernelsConfig
+from molds.errors import RecipeError
+from molds.kernels import apply_kernels, kernel_summary
+from molds.models.loss import CausalLMLoss
+from tests.test_decoder import _packed_batch
+from tests.test_moe import moe_model
+
+
+def _batch():
+    ids, pos, doc, _ = _packed_batch([[5, 9, 3], [12, 1, 6]], 24, 40)
+    return {"input_ids": ids, "position_ids": pos, "document_ids": doc, "labels": ids.masked_fill(doc < 0, -100)}
+
+
+def _loss_and_grads(model, loss, batch):
+    model.zero_grad()
+    value = loss(model(**batch), batch)
+    value.backward()
+    return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _converted(reference, kernels):
+    model, loss = copy.deepcopy(reference), CausalLMLoss()
+    apply_kernels(model, kernels, loss)
+    return model, loss
+
+
+def test_converters_swap_count_and_keep_the_state_dict():
+    reference = moe_model(shared_expert_size=16)
+    model, loss = _converted(reference, KernelsConfig(fp8=True, fp8_router=True, triton=True))
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    assert model.head_in_loss and loss.linear_cross_entropy.__module__ == "molds.kernels.cross_entropy"
+    line = kernel_summary(model, "cpu")
+    # 3 blocks x 4 attention projections + the shared experts' 3 x 3 (the head stays: fp8_lm_head off)
+    assert "fp8: 21 linears, 3 expert GEMM sets, 3 routers" in line
+    assert "rms_norm x13" in line and "swiglu x6" in line and "moe_permute x3" in line
+    assert "linear_cross_entropy x1" in line and "PyTorch (a CPU" in line
+    head, _ = _converted(reference, KernelsConfig(fp8=True, fp8_lm_head=True))
+    assert "22 linears (LM head included)" in kernel_summary(head, "cpu")
+    assert kernel_summary(moe_model(), "cpu") == ""
+
+
+def test_triton_path_of_a_whole_model_equals_its_pytorch_path(monkeypatch):
+    from molds.kernels.launch import interpreter_ready
+
+    assert interpreter_ready()
+    reference = moe_model(shared_expert_size=16)
+    batch = _batch()
+    kernels = KernelsConfig(fp8=True, triton=True)
+    plain = _loss_and_grads(*_converted(reference, kernels), batch)  # the PyTorch paths
+    monkeypatch.setenv("MOLDS_TRITON_INTERPRET", "1")
+    model, loss = _converted(reference, kernels)
+    assert "Triton interpreter" in kernel_summary(model, "cpu")
+    fused = _loss_and_grads(model, loss, batch)  # every op through its Triton kernel
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert fused[1].keys() == plain[1].keys()
+    for name, g in fused[1].items():
+        torch.testing.assert_close(g, plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),
+                                   msg=name)
+
+
+def test_triton_ops_keep_the_models_numbers_and_fp8_stays_close():
+    reference = moe_model(shared_expert_size=16)
+    batch = _batch()
+    want, want_g = _loss_and_grads(reference, CausalLMLoss(), batch)
+    got, got_g = _loss_and_grads(*_converted(reference, KernelsConfig(triton=True)), batch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-5, atol=1e-6, msg=name)
+    # FP8 (every product of this 32-wide model in e4m3 / e5m2 1x128 tiles, i.e. a scale per
+    # row): the loss moves by a fraction of a percent, each gradient by FP8's tens of percent at
+    # most, and points the same way (cosine > 0.9)
+    fp8, fp8_g = _loss_and_grads(*_converted(reference, KernelsConfig(fp8=True)), batch)
+    assert abs(float(fp8 - want)) < 0.01 * float(want)
+    for name in want_g:
+        a, b = fp8_g[name].flatten().double(), want_g[name].flatten().double()
+        assert float(a @ b / (a.norm() * b.norm())) > 0.9, name
+
+
+def test_compile_traces_a_decoder_through_every_op_without_graph_breaks():
+    from molds.models.decoder import CausalDecoder, DecoderConfig
+
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(vocab_size=40, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
+    loss = CausalLMLoss()
+    apply_kernels(model, KernelsConfig(fp8=True, fp8_lm_head=False, triton=True), loss)
+    ids = torch.randint(6, 40, (3, 17))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def forward(batch):
+        return loss(model(batch["input_ids"]), batch)
+
+    eager = forward(batch)
+    eager.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")  # a graph break raises
+    out = compiled(batch)
+    out.backward()  # the backward graph AOTAutograd traced through the custom ops' autograd
+    torch.testing.assert_close(out, eager)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_deferral_leaves_the_fp8_products_alone():
+    import torch.nn.functional as F
+
+    from molds.models.moe import Experts, Router
+    from molds.models.wgrad import defer_weight_grads
+
+    model, _ = _converted(moe_model(), KernelsConfig(fp8=True))
+    defer_weight_grads(model)
+    assert all(getattr(m.grouped_mm, "any_shape", False) for m in model.modules() if isinstance(m, Experts))
+    assert all(m.linear is not F.linear for m in model.modules() if isinstance(m, Router))  # the router: deferrable
+    assert type(model.lm_head).__name__ == "DeferrableLinear"  # not FP8 here: the BF16 deferral takes it
+
+
+def test_recipe_rules_for_the_kernels_section(tmp_path):
+    from molds.recipe import check_machine, parse_recipe, validate
+
+    base = ["--recipe", "recipes/smoke/moe_fp8.json", "--data.manifest", str(tmp_path)]
+    validate(parse_recipe(base), 4)
+    for extra, words in [(["--kernels.fp8", "false", "--kernels.fp8_pow2_scales", "true"],
+                          "kernels.fp8_pow2_scales applies with kernels.fp8=true"),
+                         (["--kernels.fp8_lm_head", "true"], "kernels.fp8_lm_head cannot combine with kernels.triton"),
+                         (["--model.num_experts", "0", "--kernels.fp8_router", "true", "--parallel.ep_size", "1"],
+                          "kernels.fp8_router needs a mixture-of-experts model")]:
+        with pytest.raises(RecipeError, match=words):
+            validate(parse_recipe(base + extra), 4)
+    with pytest.raises(RecipeError, match="kernels.triton applies to model.family=decoder"):
+        validate(parse_recipe(["--recipe", "recipes/smoke/mlm_multitask_zero2.json", "--kernels.triton", "true"]), 2)
+    full = ["--recipe", "recipes/moe_fp8.json"]
+    if not torch.cuda.is_available():
+        with pytest.raises(RecipeError, match=r"sized for 8 GPUs.*smoke twin: deepspeed --num_gpus 4 molds/train.py "
+                                              r"--recipe recipes/smoke/moe_fp8.json"):
+            check_machine(parse_recipe(full), full)
+    check_machine(parse_recipe(base), base)  # the twin runs anywhere
