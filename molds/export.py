@@ -2,7 +2,9 @@
 
 Writes safetensors weights, ``config.json`` and the manifest's tokenizer, so that
 ``AutoModelForCausalLM`` (decoder: ``LlamaForCausalLM``; MoE decoder:
-``Qwen3MoeForCausalLM``), ``AutoModelForMaskedLM`` (encoder) or
+``Qwen3MoeForCausalLM``, or with sigmoid routing and a shared expert, which Qwen3-MoE
+does not have, ``Dots1ForCausalLM``: dots.llm1's Qwen3 attention with DeepSeek-V3's
+MoE), ``AutoModelForMaskedLM`` (encoder) or
 ``AutoModelForSequenceClassification`` (encoder with property heads) and
 ``AutoTokenizer`` load it with no molds installed. The checkpoint is opened with the
 same factory and canonical weights as training (``molds.checkpoint.open_checkpoint``),
@@ -43,6 +45,9 @@ def hf_decoder(model, specials):
     cfg = model.config
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     if cfg.moe is not None:
+        moe = cfg.moe
+        if moe.score == "sigmoid" and moe.shared_expert_size:
+            return hf_dots1(model, specials)
         return hf_qwen3_moe(model, specials)
     from transformers import LlamaForCausalLM
 
@@ -77,21 +82,62 @@ def hf_qwen3_moe(model, specials):
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=sorted(set(range(cfg.num_layers)) - sparse),
         router_aux_loss_coef=moe.aux_loss_coef, hidden_act="silu", bos_token_id=specials.bos,
         eos_token_id=specials.eos, pad_token_id=specials.pad)
-    state = {}
-    for name, t in model.state_dict().items():
+    return _strict(Qwen3MoeForCausalLM(hf_cfg), _stacked_expert_state(model), ("lm_head.weight",))
+
+
+def _stacked_expert_state(model, rename=None) -> dict:
+    """The MoE decoder's weights with its experts stacked as HF's MoE models hold them
+    (``gate_up_proj`` [E, 2 x width, hidden], ``down_proj`` [E, hidden, width]); ``rename``
+    maps other names."""
+    state, own = {}, model.state_dict()
+    for name, t in own.items():
         t = t.detach().float()
         if name.endswith(".mlp.experts.gate"):  # ours gate, up [E, hidden, w] -> HF gate_up_proj [E, 2w, hidden]
-            up = model.state_dict()[name[: -len("gate")] + "up"].detach().float()
+            up = own[name[: -len("gate")] + "up"].detach().float()
             state[name[: -len("gate")] + "gate_up_proj"] = torch.cat([t, up], 2).transpose(1, 2).contiguous()
         elif name.endswith(".mlp.experts.up"):
             continue
         elif name.endswith(".mlp.experts.down"):  # ours [E, w, hidden] -> HF [E, hidden, w]
             state[name[: -len("down")] + "down_proj"] = t.transpose(1, 2).contiguous()
         else:
-            state[name] = t
-    if cfg.tie_word_embeddings:
+            state[rename(name) if rename else name] = t
+    if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return _strict(Qwen3MoeForCausalLM(hf_cfg), state, ("lm_head.weight",))
+    return state
+
+
+def hf_dots1(model, specials):
+    """The MoE decoder with sigmoid routing and a shared expert as ``Dots1ForCausalLM``
+    (transformers' dots.llm1: Qwen3's attention with per-head q/k RMSNorm, DeepSeek-V3's
+    MoE): sigmoid scores, top-k, the k weights renormalized (``norm_topk_prob``), one
+    group, no score bias, a routed scaling of 1; the shared expert is ``n_shared_experts``
+    experts' width wide; dense blocks first (``first_k_dense_replace``); full attention."""
+    from transformers import Dots1Config, Dots1ForCausalLM
+
+    from .errors import MoldsError
+
+    cfg, moe = model.config, model.config.moe
+    width = moe.expert_size or cfg.intermediate_size
+    if moe.shared_expert_size % width or moe.layer_interval != 1 or moe.capacity_factor:
+        raise MoldsError("dots.llm1 (the Hugging Face twin of sigmoid routing with a shared expert) needs the shared "
+                         "expert a whole number of experts wide, every block after the dense ones an MoE block, "
+                         f"and no capacity: this model has moe_shared_expert_size={moe.shared_expert_size}, "
+                         f"moe_expert_size={width}, moe_layer_interval={moe.layer_interval}, "
+                         f"moe_capacity_factor={moe.capacity_factor}")
+    hf_cfg = Dots1Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=width, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, n_shared_experts=moe.shared_expert_size // width,
+        n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, first_k_dense_replace=moe.first_dense_layers,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_bias=False,
+        sliding_window=None, tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu",
+        bos_token_id=specials.bos, eos_token_id=specials.eos, pad_token_id=specials.pad)
+    state = _stacked_expert_state(model, lambda n: n.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+    for layer in range(moe.first_dense_layers, cfg.num_layers):  # DeepSeek-V3's selection bias: none here
+        state[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = torch.zeros(moe.num_experts)
+    return _strict(Dots1ForCausalLM(hf_cfg), state, ("lm_head.weight",))
 
 
 def hf_encoder(model):
@@ -109,9 +155,15 @@ def hf_encoder(model):
     return _strict(RobertaForMaskedLM(cfg.hf_config()), wanted, ("lm_head.decoder.bias",))
 
 
-def export(checkpoint: str, out: str, manifest_dir: str | None = None) -> str:
+def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: str = "float32") -> str:
+    """Write ``checkpoint`` as a Hugging Face directory ``out``; ``dtype``: the weights'
+    (float32 as trained, or bfloat16; never FP8: ``kernels.fp8`` quantizes at use only)."""
     from .atomic import atomic_directory
     from .checkpoint import open_checkpoint
+    from .errors import MoldsError
+
+    if dtype not in ("float32", "bfloat16"):
+        raise MoldsError(f"--dtype {dtype}: float32 or bfloat16")
 
     loaded = open_checkpoint(checkpoint, manifest_dir, with_tokenizer=False)
     if loaded.family == "decoder":
@@ -125,6 +177,7 @@ def export(checkpoint: str, out: str, manifest_dir: str | None = None) -> str:
             hf.generation_config.suppress_tokens = list(forbid)
     else:
         hf = hf_encoder(loaded.model)
+    hf = hf.to(getattr(torch, dtype))
     with atomic_directory(out.rstrip("/")) as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         tok_src = loaded.specials.path

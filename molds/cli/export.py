@@ -17,6 +17,8 @@ def build_parser():
     p.add_argument("out", type=str, help="output directory (replaced atomically if it exists)")
     p.add_argument("--manifest", type=str, default=None,
                    help="take the tokenizer from this manifest (default: the one the checkpoint trained on)")
+    p.add_argument("--dtype", type=str, default="float32", choices=["float32", "bfloat16"],
+                   help="the exported weights' dtype (float32: as trained)")
     return p
 
 
@@ -24,7 +26,7 @@ def run(argv: list[str]) -> int:
     from ..export import export
 
     args = parse(build_parser(), argv)
-    print(export(args.checkpoint, args.out, manifest_dir=args.manifest))
+    print(export(args.checkpoint, args.out, manifest_dir=args.manifest, dtype=args.dtype))
     return 0
 
 
