@@ -42,10 +42,15 @@ setup(
         "scipy>=1.10",
         "pillow>=9",
         "fcd_torch>=1.0.7",
+        # the kernels (molds/kernels): compiled on a GPU, in Triton's interpreter on a CPU for
+        # tests; no wheel outside Linux, where every op takes its PyTorch path
+        "triton>=3.2; sys_platform == 'linux'",
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1"],
+        # peers benchmarks/kernels.py compares against on a GPU (never imported by molds itself)
+        "peers": ["liger-kernel>=0.5", "torchao>=0.10"],
     },
     entry_points={
         "console_scripts": [
