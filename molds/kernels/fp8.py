@@ -123,7 +123,7 @@ def fp8_code(x, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr):
     shift = tl.minimum((151 - BIAS - MAN) - (u >> 23).to(tl.int32), 31).to(tl.uint32)
     sub = sig >> shift
     rem = sig - (sub << shift)
-    half = (1 << shift) >> 1
+    half = (tl.full(u.shape, 1, tl.uint32) << shift) >> 1
     sub = sub + ((rem > half) | ((rem == half) & ((sub & 1) == 1))).to(tl.uint32)
     code = tl.where(u >= ((128 - BIAS) << 23), normal, sub)
     if SATURATE:
@@ -176,16 +176,16 @@ def quantize_kernel(X, Q, S, M, K, stride_xb, stride_xm, stride_xk, stride_qb, s
     S += pid_b * stride_sb
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     mag = tl.where(x != x, float("inf"), tl.abs(x))
+    amax = tl.max(mag, axis=1, keep_dims=True)  # [BLOCK_M, 1]: one scale per row
+    if TILE_M != 1:
+        amax = tl.max(amax, axis=0, keep_dims=True)  # [1, 1]: one scale per block
+    inv = inverse_scale(amax, FP8_MAX, POW2)
+    tl.store(Q + rows[:, None] * stride_qm + cols[None, :], fp8_code(x * inv, EXP, MAN, SATURATE), mask=mask)
+    scale = tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv)
     if TILE_M == 1:
-        inv = inverse_scale(tl.max(mag, axis=1), FP8_MAX, POW2)  # one scale per row
-        q = fp8_code(x * inv[:, None], EXP, MAN, SATURATE)
-        tl.store(S + rows * stride_sm + pid_k, tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv),
-                 mask=rows < M)
+        tl.store(S + rows[:, None] * stride_sm + pid_k, scale, mask=(rows < M)[:, None])
     else:
-        inv = inverse_scale(tl.max(tl.max(mag, axis=1), axis=0), FP8_MAX, POW2)  # one scale per block
-        q = fp8_code(x * inv, EXP, MAN, SATURATE)
-        tl.store(S + pid_m * stride_sm + pid_k, tl.math.div_rn(1.0, inv))
-    tl.store(Q + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+        tl.store(S + pid_m * stride_sm + pid_k + tl.zeros([1, 1], dtype=tl.int32), scale)
 
 
 @jit

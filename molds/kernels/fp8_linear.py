@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8 import TILE, fp8_quantize
+from .fp8 import TILE, fp8_dequantize_reference, fp8_quantize, fp8_quantize_reference
 from .fp8_gemm import fp8_grouped_mm as _grouped_product
 from .fp8_gemm import fp8_grouped_wgrad, fp8_mm, pad_groups, scatter_rows
 
@@ -56,6 +56,28 @@ def _defer(fn) -> None:
     from ..models.wgrad import WeightGradStore
 
     WeightGradStore.put(fn)
+
+
+def _through_fp8(t: torch.Tensor, fmt: str, tile_rows: int, pow2: bool) -> torch.Tensor:
+    return fp8_dequantize_reference(*fp8_quantize_reference(t, fmt, tile_rows, pow2), tile_rows)
+
+
+def fp8_linear_reference(x, weight, bias=None, pow2: bool = False) -> torch.Tensor:
+    """The FP8 linear's forward in plain PyTorch: both operands rounded through their FP8
+    blocks, then a float32 product."""
+    x2 = _through_fp8(x.reshape(-1, x.shape[-1]), "e4m3", 1, pow2)
+    y = torch.nn.functional.linear(x2, _through_fp8(weight, "e4m3", TILE, pow2), bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_experts_reference(x, w, offs, pow2: bool = False) -> torch.Tensor:
+    """The FP8 expert GEMMs' forward in plain PyTorch (a product per expert)."""
+    xq, wq = _through_fp8(x, "e4m3", 1, pow2), _through_fp8(w, "e4m3", TILE, pow2)
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(xq[start:end] @ wq[g])
+        start = end
+    return torch.cat(out)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -21,12 +21,12 @@ from molds.kernels.fp8 import FORMATS, fp8_quantize
 from molds.kernels.fp8_gemm import (fp8_grouped_mm_reference, fp8_grouped_mm_triton, fp8_grouped_wgrad_reference,
                                     fp8_grouped_wgrad_triton, fp8_mm_reference, fp8_mm_triton, pad_groups,
                                     scatter_rows)
-from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
+from molds.kernels.fp8_linear import fp8_experts_reference, fp8_grouped_mm, fp8_linear, fp8_linear_reference
 from molds.models.wgrad import WeightGradStore
 
 
 def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.double()).norm() / b.double().norm())
 
 
 def _element_error(x: torch.Tensor, fmt: str, tile_rows: int) -> torch.Tensor:
@@ -126,6 +126,7 @@ def test_fp8_linear_is_within_the_fp8_bound_forward_and_backward(triton, gen, re
     _within(w.grad, g2.double().t() @ x2.double(), _product_bound(g2.t(), "e5m2", 1, x2.t(), "e4m3", 1))
     torch.testing.assert_close(b.grad, g2.sum(0))
     assert y.dtype == torch.float32 and _rel(y.reshape(-1, 257), exact) < 0.06  # e4m3: ~2^-4 per operand
+    _close(y.detach(), fp8_linear_reference(x, w.detach(), b.detach()))  # the plain-PyTorch definition
 
 
 def test_fp8_linear_under_autocast_and_with_e4m3_gradients(gen):
@@ -175,6 +176,7 @@ def test_fp8_expert_gemms_are_within_the_fp8_bound(triton, gen, request):
     x = torch.randn(m, k, generator=gen, requires_grad=True)
     w = (torch.randn(len(counts), k, n, generator=gen) * 0.05).requires_grad_()
     y = fp8_grouped_mm(x, w, offs=offs)
+    _close(y.detach(), fp8_experts_reference(x.detach(), w.detach(), offs))
     dy = torch.randn(m, n, generator=gen)
     y.backward(dy)
     ends = offs.tolist()
