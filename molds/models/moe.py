@@ -17,7 +17,10 @@ the expert-parallel communication boundaries, each a method on the same state:
 
 ``forward`` runs them in order; a schedule that overlaps two micro-batches (DualPipeV)
 can interleave them. ``reference_forward`` is the plain definition (every expert on
-every token, masked), used by the tests as ground truth.
+every token, masked), used by the tests as ground truth. The token permute into expert
+order and the weighted sum back (``permute_tokens`` / ``unpermute_tokens``) and the
+experts' products (``Experts.grouped_mm``) are attributes a kernel converter may swap
+(``molds.kernels``: fused Triton ops, FP8 grouped GEMMs).
 
 Router: softmax (Mixtral / Qwen3) or sigmoid (DeepSeek-V3) scores, top-k (1-4), the k
 weights renormalized to sum to one. Load-balancing loss (Switch Transformer,

@@ -146,3 +146,17 @@ def test_recipe_rules_for_the_kernels_section(tmp_path):
                                               r"--recipe recipes/smoke/moe_fp8.json"):
             check_machine(parse_recipe(full), full)
     check_machine(parse_recipe(base), base)  # the twin runs anywhere
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="a machine the full recipe is sized for")
+def test_the_headline_command_stops_at_once_on_a_small_machine_naming_its_twin():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    proc = subprocess.run([sys.executable, "molds/train.py", "--recipe", "recipes/moe_fp8.json"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "recipes/smoke/moe_fp8.json" in lines[0] and "run.min_gpus" in lines[0], lines
