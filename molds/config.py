@@ -255,7 +255,15 @@ class ParallelConfig:
     over this many data-parallel ranks."""
 
     schedule: Literal["1f1b", "dualpipev"] = "1f1b"
-    """Pipeline schedule (engine pipeline)."""
+    """Pipeline schedule (engine pipeline). ``1f1b``: DeepSpeed's, one stage per rank.
+    ``dualpipev``: DeepSeek's V-shaped DualPipe, two stages per rank (the model is cut in
+    2 x pp_size), zero-bubble weight gradients and overlapped forward & backward pairs;
+    needs trainer.grad_accum >= 2 x pp_size (``molds-schedule`` shows both timelines)."""
+
+    overlap_moe: bool = True
+    """dualpipev: in a forward & backward pair, interleave the two micro-batches at the MoE
+    all-to-alls so one's exchange is in flight while the other computes (off: one after
+    the other, for comparison)."""
 
     partition_method: str = "parameters"
     """Pipeline: how DeepSpeed's PipelineModule cuts the layers into stages

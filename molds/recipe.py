@@ -215,7 +215,16 @@ def validate(recipe: Recipe, world_size: int) -> None:
     if p.engine != "pipeline" and p.schedule != "1f1b":
         raise RecipeError("parallel.schedule applies to parallel.engine=pipeline")
     if p.schedule == "dualpipev":
-        raise RecipeError("parallel.schedule=dualpipev is not built yet; use 1f1b")
+        accum = resolve_batching(recipe, world_size).grad_accum
+        if accum < 2 * p.pp_size:
+            raise RecipeError(f"parallel.schedule=dualpipev needs at least 2 x parallel.pp_size = {2 * p.pp_size} "
+                              f"micro-batches per step; trainer.grad_accum is {accum}")
+        if p.activation_checkpoint_interval:
+            raise RecipeError("parallel.activation_checkpoint_interval applies to parallel.schedule=1f1b (dualpipev "
+                              "runs its chunks in steps and keeps their activations)")
+        if m.num_layers + 3 < 2 * p.pp_size:
+            raise RecipeError(f"parallel.schedule=dualpipev cuts the model into 2 x parallel.pp_size = "
+                              f"{2 * p.pp_size} stages: model.num_layers={m.num_layers} is too few")
     check_kernels(recipe)
     dp = data_parallel_size(recipe, world_size)
     if m.num_experts:

@@ -52,10 +52,11 @@ def test_deferred_weight_grads_equal_autograd_after_flush(over):
     want = _grads(reference)
 
     x_grads = []
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    with store.deferring():
         for b in batches:
             CausalLMLoss()(model(**b), b).backward()
-            x_grads.append(WeightGradStore.pending())
+            x_grads.append(store.pending())
         before = _grads(model)
     assert x_grads[0] > 0 and x_grads[1] == 2 * x_grads[0]
     for name, g in before.items():  # nothing deferred is there yet; everything else is, and final
@@ -63,7 +64,7 @@ def test_deferred_weight_grads_equal_autograd_after_flush(over):
             assert g is None or name == "model.embed_tokens.weight", name
         else:
             torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert WeightGradStore.flush() == x_grads[1] and WeightGradStore.pending() == 0
+    assert store.flush() == x_grads[1] and store.pending() == 0
     got = _grads(model)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -79,7 +80,7 @@ def test_outside_the_context_nothing_is_deferred():
     torch.testing.assert_close(a, c, rtol=0, atol=0)
     a.backward()
     c.backward()
-    assert WeightGradStore.pending() == 0
+    assert not WeightGradStore.active()
     want, got = _grads(reference), _grads(model)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -95,11 +96,12 @@ def test_the_input_gradient_comes_first_and_is_final():
     x, x_ref = torch.randn(3, 5, 16, requires_grad=True), None
     x_ref = x.detach().clone().requires_grad_()
     ref(x_ref).square().sum().backward()
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    with store.deferring():
         lin(x).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert lin.weight.grad is None and lin.bias.grad is None
-    WeightGradStore.flush()
+    store.flush()
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
     torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
 
@@ -110,10 +112,11 @@ def test_grouped_weight_grad_with_empty_experts():
     offs = torch.cumsum(counts, 0).to(torch.int32)
     x = torch.randn(9, 16, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(4, 16, 24))
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    with store.deferring():
         deferrable_grouped_mm(x, w, offs=offs).sin().sum().backward()
     assert w.grad is None
-    WeightGradStore.flush()
+    store.flush()
     # per expert, by hand
     want_w, want_x, start = torch.zeros_like(w), [], 0
     for e, n in enumerate(counts.tolist()):
@@ -132,14 +135,15 @@ def test_grouped_weight_grad_with_empty_experts():
 
 def test_the_context_does_not_nest_and_clear_drops_the_queue():
     lin = defer_weight_grads(torch.nn.Linear(4, 4))
-    with WeightGradStore.deferring():
-        with pytest.raises(RuntimeError, match="already active"):
-            with WeightGradStore.deferring():
+    store = WeightGradStore()
+    with store.deferring():
+        with pytest.raises(RuntimeError, match="already deferring"):
+            with store.deferring():
                 pass
         lin(torch.randn(2, 4)).sum().backward()
-    assert WeightGradStore.pending() == 1
-    WeightGradStore.clear()
-    assert WeightGradStore.pending() == 0 and WeightGradStore.flush() == 0 and lin.weight.grad is None
+    assert store.pending() == 1
+    store.clear()
+    assert store.pending() == 0 and store.flush() == 0 and lin.weight.grad is None
 
 
 def test_under_bf16_autocast_the_gradients_match_nn_linear():
@@ -153,9 +157,32 @@ def test_under_bf16_autocast_the_gradients_match_nn_linear():
     assert a.dtype == b.dtype == torch.bfloat16
     torch.testing.assert_close(a, b)
     a.float().square().sum().backward()
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    with store.deferring():
         b.float().square().sum().backward()
-    WeightGradStore.flush()
+    store.flush()
     assert lin.weight.grad.dtype == torch.float32
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_groups_are_keyed_and_run_by_key():
+    """A schedule's W(chunk, mb) runs exactly what I(chunk, mb) queued, whatever the order."""
+    torch.manual_seed(3)
+    a, b = defer_weight_grads(torch.nn.Linear(6, 5)), defer_weight_grads(torch.nn.Linear(6, 5))
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    x = torch.randn(4, 6)
+    ref_a(x).square().sum().backward()
+    ref_b(x).cos().sum().backward()
+    store = WeightGradStore()
+    with store.deferring((0, 1)):
+        a(x).square().sum().backward()
+    with store.deferring((1, 0)):
+        b(x).cos().sum().backward()
+    assert store.pending((0, 1)) == 1 and store.pending((1, 0)) == 1 and store.pending() == 2
+    assert store.run((1, 0)) == 1 and a.weight.grad is None  # b's group only
+    torch.testing.assert_close(b.weight.grad, ref_b.weight.grad)
+    assert store.run((1, 0)) == 0 and store.run((0, 1)) == 1 and store.pending() == 0
+    torch.testing.assert_close(a.weight.grad, ref_a.weight.grad)
+    with pytest.raises(RuntimeError, match="outside deferring"):
+        WeightGradStore.put(lambda: None)

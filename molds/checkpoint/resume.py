@@ -32,7 +32,7 @@ RESUME_MUTABLE = (
     "parallel.engine", "parallel.zero_stage", "parallel.ds_config", "parallel.offload_optimizer",
     "parallel.offload_params", "parallel.pp_size", "parallel.ep_size", "parallel.ddp_bucket_mb",
     "parallel.static_graph", "parallel.compile", "parallel.collective_timeout_s", "parallel.partition_method",
-    "parallel.activation_checkpoint_interval", "parallel.schedule",
+    "parallel.activation_checkpoint_interval", "parallel.schedule", "parallel.overlap_moe",
     "trainer.grad_accum", "trainer.global_batch_size", "trainer.on_nonfinite", "trainer.max_nonfinite_steps",
     "data.manifest", "data.verify", "data.on_bad_shard", "data.max_skipped_fraction", "data.num_workers",
     "kernels.compile_regions", "kernels.triton",  # the same math as the PyTorch paths (not kernels.fp8*)

@@ -26,6 +26,10 @@ def build_engine(recipe, model, loss_fn, dist) -> Engine:
         from .zero import ZeroEngine
 
         return ZeroEngine(recipe, model, loss_fn, dist)
+    if name == "pipeline" and recipe.parallel.schedule == "dualpipev":
+        from .dualpipev import DualPipeVEngine
+
+        return DualPipeVEngine(recipe, model, loss_fn, dist)
     if name == "pipeline":
         from .pipeline import PipelineEngine
 

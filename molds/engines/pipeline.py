@@ -34,6 +34,7 @@ import contextlib
 import functools
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,15 +80,62 @@ class BlockPipe(nn.Module):
         super().__init__()
         self.block, self.head_dim, self.rope_theta = block, head_dim, rope_theta
 
-    def forward(self, inputs):
+    def _open(self, inputs):
+        """The real tokens' rows and what attention needs for them."""
         from ..models.decoder import rope_cos_sin
 
         hidden, position_ids, document_ids = inputs
         layout = _layout(position_ids, document_ids)
         t = layout.positions.numel()
         cos, sin = rope_cos_sin(layout.positions, self.head_dim, self.rope_theta, hidden.dtype)
-        y = self.block(hidden[:t], cos, sin, layout)
+        return hidden[:t], cos, sin, layout
+
+    def forward(self, inputs):
+        hidden, position_ids, document_ids = inputs
+        y = self.block(*self._open(inputs))
         return _pad_rows(y, hidden.shape[0]), position_ids, document_ids
+
+    def pipeline_parts(self):
+        """An MoE block with expert parallelism cut at its two all-to-alls, for a schedule
+        that interleaves two micro-batches (``molds.engines.chunks``); None: run it whole."""
+        from ..models.moe import MoEDecoderLayer
+        from .chunks import Exchange
+
+        block = self.block
+        if not isinstance(block, MoEDecoderLayer) or block.ep_size == 1 or block.reference:
+            return None
+
+        def route(inputs):
+            st = block.attention_and_route(*self._open(inputs))
+            return MoECarry(inputs[0].shape[0], inputs[1], inputs[2], st)
+
+        def experts(c):
+            block.arrange_for_return(block.run_experts(block.arrange_received(c.st)))
+            return c
+
+        def aggregate(c):
+            return _pad_rows(block.aggregate(c.st), c.rows), c.position_ids, c.document_ids
+
+        def put(c, x):
+            c.st.x = x
+            return c
+
+        return [route,
+                Exchange("dispatch", lambda c: c.st.x, put, lambda c: block.dispatch_splits(c.st), block.ep_group,
+                         prepare=lambda c: block.exchange_counts(c.st)),
+                experts,
+                Exchange("combine", lambda c: c.st.x, put, lambda c: block.combine_splits(c.st), block.ep_group),
+                aggregate]
+
+
+@dataclass
+class MoECarry:
+    """What passes between the parts of an MoE block inside a chunk."""
+
+    rows: int  # the stage tuple's fixed row count
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    st: object  # molds.models.moe.RoutingState
 
 
 class NormPipe(nn.Module):
@@ -178,7 +226,7 @@ class PipelineEngine(ScheduledEngine):
 
     def __init__(self, recipe, model: nn.Module, loss_fn, dist):
         import deepspeed
-        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
+        from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
         from ..distributed import quiet_on_other_ranks
         from ..models.moe import moe_layers, set_aux_loss_scale
@@ -226,9 +274,9 @@ class PipelineEngine(ScheduledEngine):
             return loss_fn(outputs, {"labels": labels, "document_ids": document_ids})
 
         with quiet_on_other_ranks(dist), torch.no_grad():  # (its tied-weight broadcast is no training op)
-            self.module = PipelineModule(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
-                                         partition_method=p.partition_method,
-                                         activation_checkpoint_interval=p.activation_checkpoint_interval)
+            self.module = self.module_class()(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
+                                              partition_method=p.partition_method,
+                                              activation_checkpoint_interval=p.activation_checkpoint_interval)
         if num_experts and self.ep > 1:
             self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep)
         self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
@@ -250,7 +298,7 @@ class PipelineEngine(ScheduledEngine):
             # the norm of every stage's gradients itself (_guard_non_finite_steps)
             ds_cfg["gradient_clipping"] = 0.0
         with quiet_on_other_ranks(dist):
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            self.engine, self.optimizer, _, self.scheduler = self.initialize_deepspeed(
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg,
                 dist_init_required=False)
         grid = self.module._grid
@@ -261,6 +309,19 @@ class PipelineEngine(ScheduledEngine):
         if self.stage_zero == 0:
             self._guard_non_finite_steps()
         self._stage_seconds = []
+
+    # the two seams a schedule changes (molds.engines.dualpipev)
+    @staticmethod
+    def module_class():
+        from deepspeed.pipe import PipelineModule
+
+        return PipelineModule
+
+    @staticmethod
+    def initialize_deepspeed(**kwargs):
+        import deepspeed
+
+        return deepspeed.initialize(**kwargs)
 
     # ------------------------------------------------------------ steps
     @staticmethod

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch
-from .launch import check_interpreter, jit, runs_triton, tl
+from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 IGNORE_INDEX = -100
 
@@ -67,7 +66,7 @@ def cross_entropy_rows_triton(logits: torch.Tensor, targets: torch.Tensor, scale
     if not logits.is_cuda:
         check_interpreter()
     n, v = logits.shape
-    loss = launch.empty(n, torch.float32, logits.device)
+    loss = empty(n, torch.float32, logits.device)
     if n:
         cross_entropy_kernel[(n,)](logits, targets, loss, scale, v, logits.stride(0), ignore_index,
                                    WITH_GRAD=with_grad, BLOCK_V=min(4096, max(16, 1 << (v - 1).bit_length())))

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch
-from .launch import check_interpreter, jit, runs_triton, tl
+from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 #: format name -> (torch dtype, exponent bits, mantissa bits, largest finite value, saturates)
 FORMATS = {
@@ -216,7 +215,7 @@ def fp8_cast_triton(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
         check_interpreter()
     dtype, e, m_bits, _, sat = FORMATS[fmt]
     x = x.contiguous()
-    q = launch.empty(x.shape, dtype, x.device)
+    q = empty(x.shape, dtype, x.device)
     if x.numel():
         cast_kernel[(-(-x.numel() // 4096),)](x, q.view(torch.uint8), x.numel(), EXP=e, MAN=m_bits, SATURATE=sat,
                                                 BLOCK=4096)
@@ -235,8 +234,8 @@ def fp8_quantize_triton(x: torch.Tensor, fmt: str = "e4m3", tile_rows: int = 1, 
     dtype, e, m_bits, fp8_max, sat = FORMATS[fmt]
     xb = _as_batch(x)
     b, m, k = xb.shape
-    q = launch.empty((b, m, k), dtype, x.device)
-    scale = launch.empty((b, *scale_shape(m, k, tile_rows)), torch.float32, x.device)
+    q = empty((b, m, k), dtype, x.device)
+    scale = empty((b, *scale_shape(m, k, tile_rows)), torch.float32, x.device)
     if x.numel():
         rows = _rows_per_program(tile_rows)
         qv = q.view(torch.uint8)
@@ -255,7 +254,7 @@ def fp8_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, tile_rows: int =
     _, e, m_bits, _, sat = FORMATS[format_of(q.dtype)]
     qb, sb = _as_batch(q), _as_batch(scale)
     b, m, k = qb.shape
-    y = launch.empty((b, m, k), dtype, q.device)
+    y = empty((b, m, k), dtype, q.device)
     if q.numel():
         rows = _rows_per_program(tile_rows)
         qv = qb.view(torch.uint8)

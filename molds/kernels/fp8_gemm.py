@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import TILE, fp8_dequantize_reference
-from . import launch
-from .launch import check_interpreter, fp8_matrix_units, jit, runs_triton, tl
+from .launch import check_interpreter, empty, fp8_matrix_units, jit, runs_triton, tl
 
 # ---------------------------------------------------------------- PyTorch path (reference and CPU)
 
@@ -180,7 +179,7 @@ def fp8_mm_triton(a, sa, bt, sb, tile_b: int, out_dtype: torch.dtype) -> torch.T
     _launch_check(a)
     m, k = a.shape
     n = bt.shape[0]
-    c = launch.empty((m, n), out_dtype, a.device)
+    c = empty((m, n), out_dtype, a.device)
     if c.numel():
         grid = (-(-m // _BLOCK_M), -(-n // _BLOCK_N))
         block_scaled_mm_kernel[grid](a, bt, sa, sb, c, m, n, k, *a.stride(), *bt.stride(), *sa.stride(), *sb.stride(),
@@ -207,7 +206,7 @@ def fp8_grouped_mm_triton(a, sa, bt, sb, tile_b: int, offs: torch.Tensor, out_dt
     _launch_check(a)
     m, k = a.shape
     g, n, _ = bt.shape
-    c = launch.empty((m, n), out_dtype, a.device)
+    c = empty((m, n), out_dtype, a.device)
     if m:  # rows past the last group (none in molds) are zero
         c.masked_fill_((torch.arange(m, device=a.device) >= offs[-1].to(torch.int64))[:, None], 0)
     if m and n and g:
@@ -223,7 +222,7 @@ def fp8_grouped_wgrad_triton(at, sa, bt, sb, offs_padded: torch.Tensor, out_dtyp
     _launch_check(at)
     k, n = at.shape[0], bt.shape[0]
     g = len(offs_padded)
-    c = launch.empty((g, k, n), out_dtype, at.device)
+    c = empty((g, k, n), out_dtype, at.device)
     if c.numel():
         bounds = torch.cat([offs_padded.new_zeros(1), offs_padded])
         grid = (g, -(-k // _BLOCK_M), -(-n // _BLOCK_N))

@@ -57,10 +57,17 @@ def check_interpreter() -> None:
                            "starts" if triton is not None else "triton is not installed")
 
 
-def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """The output buffers of the Triton launchers (the tests poison them, so an element a
-    kernel forgets to write shows)."""
+def _allocate(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+allocate = _allocate  # the kernel tests swap in one that poisons the buffer
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The output buffers of the Triton launchers (the tests poison them through
+    ``allocate``, so an element a kernel forgets to write shows)."""
+    return allocate(shape, dtype, device)
 
 
 def runs_triton(t: torch.Tensor) -> bool:

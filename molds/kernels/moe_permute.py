@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch
-from .launch import check_interpreter, jit, runs_triton, tl
+from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def permute_reference(y: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
@@ -110,7 +109,7 @@ def permute_triton(y: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
     if not y.is_cuda:
         check_interpreter()
     y = _rows(y)
-    out = launch.empty((len(token_of), y.shape[1]), y.dtype, y.device)
+    out = empty((len(token_of), y.shape[1]), y.dtype, y.device)
     if out.numel():
         gather_rows_kernel[(len(token_of),)](y, token_of, out, y.shape[1], y.stride(0), out.stride(0),
                                              BLOCK_H=_block(y.shape[1]))
@@ -121,7 +120,7 @@ def gather_sum_triton(src, weight, order, start, num_tokens: int, dtype: torch.d
     if not src.is_cuda:
         check_interpreter()
     src = _rows(src)
-    out = launch.empty((num_tokens, src.shape[1]), dtype, src.device)
+    out = empty((num_tokens, src.shape[1]), dtype, src.device)
     if out.numel():
         gather_sum_kernel[(num_tokens,)](src, src if weight is None else weight, order, start, out, src.shape[1],
                                          src.stride(0), out.stride(0), WEIGHTED=weight is not None,
@@ -138,8 +137,8 @@ def unpermute_backward_triton(dout, x, weight_of, token_of):
     if not dout.is_cuda:
         check_interpreter()
     dout, x = _rows(dout), _rows(x)
-    dx = launch.empty(x.shape, x.dtype, x.device)
-    dw = launch.empty(weight_of.shape, weight_of.dtype, x.device)
+    dx = empty(x.shape, x.dtype, x.device)
+    dw = empty(weight_of.shape, weight_of.dtype, x.device)
     if len(token_of):
         unpermute_backward_kernel[(len(token_of),)](dout, x, weight_of, token_of, dx, dw, x.shape[1], dout.stride(0),
                                                     x.stride(0), dx.stride(0), BLOCK_H=_block(x.shape[1]))

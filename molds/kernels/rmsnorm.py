@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch
-from .launch import check_interpreter, jit, runs_triton, tl
+from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,8 +76,8 @@ def rms_norm_forward_triton(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     if not x2.is_cuda:
         check_interpreter()
     n, h = x2.shape
-    y = launch.empty((n, h), torch.promote_types(weight.dtype, x2.dtype), x2.device)
-    rstd = launch.empty(n, torch.float32, x2.device)
+    y = empty((n, h), torch.promote_types(weight.dtype, x2.dtype), x2.device)
+    rstd = empty(n, torch.float32, x2.device)
     if n:
         rows = _rows_per_program(n, x2.device)
         rms_norm_forward_kernel[(-(-n // rows),)](x2, weight, y, rstd, n, h, eps, x2.stride(0), y.stride(0),
@@ -91,10 +90,10 @@ def rms_norm_backward_triton(dy2, x2, weight, rstd):
     if not x2.is_cuda:
         check_interpreter()
     n, h = x2.shape
-    dx = launch.empty(x2.shape, x2.dtype, x2.device)
+    dx = empty(x2.shape, x2.dtype, x2.device)
     rows = _rows_per_program(n, x2.device)
     programs = -(-n // rows)
-    partial = launch.empty((programs, h), torch.float32, x2.device)
+    partial = empty((programs, h), torch.float32, x2.device)
     if n:
         rms_norm_backward_kernel[(programs,)](dy2, x2, weight, rstd, dx, partial, n, h, dy2.stride(0), x2.stride(0),
                                               dx.stride(0), ROWS=rows, BLOCK_H=_block(h))

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch
-from .launch import check_interpreter, jit, runs_triton, tl
+from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -57,7 +56,7 @@ def swiglu_forward_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not gate.is_cuda:
         check_interpreter()
     gate, up = gate.contiguous(), up.contiguous()
-    y = launch.empty(gate.shape, torch.promote_types(gate.dtype, up.dtype), gate.device)
+    y = empty(gate.shape, torch.promote_types(gate.dtype, up.dtype), gate.device)
     n = gate.numel()
     if n:
         swiglu_forward_kernel[(-(-n // _BLOCK),)](gate, up, y, n, BLOCK=_BLOCK)
@@ -68,7 +67,7 @@ def swiglu_backward_triton(dy, gate, up):
     if not gate.is_cuda:
         check_interpreter()
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
-    dg, du = launch.empty(gate.shape, gate.dtype, gate.device), launch.empty(up.shape, up.dtype, up.device)
+    dg, du = empty(gate.shape, gate.dtype, gate.device), empty(up.shape, up.dtype, up.device)
     n = gate.numel()
     if n:
         swiglu_backward_kernel[(-(-n // _BLOCK),)](dy, gate, up, dg, du, n, BLOCK=_BLOCK)

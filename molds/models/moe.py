@@ -310,22 +310,9 @@ class MoEDecoderLayer(nn.Module):
         if self.ep_size == 1:
             st.local_counts = st.counts
             return st
-        import torch.distributed as dist
-
-        all_to_all_single = _differentiable_all_to_all()
-
-        el = self.mlp.experts.num_local
-        send = st.counts.view(self.ep_size, el)  # rows for each destination rank, per its local expert
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.reshape(-1).contiguous(), group=self.ep_group)
-        out = all_to_all_single(st.x.new_empty(int(recv.sum()), st.x.shape[1]), st.x.contiguous(),
-                                output_split_sizes=recv.sum(1).tolist(), input_split_sizes=send.sum(1).tolist(),
-                                group=self.ep_group)
-        # received as (source rank, local expert) blocks: reorder to (local expert, source rank)
-        st.recv_counts = recv
-        st.x = out.index_select(0, _block_transpose(recv))
-        st.local_counts = recv.sum(0)
-        return st
+        self.exchange_counts(st)
+        st.x = _differentiable_all_to_all()(st.x, *self.dispatch_splits(st), group=self.ep_group)
+        return self.arrange_received(st)
 
     def run_experts(self, st: RoutingState) -> RoutingState:
         st.x = self.mlp.experts(st.x, st.local_counts)
@@ -335,13 +322,38 @@ class MoEDecoderLayer(nn.Module):
         """The expert outputs back to the ranks their tokens came from."""
         if self.ep_size == 1:
             return st
-        all_to_all_single = _differentiable_all_to_all()
-        recv = st.recv_counts
-        back = st.x.index_select(0, _block_transpose(recv.t().contiguous()))  # to (source rank, local expert)
-        send = st.counts.view(self.ep_size, -1)
-        st.x = all_to_all_single(back.new_empty(int(send.sum()), back.shape[1]), back.contiguous(),
-                                 output_split_sizes=send.sum(1).tolist(), input_split_sizes=recv.sum(1).tolist(),
-                                 group=self.ep_group)
+        self.arrange_for_return(st)
+        st.x = _differentiable_all_to_all()(st.x, *self.combine_splits(st), group=self.ep_group)
+        return st
+
+    # the parts of dispatch and combine (a schedule that overlaps two micro-batches runs the
+    # all-to-alls itself, asynchronously: molds.engines.chunks)
+    def exchange_counts(self, st: RoutingState) -> None:
+        """How many rows each rank sends each of this rank's experts (a small all-to-all)."""
+        import torch.distributed as dist
+
+        send = st.counts.view(self.ep_size, self.mlp.experts.num_local)  # per destination rank, per its expert
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.reshape(-1).contiguous(), group=self.ep_group)
+        st.recv_counts = recv
+
+    def dispatch_splits(self, st: RoutingState) -> tuple[list[int], list[int]]:
+        """(rows received from each rank, rows sent to each rank) of the dispatch."""
+        return st.recv_counts.sum(1).tolist(), st.counts.view(self.ep_size, -1).sum(1).tolist()
+
+    def combine_splits(self, st: RoutingState) -> tuple[list[int], list[int]]:
+        out_splits, in_splits = self.dispatch_splits(st)
+        return in_splits, out_splits
+
+    def arrange_received(self, st: RoutingState) -> RoutingState:
+        """Rows received as (source rank, local expert) blocks, reordered by local expert."""
+        st.x = st.x.index_select(0, _block_transpose(st.recv_counts))
+        st.local_counts = st.recv_counts.sum(0)
+        return st
+
+    def arrange_for_return(self, st: RoutingState) -> RoutingState:
+        """The experts' output rows back in (source rank, local expert) blocks."""
+        st.x = st.x.index_select(0, _block_transpose(st.recv_counts.t().contiguous()))
         return st
 
     def aggregate(self, st: RoutingState) -> torch.Tensor:
@@ -398,15 +410,21 @@ class MoEDecoderLayer(nn.Module):
 
 
 def _differentiable_all_to_all():
-    """torch's autograd-aware ``all_to_all_single`` (its backward is the reverse exchange);
-    torch 2.13 marks the public module deprecated in favour of a private one, so the
-    warning is silenced here, once."""
+    """torch's autograd-aware ``all_to_all_single`` (its backward is the reverse exchange)
+    as ``(x, output_split_sizes, input_split_sizes, group=)``; torch 2.13 marks the public
+    module deprecated in favour of a private one, so the warning is silenced here, once."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         from torch.distributed.nn.functional import all_to_all_single
-    return _quiet(all_to_all_single)
+    exchange = _quiet(all_to_all_single)
+
+    def rows(x, out_splits, in_splits, group=None):
+        return exchange(x.new_empty((sum(out_splits),) + tuple(x.shape[1:])), x.contiguous(),
+                        output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+
+    return rows
 
 
 def _quiet(fn):

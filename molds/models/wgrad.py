@@ -14,74 +14,90 @@ about it):
 - the MoE router's product (``Router.linear``) becomes ``deferrable_linear``, the experts'
   grouped GEMMs (``Experts.grouped_mm``) ``deferrable_grouped_mm``.
 
-Outside ``WeightGradStore.deferring()`` both compute every gradient at once, exactly
-like the modules they replace. Inside it, their backward returns the input gradient only
-and queues the weight gradient; ``flush()`` computes the queued ones, in order, and adds
-them into ``param.grad``. Embeddings and norm weights are not deferred (a gather and an
-elementwise product: nothing worth moving). Float64 experts, which run one GEMM per
-expert instead of a grouped GEMM, are not deferred either. What a schedule must respect: a deferred
-gradient exists only after ``flush()``, so the gradient reduction and the optimizer step
-come after it, and gradient hooks on deferred parameters do not fire (molds' pipeline
-engine reduces after the whole schedule, through DeepSpeed, so it needs none).
+Outside a ``WeightGradStore.deferring()`` context both compute every gradient at once,
+exactly like the modules they replace. Inside it, their backward returns the input gradient
+only and queues the weight gradient; ``run(key)`` / ``flush()`` compute the queued ones, in
+order, and add them into ``param.grad``. Embeddings and norm weights are not deferred (a
+gather and an elementwise product: nothing worth moving). Float64 experts, which run one
+GEMM per expert instead of a grouped GEMM, are not deferred either. What a schedule must
+respect: a deferred gradient exists only after it ran, so the gradient reduction and the
+optimizer step come after the last one, and gradient hooks on deferred parameters do not
+fire (an optimizer that accumulates through hooks, DeepSpeed's BF16 wrapper among them,
+must be handed the gradients after each run: ``molds.engines.dualpipev`` does).
 
-Nothing here is a schedule: the DualPipeV issue builds that on top.
+The queues belong to the schedule: a ``WeightGradStore`` instance holds one group of
+closures per key (the schedule's (chunk, micro-batch)), filled by one input-only backward
+and run by that key's W step (``molds.engines.schedule``: W(chunk, mb) runs exactly the
+group I(chunk, mb) queued). Which store a running backward fills is process-wide state,
+not thread-local, on purpose: on a GPU autograd runs backward functions on its own device
+thread, not the thread that called ``backward()``, and one backward runs at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+_capturing: list | None = None  # the group the running backward fills (None: nothing is deferred)
+
 
 class WeightGradStore:
-    """The queue of deferred weight gradients (one per process: a schedule runs its
-    stages' backward passes on one thread)."""
+    """Deferred weight gradients, grouped by key (a schedule's (chunk, micro-batch))."""
 
-    _active = False
-    _queue: list[Callable[[], None]] = []
+    def __init__(self):
+        self.groups: dict[Hashable, list[Callable[[], None]]] = {}  # in the order they were queued
 
-    @classmethod
     @contextlib.contextmanager
-    def deferring(cls):
-        """Backward passes inside queue their weight gradients instead of computing them."""
-        if cls._active:
-            raise RuntimeError("WeightGradStore.deferring() is already active")
-        cls._active = True
+    def deferring(self, key: Hashable = None):
+        """Backward passes inside queue their weight gradients under ``key``."""
+        global _capturing
+        if _capturing is not None:
+            raise RuntimeError("a WeightGradStore is already deferring (one backward at a time)")
+        group = self.groups.setdefault(key, [])
+        _capturing = group
         try:
-            yield cls
+            yield self
         finally:
-            cls._active = False
+            _capturing = None
+            if not group:
+                del self.groups[key]
 
-    @classmethod
-    def active(cls) -> bool:
-        return cls._active
+    @staticmethod
+    def active() -> bool:
+        """Whether the running backward defers its weight gradients (what the ops ask)."""
+        return _capturing is not None
 
-    @classmethod
-    def pending(cls) -> int:
-        return len(cls._queue)
+    @staticmethod
+    def put(fn: Callable[[], None]) -> None:
+        if _capturing is None:
+            raise RuntimeError("WeightGradStore.put outside deferring()")
+        _capturing.append(fn)
 
-    @classmethod
-    def put(cls, fn: Callable[[], None]) -> None:
-        cls._queue.append(fn)
+    def pending(self, key: Hashable = ...) -> int:
+        """Queued closures: under ``key``, or all."""
+        if key is not ...:
+            return len(self.groups.get(key, ()))
+        return sum(len(g) for g in self.groups.values())
 
-    @classmethod
-    def flush(cls) -> int:
-        """Compute every queued weight gradient, oldest first; returns how many ran."""
-        n = 0
+    def run(self, key: Hashable) -> int:
+        """Compute the weight gradients queued under ``key``, oldest first; how many ran."""
+        group = self.groups.pop(key, [])
         with torch.no_grad():
-            while cls._queue:
-                cls._queue.pop(0)()
-                n += 1
-        return n
+            for fn in group:
+                fn()
+        return len(group)
 
-    @classmethod
-    def clear(cls) -> None:
+    def flush(self) -> int:
+        """Compute every queued weight gradient, group by group in queue order."""
+        return sum(self.run(key) for key in list(self.groups))
+
+    def clear(self) -> None:
         """Drop what is queued (after a failed step: its gradients are discarded anyway)."""
-        cls._queue.clear()
+        self.groups.clear()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

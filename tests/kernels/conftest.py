@@ -28,7 +28,7 @@ def poisoned(monkeypatch):
     does not write shows in the comparison with the reference."""
     from molds.kernels import launch
 
-    monkeypatch.setattr(launch, "empty", _poisoned_empty)
+    monkeypatch.setattr(launch, "allocate", _poisoned_empty)
     with warnings.catch_warnings():  # the interpreter's numpy divides by zero on purpose (448 / 0 -> inf)
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
