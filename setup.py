@@ -58,6 +58,7 @@ setup(
             "molds-train=molds.train:cli",
             "molds-export=molds.cli.export:main",
             "molds-average=molds.cli.average:main",
+            "molds-schedule=molds.cli.schedule:main",
             "molds-sample=molds.cli.sample:main",
             "molds-eval=molds.cli.evaluate:main",
         ]

@@ -27,6 +27,7 @@ CASES = {
     "moe_layer": (["--tokens", "256", "--hidden", "64", "--rounds", "1"],
                   ["molds_over_deepspeed_e8_top2", "molds_over_deepspeed_e64_top8"]),
     "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100"], []),
+    "schedule_bubble": (["--quick"], ["dualpipev_over_stock_p2", "dualpipev_over_1f1b_p2"]),
 }
 
 

@@ -31,6 +31,8 @@ def _run(args, **kw):
     ("molds.cli.average", ["--last", "the N newest complete checkpoints", "default: 0)", "--out",
                            "a checkpoint reference"]),
     ("molds.preprocessing.cli", ["--smiles_column", "default: smiles)", "--max_heavy_atoms"]),
+    ("molds.cli.schedule", ["--schedule", "default: dualpipev)", "--micro-batches", "default: 16)", "--costs",
+                            "--out"]),
 ])
 def test_help_shows_every_option_with_default_and_description(module, needles):
     proc = _run([sys.executable, "-m", module, "--help"])
@@ -105,7 +107,8 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     check = subprocess.run([py, "-c", "import molds, os; print(molds.__file__)"], cwd=here, capture_output=True,
                            text=True, env=env)
     assert str(venv) in check.stdout, check.stdout + check.stderr  # the install, not the source tree
-    for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export", "molds-average"):
+    for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export", "molds-average",
+                   "molds-schedule"):
         proc = subprocess.run([str(venv / "bin" / script), "--help"], cwd=here, capture_output=True, text=True,
                               env=env, timeout=300)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (script, proc.stderr[-2000:])

@@ -96,6 +96,11 @@ def test_numeric_sweep_zero_negative_absurd(section, name, kind):
     (["--data.seq_len", "4096"], "seq_len"),
     (["--model.hidden_size", "100", "--model.num_heads", "8"], "hidden_size"),
     (["--parallel.schedule", "dualpipev"], "schedule"),
+    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "2",
+      "--parallel.schedule", "dualpipev", "--trainer.grad_accum", "3"], "trainer.grad_accum is 3"),
+    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "2",
+      "--parallel.schedule", "dualpipev", "--trainer.grad_accum", "4", "--parallel.activation_checkpoint_interval",
+      "1"], "activation_checkpoint_interval"),
     (["--checkpoint.fork", "true"], "fork"),
 ])
 def test_impossible_combinations_name_the_key(overrides, key):

@@ -77,7 +77,6 @@ class DualPipeVEngine(PipelineEngine):
         defer_weight_grads(model)  # the linears' and experts' weight gradients can wait for W
         super().__init__(recipe, model, loss_fn, dist)
         self.engine.configure_molds(loss_fn, model.config.hidden_size, overlap=recipe.parallel.overlap_moe)
-        self._timelines = []
 
     def train_step(self, micro_batches: list[dict]):
         from .base import StepResult
@@ -88,7 +87,7 @@ class DualPipeVEngine(PipelineEngine):
         start = time.perf_counter()
         self.engine.train_micro_batches(micro_batches)
         self._stage_seconds.append(time.perf_counter() - start)
-        self._timelines.append(self.engine.last_timeline)
+        self._bubbles.append(self.engine.last_timeline.bubble_fraction(0))
         norm = self._norm if self._norm is not None else self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         skipped = self._skipped or self.engine.skipped_steps > skipped_before
@@ -101,19 +100,6 @@ class DualPipeVEngine(PipelineEngine):
         if not has_targets(batch):
             raise RuntimeError("the pipeline engine evaluates losses only")
         return {"loss": self.engine.eval_micro_batches([batch])}
-
-    def extras(self) -> dict:
-        out = super().extras()  # moe/*, pipeline/step_s/stageN (a collective)
-        from ..distributed import gather_objects
-
-        mine = [t.bubble_fraction(0) for t in self._timelines if t is not None]
-        self._timelines = []
-        parts = gather_objects((self.topology.pp_rank, sum(mine) / len(mine) if mine else None), self.dist)
-        fractions = [f for _, f in parts if f is not None]
-        if fractions:
-            out["pipeline/bubble_fraction"] = sum(fractions) / len(fractions)
-        return out
-
 
 class _Sent:
     """An ``isend`` in flight and the tensor it reads (kept alive until it completes)."""
@@ -214,7 +200,7 @@ def _build_executor_class():
 
             self._micro, self._train = micro_batches, train
             self._inputs, self._tapes, self._outputs = {}, {}, {}
-            self._recvs, self._sends = {}, []
+            self._recvs, self._ready, self._sends = {}, {}, []
             self._loss_scale = 1.0 / len(micro_batches)
             spans = []
             t0 = time.perf_counter()
@@ -228,13 +214,14 @@ def _build_executor_class():
                 elif a.kind == "RECV_B":
                     self._recv(("B", a.chunk, a.mb), a.peer, a.mb)
                 else:
+                    self._await_inputs(a)  # waiting for a peer is idle time, not the action's
                     start = time.perf_counter()
                     self._compute(a)
                     spans.append((start - t0, time.perf_counter() - t0, a))
             for sent in self._sends:
                 sent.work.wait()
             self._sends = []
-            leftover = [k for k in ("_recvs", "_tapes") if getattr(self, k)]
+            leftover = [k for k in ("_recvs", "_ready", "_tapes") if getattr(self, k)]
             if leftover or (train and self.wgrad.pending()):
                 raise RuntimeError(f"the action list left work behind: {leftover}, {self.wgrad.pending()} queued "
                                    f"weight gradients")
@@ -245,7 +232,7 @@ def _build_executor_class():
         def _abandon(self) -> None:
             """After a failure inside the list: drop what it held (the step is lost anyway)."""
             self.wgrad.clear()
-            self._inputs, self._tapes, self._outputs, self._recvs, self._sends = {}, {}, {}, {}, []
+            self._inputs, self._tapes, self._outputs, self._recvs, self._ready, self._sends = {}, {}, {}, {}, {}, []
 
         def _compute(self, a) -> None:
             from .chunks import run, run_pair
@@ -366,12 +353,24 @@ def _build_executor_class():
             buf = torch.empty(rows, self.hidden_size, dtype=self.io_dtype, device=self.device)
             self._recvs[key] = (buf, dist.irecv(buf, self.grid.stage_to_global(peer)))
 
+        def _await_inputs(self, a) -> None:
+            """Wait for the receives compute action ``a`` consumes."""
+            for chunk, mb in a.forwards():
+                if ("F", chunk, mb) in self._recvs:
+                    self._wait(("F", chunk, mb))
+            for chunk, mb in a.backwards():
+                if ("B", chunk, mb) in self._recvs:
+                    self._wait(("B", chunk, mb))
+
         def _wait(self, key):
+            if key in self._ready:
+                return self._ready.pop(key)
             if key not in self._recvs:
                 raise RuntimeError(f"pipeline rank {self.stage_id}: {key} is consumed before it is received "
                                    f"(a schedule without its receive)")
             buf, work = self._recvs.pop(key)
             work.wait()
+            self._ready[key] = buf
             return buf
 
     return Executor

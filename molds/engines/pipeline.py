@@ -195,10 +195,16 @@ def _rename(num_blocks: int, tied: bool):
     return rename
 
 
-def _ExpertParallelMarker(num_experts: int, ep_size: int):
-    """A parameter-free ``deepspeed.moe.layer.MoE``: its presence makes DeepSpeed's engine
+def _ExpertParallelMarker(num_experts: int, ep_size: int, placeholder: bool = False):
+    """A ``deepspeed.moe.layer.MoE`` without a layer: its presence makes DeepSpeed's engine
     reduce expert gradients over the expert-data-parallel groups and split the optimizer's
-    MoE groups; its expert groups already exist (created before the model is cut)."""
+    MoE groups; its expert groups already exist (created before the model is cut).
+
+    ``placeholder``: this rank's stages hold no expert (DualPipeV's first and last stages on
+    rank 0 may not), yet DeepSpeed's ZeRO-1 all-reduces each parameter group's norm across
+    the pipeline stages, group by group, so every stage needs the same groups: a (1, 1)
+    expert parameter (decayed, as the experts' matrices are) that never gets a gradient.
+    It is not model state: the marker leaves it out of ``state_dict``."""
     from deepspeed.moe.layer import MoE
 
     class Marker(MoE):
@@ -209,6 +215,16 @@ def _ExpertParallelMarker(num_experts: int, ep_size: int):
             self.num_local_experts = num_experts // ep_size
             self.enable_expert_tensor_parallelism = False
             self.use_residual = False
+            if placeholder:
+                self.placeholder = nn.Parameter(torch.zeros(1, 1))
+                self.placeholder.allreduce = False
+                self.placeholder.group_name = self.expert_group_name
+
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            pass  # no model state
+
+        def _load_from_state_dict(self, *args, **kwargs):
+            pass
 
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
             pass  # the groups exist already
@@ -277,14 +293,16 @@ class PipelineEngine(ScheduledEngine):
             self.module = self.module_class()(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
                                               partition_method=p.partition_method,
                                               activation_checkpoint_interval=p.activation_checkpoint_interval)
-        if num_experts and self.ep > 1:
-            self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep)
-        self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
         self.moe_layers = moe_layers(self.module)
+        expert_parallel = bool(num_experts and self.ep > 1)
+        if expert_parallel:
+            self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep,
+                                                                      placeholder=not self.moe_layers)
+        self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
         batching = resolve_batching(recipe, dist.world_size)
         set_aux_loss_scale(self.module, 1.0 / batching.grad_accum)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
-        if num_experts and self.ep > 1:
+        if expert_parallel:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
@@ -308,7 +326,8 @@ class PipelineEngine(ScheduledEngine):
         self._skipped, self._norm = False, None
         if self.stage_zero == 0:
             self._guard_non_finite_steps()
-        self._stage_seconds = []
+        self._stage_seconds, self._bubbles = [], []
+        self._clock = time_instructions(self.engine) if type(self) is PipelineEngine else None
 
     # the two seams a schedule changes (molds.engines.dualpipev)
     @staticmethod
@@ -338,8 +357,12 @@ class PipelineEngine(ScheduledEngine):
         self._skipped = False
         start = time.perf_counter()
         self._norm = None
+        self._clock.update(busy=0.0, outside=0.0)
         self.engine.train_batch(iter([self._as_pipe(b) for b in micro_batches]))
-        self._stage_seconds.append(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self._stage_seconds.append(took)
+        window = took - self._clock["outside"]
+        self._bubbles.append(1.0 - self._clock["busy"] / window if window > 0 else 0.0)
         norm = self._norm if self._norm is not None else self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         loss = float(self.engine.dp_group_loss)
@@ -364,21 +387,25 @@ class PipelineEngine(ScheduledEngine):
         dp_group = self.module._grid.get_data_parallel_group() if self.topology.dp_size > 1 else None
         mine = collect_stats(self.moe_layers, group=dp_group)
         mean_s = sum(self._stage_seconds) / max(1, len(self._stage_seconds))
-        self._stage_seconds = []
-        parts = gather_objects((self.topology.pp_rank, mine, mean_s), self.dist)
+        bubble = sum(self._bubbles) / len(self._bubbles) if self._bubbles else None
+        self._stage_seconds, self._bubbles = [], []
+        parts = gather_objects((self.topology.pp_rank, mine, mean_s, bubble), self.dist)
         out, per_stage = {}, {}
-        for stage, stats, seconds in parts:
+        for stage, stats, seconds, _ in parts:
             out.update(stats)
             per_stage.setdefault(stage, []).append(seconds)
         for stage, secs in sorted(per_stage.items()):
             out[f"pipeline/step_s/stage{stage}"] = sum(secs) / len(secs)
+        bubbles = [b for *_, b in parts if b is not None]
+        if bubbles:  # measured idle over the schedule's time, mean over ranks and steps
+            out["pipeline/bubble_fraction"] = sum(bubbles) / len(bubbles)
         merged = [v for k, v in out.items() if k.startswith("moe/load_max_over_mean/layer")]
         if merged:
             out["moe/load_max_over_mean"] = sum(merged) / len(merged)
-        aux = [s.get("moe/aux_loss") for _, s, _ in parts if s.get("moe/aux_loss") is not None]
+        aux = [s.get("moe/aux_loss") for _, s, *_ in parts if s.get("moe/aux_loss") is not None]
         if aux:
             out["moe/aux_loss"] = sum(aux) / len(aux)
-        z = [s.get("moe/z_loss") for _, s, _ in parts if s.get("moe/z_loss") is not None]
+        z = [s.get("moe/z_loss") for _, s, *_ in parts if s.get("moe/z_loss") is not None]
         if z:
             out["moe/z_loss"] = sum(z) / len(z)
         return out
@@ -475,6 +502,32 @@ class PipelineEngine(ScheduledEngine):
             self.engine.global_steps = int(meta["scheduler_step"])
         with torch.no_grad():
             self.module._synchronize_tied_weights()
+
+
+def time_instructions(ds_engine) -> dict:
+    """Count, on a DeepSpeed pipeline engine, the seconds spent inside its forward and
+    backward instructions (``busy``) and inside its gradient reduction and optimizer step
+    (``outside``: not the schedule's); the caller resets them per step. The idle time of a
+    step is its schedule's time, the step less ``outside``, less ``busy``."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    counters = {"busy": 0.0, "outside": 0.0}
+    table = dict(ds_engine._INSTRUCTION_MAP)  # the instance's own copy, looked up first
+
+    def timed(method, key):
+        def run(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                counters[key] += time.perf_counter() - start
+        return run
+
+    for kind, key in ((ds.ForwardPass, "busy"), (ds.BackwardPass, "busy"), (ds.ReduceGrads, "outside"),
+                      (ds.ReduceTiedGrads, "outside"), (ds.OptimizerStep, "outside")):
+        table[kind] = timed(table[kind], key)
+    ds_engine._INSTRUCTION_MAP = table
+    return counters
 
 
 def _canonical_keys(model: nn.Module) -> list[str]:
