@@ -57,6 +57,7 @@ def one(argv: list[str], steps: int, leave_out: str | None) -> dict:
     from molds.kernels import apply_kernels
     from molds.models import build_model
     from molds.models.loss import build_loss
+    from molds.plan import plan_for
     from molds.recipe import parse_recipe
     from molds.tokens import tokenizer_info
 
@@ -75,7 +76,7 @@ def one(argv: list[str], steps: int, leave_out: str | None) -> dict:
     manifest = Manifest.load(recipe.data.manifest)
     dist = init_distributed()
     model = apply_kernels(build_model(recipe.model, tokenizer_info(manifest)), recipe.kernels)
-    engine = DDPEngine(recipe, model, build_loss(recipe.model), dist)
+    engine = DDPEngine(recipe, model, build_loss(recipe.model), dist, plan_for(recipe, dist))
     keep = ("input_ids", "labels", "position_ids", "document_ids")
     it = iter(MoleculeLoader(recipe.data))
     batches = [{k: b[k] for k in keep} for b in (next(it) for _ in range(4 + steps))]

@@ -48,6 +48,7 @@ class MoldsSide:
         from molds.data.manifest import Manifest
         from molds.distributed import init_distributed
         from molds.engines.ddp import DDPEngine
+        from molds.plan import plan_for
         from molds.kernels import apply_kernels
         from molds.models import build_model
         from molds.models.loss import build_loss
@@ -67,7 +68,7 @@ class MoldsSide:
         recipe.kernels.compile_regions = compile_regions  # as the full-size decoder recipes ship
         self.dist = init_distributed()
         model = apply_kernels(build_model(recipe.model, tokenizer_info(m)), recipe.kernels)  # as train.py does
-        self.engine = DDPEngine(recipe, model, build_loss(recipe.model), self.dist)
+        self.engine = DDPEngine(recipe, model, build_loss(recipe.model), self.dist, plan_for(recipe, self.dist))
         self.it = iter(MoleculeLoader(recipe.data))
         self.rows = rows
         self.per_step = []  # (seconds, real tokens, molecules) of every timed step

@@ -46,6 +46,7 @@ def main() -> None:
     from molds.engines.zero import ZeroEngine
     from molds.models import build_model
     from molds.models.loss import build_loss
+    from molds.plan import plan_for
     from molds.tokens import tokenizer_info
     from molds.recipe import deepspeed_config, parse_recipe
 
@@ -84,7 +85,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    molds_engine = DDPEngine(recipe, build_model(recipe.model, tok), loss_fn, dist)
+    molds_engine = DDPEngine(recipe, build_model(recipe.model, tok), loss_fn, dist, plan_for(recipe, dist))
 
     # bare DeepSpeed
     import deepspeed
@@ -104,7 +105,8 @@ def main() -> None:
         ds_engine.step()
         return float(loss)
 
-    molds_zero = ZeroEngine(zero_recipe, build_model(zero_recipe.model, tok), loss_fn, dist)
+    molds_zero = ZeroEngine(zero_recipe, build_model(zero_recipe.model, tok), loss_fn, dist,
+                            plan_for(zero_recipe, dist))
 
     loops = {
         "plain": plain_step,

@@ -197,8 +197,8 @@ def resolve_batching(recipe: Recipe, world_size: int) -> Batching:
     return Batching(per_step * accum, accum, dp, micro)
 
 
-def validate(recipe: Recipe, world_size: int) -> None:
-    """The checks that need no process group."""
+def validate(recipe: Recipe, world_size: int) -> Batching:
+    """The checks that need no process group; returns the step's batching."""
     check_ranges(recipe)
     p, m, d = recipe.parallel, recipe.model, recipe.data
     if p.engine == "pipeline" and p.zero_stage >= 2:
@@ -214,8 +214,9 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("parallel.pp_size > 1 needs parallel.engine=pipeline")
     if p.engine != "pipeline" and p.schedule != "1f1b":
         raise RecipeError("parallel.schedule applies to parallel.engine=pipeline")
+    batching = resolve_batching(recipe, world_size)
     if p.schedule == "dualpipev":
-        accum = resolve_batching(recipe, world_size).grad_accum
+        accum = batching.grad_accum
         if accum < 2 * p.pp_size:
             raise RecipeError(f"parallel.schedule=dualpipev needs at least 2 x parallel.pp_size = {2 * p.pp_size} "
                               f"micro-batches per step; trainer.grad_accum is {accum}")
@@ -226,7 +227,7 @@ def validate(recipe: Recipe, world_size: int) -> None:
             raise RecipeError(f"parallel.schedule=dualpipev cuts the model into 2 x parallel.pp_size = "
                               f"{2 * p.pp_size} stages: model.num_layers={m.num_layers} is too few")
     check_kernels(recipe)
-    dp = data_parallel_size(recipe, world_size)
+    dp = batching.dp_size
     if m.num_experts:
         if m.family != "decoder":
             raise RecipeError("model.num_experts > 0 needs model.family=decoder")
@@ -282,7 +283,7 @@ def validate(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("checkpoint.fork_optimizer applies with checkpoint.fork=true")
     if not d.manifest:
         raise RecipeError("data.manifest: give the directory written by molds-preprocess")
-    resolve_batching(recipe, world_size)
+    return batching
 
 
 def check_kernels(recipe: Recipe) -> None:
@@ -348,10 +349,10 @@ def _put(cfg: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
-def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool) -> dict:
+def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool, batching: Batching | None = None) -> dict:
     """The DeepSpeed JSON the recipe names, completed from the recipe: a key the file
     leaves out is filled in; a key it sets to another value than the recipe's is refused,
-    naming both sources."""
+    naming both sources. ``batching``: the step's, when already resolved (molds.plan)."""
     path = recipe.parallel.ds_config
     cfg: dict = {}
     if path:
@@ -370,7 +371,7 @@ def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool) -> dict:
             raise RecipeError(f"{source}: remove {key!r}: molds builds it from the recipe's {owner}")
     if _get(cfg, "fp16.enabled"):
         raise RecipeError(f"{source}: fp16 is not supported; use trainer.precision (bf16 or fp32)")
-    b = resolve_batching(recipe, world_size)
+    b = batching or resolve_batching(recipe, world_size)
     p = recipe.parallel
     derived = [
         ("train_micro_batch_size_per_gpu", b.micro_batch, "data.micro_batch_size"),

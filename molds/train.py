@@ -50,16 +50,17 @@ class Run:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from molds.recipe import check_machine, parse_recipe, validate
+    from molds.plan import resolve_plan
+    from molds.recipe import check_machine, parse_recipe
 
     if argv is None:
         argv = sys.argv[1:]
     argv = [a for a in argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     recipe = parse_recipe(argv)
     check_machine(recipe, argv)  # a recipe sized for GPUs on a machine without them: its twin
-    validate(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group starts
+    plan = resolve_plan(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # checked before any process group starts
     try:
-        run = setup(recipe)
+        run = setup(recipe, plan)
     except BaseException:
         _leave_process_group()
         raise
@@ -169,8 +170,9 @@ def _leave_process_group() -> None:
 
 # ---------------------------------------------------------------- setup
 
-def setup(recipe) -> Run:
-    """Ranks, output directory, data, model, engine, resume, logger, evaluator."""
+def setup(recipe, plan=None) -> Run:
+    """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
+    the recipe resolved for this world size (``molds.plan``; resolved here when not given)."""
     from molds.allocator import retain_freed_memory
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.data.loader import MoleculeLoader
@@ -181,7 +183,7 @@ def setup(recipe) -> Run:
     from molds.kernels import apply_kernels, kernel_summary
     from molds.models import build_model, count_parameters
     from molds.models.loss import build_loss
-    from molds.recipe import resolve_batching
+    from molds.plan import resolve_plan
     from molds.tokens import tokenizer_info
 
     _quiet_third_party()
@@ -190,16 +192,19 @@ def setup(recipe) -> Run:
                             need_group=recipe.parallel.engine in ("zero", "pipeline"))
     manifest = Manifest.load(recipe.data.manifest)
     tokenizer = tokenizer_info(manifest)
-    plan = plan_resume(recipe)  # which checkpoint, or none
-    prepare_output_dir(recipe, dist, resuming=plan is not None and not recipe.checkpoint.fork)
-    batching = resolve_batching(recipe, dist.world_size)
+    resume_from = plan_resume(recipe)  # which checkpoint, or none
+    prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
+    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist.device)
+    if plan.world_size != dist.world_size:
+        raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
+    batching = plan.batching
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed)  # the same on every rank
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
     apply_kernels(model, recipe.kernels, loss)
     kernels = kernel_summary(model, dist.device)  # before an engine cuts the model into stages
-    engine = build_engine(recipe, model, loss, dist)
+    engine = build_engine(recipe, model, loss, dist, plan)
     _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks
     topo = engine.topology
     loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=topo.dp_rank,
@@ -210,11 +215,11 @@ def setup(recipe) -> Run:
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
-        "parameters": parameters, "host_allocator": allocator, "kernels": kernels,
+        "parameters": parameters, "host_allocator": allocator, "kernels": kernels, "plan": plan.summary(),
     }
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops)
-    if plan is not None:
-        _resume(run, plan)
+    if resume_from is not None:
+        _resume(run, resume_from)
     if dist.is_main:
         from molds.atomic import write_json
 

@@ -16,22 +16,28 @@ from .base import Engine, StepResult, Topology
 __all__ = ["Engine", "StepResult", "Topology", "build_engine"]
 
 
-def build_engine(recipe, model, loss_fn, dist) -> Engine:
-    name = recipe.parallel.engine
+def build_engine(recipe, model, loss_fn, dist, plan=None) -> Engine:
+    """The engine the plan (``molds.plan``: the recipe resolved once at start) names; a
+    caller without one (a test, a benchmark) gets it resolved here."""
+    if plan is None:
+        from ..plan import plan_for
+
+        plan = plan_for(recipe, dist)
+    name = plan.engine
     if name == "ddp":
         from .ddp import DDPEngine
 
-        return DDPEngine(recipe, model, loss_fn, dist)
+        return DDPEngine(recipe, model, loss_fn, dist, plan)
     if name == "zero":
         from .zero import ZeroEngine
 
-        return ZeroEngine(recipe, model, loss_fn, dist)
-    if name == "pipeline" and recipe.parallel.schedule == "dualpipev":
+        return ZeroEngine(recipe, model, loss_fn, dist, plan)
+    if name == "pipeline" and plan.schedule == "dualpipev":
         from .dualpipev import DualPipeVEngine
 
-        return DualPipeVEngine(recipe, model, loss_fn, dist)
+        return DualPipeVEngine(recipe, model, loss_fn, dist, plan)
     if name == "pipeline":
         from .pipeline import PipelineEngine
 
-        return PipelineEngine(recipe, model, loss_fn, dist)
+        return PipelineEngine(recipe, model, loss_fn, dist, plan)
     raise ValueError(f"parallel.engine={name!r}: no such engine (ddp, zero, pipeline)")

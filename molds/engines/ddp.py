@@ -28,9 +28,7 @@ def autocast_dtype(precision: str, device: torch.device):
 class DDPEngine(WholeModelEngine):
     name = "ddp"
 
-    def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist):
-        from ..recipe import resolve_batching
-
+    def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist, plan):
         self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
         self.model = model.to(dist.device)
         self.topology = Topology(world_size=dist.world_size, rank=dist.rank, dp_size=dist.world_size,
@@ -41,7 +39,7 @@ class DDPEngine(WholeModelEngine):
 
             # static_graph cannot be combined with no_sync (a PyTorch limitation): only
             # without gradient accumulation
-            static = recipe.parallel.static_graph and resolve_batching(recipe, dist.world_size).grad_accum == 1
+            static = recipe.parallel.static_graph and plan.micro_batches == 1
             module = DistributedDataParallel(
                 module, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
                 bucket_cap_mb=recipe.parallel.ddp_bucket_mb, gradient_as_bucket_view=True,
@@ -51,10 +49,10 @@ class DDPEngine(WholeModelEngine):
         self.module = module
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.trainer.max_steps)
-        self.dtype = autocast_dtype(recipe.trainer.precision, dist.device)
+        self.dtype = plan.dtype
         from ..models.moe import set_aux_loss_scale
 
-        set_aux_loss_scale(self.model, 1.0 / resolve_batching(recipe, dist.world_size).grad_accum)
+        set_aux_loss_scale(self.model, 1.0 / plan.micro_batches)
 
     def autocast(self):
         if self.dtype is None:

@@ -71,11 +71,11 @@ class DualPipeVEngine(PipelineEngine):
         finally:
             deepspeed.DualPipeVEngine = stock
 
-    def __init__(self, recipe, model, loss_fn, dist):
+    def __init__(self, recipe, model, loss_fn, dist, plan):
         from ..models.wgrad import defer_weight_grads
 
         defer_weight_grads(model)  # the linears' and experts' weight gradients can wait for W
-        super().__init__(recipe, model, loss_fn, dist)
+        super().__init__(recipe, model, loss_fn, dist, plan)
         self.engine.configure_molds(loss_fn, model.config.hidden_size, overlap=recipe.parallel.overlap_moe)
 
     def train_step(self, micro_batches: list[dict]):
@@ -100,6 +100,7 @@ class DualPipeVEngine(PipelineEngine):
         if not has_targets(batch):
             raise RuntimeError("the pipeline engine evaluates losses only")
         return {"loss": self.engine.eval_micro_batches([batch])}
+
 
 class _Sent:
     """An ``isend`` in flight and the tensor it reads (kept alive until it completes)."""

@@ -40,9 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..recipe import deepspeed_config
 from .base import ScheduledEngine, StepResult, Topology
-from .ddp import autocast_dtype
 from .optim import adamw, build_scheduler, param_groups, set_schedule
 
 
@@ -240,13 +238,14 @@ def _ExpertParallelMarker(num_experts: int, ep_size: int, placeholder: bool = Fa
 class PipelineEngine(ScheduledEngine):
     name = "pipeline"
 
-    def __init__(self, recipe, model: nn.Module, loss_fn, dist):
+    def __init__(self, recipe, model: nn.Module, loss_fn, dist, plan):
+        import copy
+
         import deepspeed
         from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
         from ..distributed import quiet_on_other_ranks
         from ..models.moe import moe_layers, set_aux_loss_scale
-        from ..recipe import resolve_batching
 
         self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
         with quiet_on_other_ranks(dist):  # DeepSpeed's communication layer over molds' process group
@@ -254,7 +253,7 @@ class PipelineEngine(ScheduledEngine):
         p = recipe.parallel
         self.pp, self.ep = p.pp_size, p.ep_size
         self.stage_zero = p.zero_stage
-        self.dtype = autocast_dtype(recipe.trainer.precision, dist.device)
+        self.dtype = plan.dtype
         cfg = model.config
         self.expected_keys = set(_canonical_keys(model))
         # expert parallelism: DeepSpeed's groups, then each MoE block keeps its own experts
@@ -299,8 +298,7 @@ class PipelineEngine(ScheduledEngine):
             self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep,
                                                                       placeholder=not self.moe_layers)
         self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
-        batching = resolve_batching(recipe, dist.world_size)
-        set_aux_loss_scale(self.module, 1.0 / batching.grad_accum)
+        set_aux_loss_scale(self.module, 1.0 / plan.micro_batches)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
         if expert_parallel:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -308,7 +306,7 @@ class PipelineEngine(ScheduledEngine):
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)
         scheduler = build_scheduler(optimizer, recipe.optim, recipe.trainer.max_steps)
-        ds_cfg = deepspeed_config(recipe, dist.world_size, self.dtype is not None)
+        ds_cfg = copy.deepcopy(plan.ds_config)  # DeepSpeed writes into its config; clipping changes below
         self.clip = recipe.optim.grad_clip
         if self.stage_zero == 0:
             # DeepSpeed's ZeRO-0 pipeline counts only the first stage's gradients in the norm it

@@ -21,9 +21,7 @@ import math
 
 import torch
 
-from ..recipe import deepspeed_config
 from .base import StepResult, Topology, WholeModelEngine
-from .ddp import autocast_dtype
 from .optim import build_optimizer, build_scheduler, set_schedule
 
 
@@ -54,12 +52,14 @@ def _relink_optimizer_fragments(engine) -> None:
 class ZeroEngine(WholeModelEngine):
     name = "zero"
 
-    def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist):
+    def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist, plan):
+        import copy
+
         import deepspeed
 
         self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
-        self.dtype = autocast_dtype(recipe.trainer.precision, dist.device)
-        cfg = deepspeed_config(recipe, dist.world_size, self.dtype is not None)
+        self.dtype = plan.dtype
+        cfg = copy.deepcopy(plan.ds_config)  # DeepSpeed writes into its config
         if recipe.parallel.offload_optimizer:
             cfg.setdefault("zero_force_ds_cpu_optimizer", False)
         self.stage = recipe.parallel.zero_stage

@@ -264,3 +264,22 @@ def test_resume_switches_1f1b_to_dualpipev_with_the_uninterrupted_losses(dataset
     copy_checkpoint(resumed, 4, back)
     run_ranks(train, 2, run_argv(back, "1f1b", "--checkpoint.resume", "auto", "--trainer.max_steps", "5"))
     assert sorted(losses(back)) == [5]
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["zero0", "zero1"])
+def test_a_non_finite_step_is_skipped_on_every_rank(dataset, tmp_path, stage):
+    """trainer.on_nonfinite=skip as on the 1F1B path: a NaN loss on the loss stage (rank 0)
+    makes every rank's gradients NaN through the backward; the step is dropped everywhere,
+    counted, and no checkpoint holds a non-finite weight."""
+    from tests.faults.common import argv, metrics, train_with
+    from tests.faults.test_nonfinite import _finite_checkpoints
+
+    out = str(tmp_path / "run")
+    extra = ["--parallel.pp_size", "2", "--parallel.schedule", "dualpipev", "--parallel.partition_method", "uniform",
+             "--trainer.on_nonfinite", "skip"]
+    # rank 0 computes each micro-batch's loss: its 9th call is step 3's first micro-batch
+    run_ranks(train_with, 2, argv(dataset, out, "pipeline", 4, *extra, stage=stage, accum=4), "nan", 9)
+    rows = metrics(out)
+    assert max(r["step"] for r in rows) == 4
+    assert [r["train/nonfinite_steps"] for r in rows if "train/loss" in r][-1] == 1
+    assert _finite_checkpoints(out) == [2, 4]
