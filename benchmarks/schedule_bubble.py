@@ -202,23 +202,22 @@ def _rank(rank, world, schedule, n, unit, a, steps, port, out_dir):
     ids = torch.randint(0, VOCAB, (n, 1, SEQ), generator=gen)
     micro = [{"input_ids": ids[m], "position_ids": torch.arange(SEQ)[None], "labels": ids[m],
               "document_ids": torch.zeros(1, SEQ, dtype=torch.long)} for m in range(n)]
-    times, fractions = [], []
+    times, windows = [], []
     for step in range(steps + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
         if schedule == "dualpipev":
             engine.train_micro_batches(micro)
-            fraction = engine.last_timeline.bubble_fraction(0)  # measured by the executor itself
+            window = (engine.last_timeline.busy(0), engine.last_timeline.makespan)  # the executor's own clock
         else:
-            clock.update(busy=0.0, outside=0.0)
+            clock.update(busy=0.0, start=start, end=None)
             engine.train_batch(iter([((b["input_ids"], b["position_ids"], b["document_ids"]), b["labels"])
                                      for b in micro]))
-            window = time.perf_counter() - start - clock["outside"]
-            fraction = 1.0 - clock["busy"] / window
+            window = (clock["busy"], clock["end"] - start)
         if step:
             times.append(time.perf_counter() - start)
-            fractions.append(fraction)
-    torch.save({"times": times, "bubble": fractions}, os.path.join(out_dir, f"{schedule}-rank{rank}.pt"))
+            windows.append(window)
+    torch.save({"times": times, "windows": windows}, os.path.join(out_dir, f"{schedule}-rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     os._exit(0)
@@ -236,7 +235,10 @@ def measure(schedule, ranks, n, unit, a, steps):
         pass
     per_rank = [torch.load(os.path.join(out_dir, f"{schedule}-rank{r}.pt")) for r in range(ranks)]
     step = statistics.median(max(r["times"][k] for r in per_rank) for k in range(steps))
-    frac = statistics.mean(statistics.median(r["bubble"]) for r in per_rank)
+    from molds.engines.pipeline import bubble_fractions
+
+    per_step = [bubble_fractions([[r["windows"][k]] for r in per_rank]) for k in range(steps)]
+    frac = statistics.median(statistics.mean(f) for f in per_step)  # mean over ranks, median over steps
     return step, frac
 
 

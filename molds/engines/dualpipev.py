@@ -87,7 +87,8 @@ class DualPipeVEngine(PipelineEngine):
         start = time.perf_counter()
         self.engine.train_micro_batches(micro_batches)
         self._stage_seconds.append(time.perf_counter() - start)
-        self._bubbles.append(self.engine.last_timeline.bubble_fraction(0))
+        timeline = self.engine.last_timeline
+        self._windows.append((timeline.busy(0), timeline.makespan))
         norm = self._norm if self._norm is not None else self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         skipped = self._skipped or self.engine.skipped_steps > skipped_before

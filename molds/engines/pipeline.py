@@ -324,7 +324,7 @@ class PipelineEngine(ScheduledEngine):
         self._skipped, self._norm = False, None
         if self.stage_zero == 0:
             self._guard_non_finite_steps()
-        self._stage_seconds, self._bubbles = [], []
+        self._stage_seconds, self._windows = [], []  # per step: seconds; (busy, schedule) seconds
         self._clock = time_instructions(self.engine) if type(self) is PipelineEngine else None
 
     # the two seams a schedule changes (molds.engines.dualpipev)
@@ -355,12 +355,10 @@ class PipelineEngine(ScheduledEngine):
         self._skipped = False
         start = time.perf_counter()
         self._norm = None
-        self._clock.update(busy=0.0, outside=0.0)
+        self._clock.update(busy=0.0, start=start, end=None)
         self.engine.train_batch(iter([self._as_pipe(b) for b in micro_batches]))
-        took = time.perf_counter() - start
-        self._stage_seconds.append(took)
-        window = took - self._clock["outside"]
-        self._bubbles.append(1.0 - self._clock["busy"] / window if window > 0 else 0.0)
+        self._stage_seconds.append(time.perf_counter() - start)
+        self._windows.append((self._clock["busy"], (self._clock["end"] or time.perf_counter()) - start))
         norm = self._norm if self._norm is not None else self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         loss = float(self.engine.dp_group_loss)
@@ -385,18 +383,17 @@ class PipelineEngine(ScheduledEngine):
         dp_group = self.module._grid.get_data_parallel_group() if self.topology.dp_size > 1 else None
         mine = collect_stats(self.moe_layers, group=dp_group)
         mean_s = sum(self._stage_seconds) / max(1, len(self._stage_seconds))
-        bubble = sum(self._bubbles) / len(self._bubbles) if self._bubbles else None
-        self._stage_seconds, self._bubbles = [], []
-        parts = gather_objects((self.topology.pp_rank, mine, mean_s, bubble), self.dist)
+        parts = gather_objects((self.topology.pp_rank, mine, mean_s, self._windows), self.dist)
+        self._stage_seconds, self._windows = [], []
         out, per_stage = {}, {}
         for stage, stats, seconds, _ in parts:
             out.update(stats)
             per_stage.setdefault(stage, []).append(seconds)
         for stage, secs in sorted(per_stage.items()):
             out[f"pipeline/step_s/stage{stage}"] = sum(secs) / len(secs)
-        bubbles = [b for *_, b in parts if b is not None]
-        if bubbles:  # measured idle over the schedule's time, mean over ranks and steps
-            out["pipeline/bubble_fraction"] = sum(bubbles) / len(bubbles)
+        fractions = bubble_fractions([w for *_, w in parts])
+        if fractions:  # measured idle over the step's schedule time, mean over ranks and steps
+            out["pipeline/bubble_fraction"] = sum(fractions) / len(fractions)
         merged = [v for k, v in out.items() if k.startswith("moe/load_max_over_mean/layer")]
         if merged:
             out["moe/load_max_over_mean"] = sum(merged) / len(merged)
@@ -503,29 +500,48 @@ class PipelineEngine(ScheduledEngine):
 
 
 def time_instructions(ds_engine) -> dict:
-    """Count, on a DeepSpeed pipeline engine, the seconds spent inside its forward and
-    backward instructions (``busy``) and inside its gradient reduction and optimizer step
-    (``outside``: not the schedule's); the caller resets them per step. The idle time of a
-    step is its schedule's time, the step less ``outside``, less ``busy``."""
+    """Time a DeepSpeed pipeline engine's schedule: ``busy`` counts the seconds inside its
+    forward and backward instructions, ``end`` is when its gradient reduction begins (the
+    schedule is over on this rank). The caller sets ``start`` and resets them per step."""
     from deepspeed.runtime.pipe import schedule as ds
 
-    counters = {"busy": 0.0, "outside": 0.0}
+    counters = {"busy": 0.0, "start": 0.0, "end": None}
     table = dict(ds_engine._INSTRUCTION_MAP)  # the instance's own copy, looked up first
 
-    def timed(method, key):
+    def busy(method):
         def run(self, *args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(self, *args, **kwargs)
             finally:
-                counters[key] += time.perf_counter() - start
+                counters["busy"] += time.perf_counter() - start
         return run
 
-    for kind, key in ((ds.ForwardPass, "busy"), (ds.BackwardPass, "busy"), (ds.ReduceGrads, "outside"),
-                      (ds.ReduceTiedGrads, "outside"), (ds.OptimizerStep, "outside")):
-        table[kind] = timed(table[kind], key)
+    def ends(method):
+        def run(self, *args, **kwargs):
+            if counters["end"] is None:
+                counters["end"] = time.perf_counter()
+            return method(self, *args, **kwargs)
+        return run
+
+    for kind in (ds.ForwardPass, ds.BackwardPass):
+        table[kind] = busy(table[kind])
+    for kind in (ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep):
+        table[kind] = ends(table[kind])
     ds_engine._INSTRUCTION_MAP = table
     return counters
+
+
+def bubble_fractions(windows: list[list[tuple[float, float]]]) -> list[float]:
+    """Each rank's idle share of each step, as the simulator counts it: ``windows[rank]``
+    holds (busy seconds, schedule seconds) per step; the ranks start a step together (a
+    collective precedes it), so the step's span is the slowest rank's schedule, and a rank
+    that finished early was idle until then (in DeepSpeed it waits inside the reduction)."""
+    out = []
+    for step in zip(*windows):
+        span = max(d for _, d in step)
+        out += [max(0.0, 1.0 - b / span) for b, _ in step if span > 0]
+    return out
 
 
 def _canonical_keys(model: nn.Module) -> list[str]:
