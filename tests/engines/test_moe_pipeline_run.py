@@ -30,15 +30,27 @@ def _args(dataset, out, steps, *extra):
             "--run.output_dir", out, *extra]
 
 
-@pytest.mark.slow
-def test_moe_pipeline_runs_resumes_exports(dataset, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def exports_as_qwen3_moe(run: str, out: str) -> None:
+    """The run's checkpoint exports to Qwen3-MoE with molds' own logits."""
     from transformers import AutoModelForCausalLM
 
     from molds.checkpoint import open_checkpoint
+    from molds.export import export
+
+    hf = AutoModelForCausalLM.from_pretrained(export(run, out), local_files_only=True).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    ours = open_checkpoint(run).model
+    ids = torch.randint(6, ours.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids)["logits"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_moe_pipeline_runs_resumes_exports(dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from molds.cli.evaluate import main as eval_main
     from molds.cli.sample import main as sample_main
-    from molds.export import export
 
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
@@ -49,8 +61,9 @@ def test_moe_pipeline_runs_resumes_exports(dataset, tmp_path):
     train = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6]
     for tag in ("moe/aux_loss", "moe/load_max_over_mean", "moe/load_max_over_mean/layer01",
-                "pipeline/step_s/stage0", "pipeline/step_s/stage1"):
+                "pipeline/step_s/stage0", "pipeline/step_s/stage1", "pipeline/bubble_fraction"):
         assert tag in train[-1], tag
+    assert 0 < train[-1]["pipeline/bubble_fraction"] < 1  # 1F1B on 2 stages: the warm-up and drain idle
     assert any("eval/loss" in r for r in rows)
     acc = EventAccumulator(os.path.join(out, "tensorboard")).Reload()
     assert "moe/tokens_per_expert/layer01" in acc.Tags()["histograms"]
@@ -66,14 +79,7 @@ def test_moe_pipeline_runs_resumes_exports(dataset, tmp_path):
     steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))
              if "train/loss" in json.loads(line)]
     assert steps == [2, 4, 6, 8]
-    # export: Qwen3-MoE with the same logits
-    hf_dir = export(out, str(tmp_path / "hf"))
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
-    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
-    ours = open_checkpoint(out).model
-    ids = torch.randint(6, ours.config.vocab_size, (2, 17))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, ours(ids)["logits"], rtol=1e-4, atol=1e-5)
+    exports_as_qwen3_moe(out, str(tmp_path / "hf"))
     assert sample_main([out, "--num", "8", "--out", str(tmp_path / "s.smi")]) == 0
     assert len(open(tmp_path / "s.smi").read().splitlines()) == 8
     assert eval_main([out, "--num", "20", "--max_batches", "2", "--out", str(tmp_path / "ev")]) == 0
