@@ -128,6 +128,9 @@ def main() -> None:
     for other in (n for n in names if n != "bf16"):
         if other in med and "bf16" in med:
             result[f"{other}_over_bf16"] = round(med[other] / med["bf16"], 3)
+    from molds.precision import cpu_description
+
+    result["cpu"] = cpu_description()
     print(json.dumps(result))
 
 

@@ -208,6 +208,9 @@ def main() -> None:
         bucketed_padding_ratio=round(result["bucketed"]["padding_ratio"], 5),
         hf_length_grouped_padding_ratio=round(result["bucketed"]["hf_length_grouped_padding_ratio"], 5),
     )
+    from molds.precision import cpu_description
+
+    result["cpu"] = cpu_description()
     print(json.dumps(result))
 
 

@@ -149,7 +149,9 @@ def main() -> None:
     floor = (floor_before + floor_after) / 2
     rows = manifest["stats"]["rows_in"]
     mps = rows / wall
-    print(json.dumps({
+    from molds.precision import cpu_description
+
+    print(json.dumps({"cpu": cpu_description(),
         "molecules": rows,
         "rows_out": manifest["stats"]["rows_out"],
         "wall_s": round(wall, 2),

@@ -113,7 +113,9 @@ def main() -> int:
     m = report["per_seed"][0]
     keys = ("validity", "unique@10k", "novelty", "novelty_all_splits", "int_div", "filters", "scaffold_novelty",
             "fcd", "unfinished_or_special")
-    print(json.dumps({
+    from molds.precision import cpu_description
+
+    print(json.dumps({"cpu": cpu_description(),
         "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
         "seed": recipe.run.seed, "steps": report["step"], "averaged_steps": averaged,
         "etl_s": None if etl_s is None else round(etl_s, 1),

@@ -38,15 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            info = fh.read()
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    units = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{name} ({', '.join(units)}; {os.cpu_count()} cores)"
+    from molds.precision import cpu_description
+
+    return cpu_description()
 
 
 # ---------------------------------------------------------------- measuring

@@ -148,6 +148,9 @@ def main() -> None:
             r = run(args.tokens, args.hidden, experts, width, k, args.rounds, compiled)
             out[key + suffix] = r
             out[f"molds_over_deepspeed_{key}{suffix}"] = round(r["ratio"], 3)
+    from molds.precision import cpu_description
+
+    out["cpu"] = cpu_description()
     print(json.dumps(out))
 
 

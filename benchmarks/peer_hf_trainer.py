@@ -250,7 +250,10 @@ def main() -> None:
 
     hf, ours = r["hf_trainer"], r["molds"]
     ratios = r["round_ratios"]
-    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "steps": args.steps,
+    from molds.precision import cpu_description
+
+    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "cpu": cpu_description(),
+                      "steps": args.steps,
                       "rounds": args.rounds, "precision": args.precision,
                       "molds_compile_regions": not args.eager, **r,
                       "hf_real_tokens_per_s": round(hf["real_tokens_per_s"]),

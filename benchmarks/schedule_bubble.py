@@ -290,9 +290,9 @@ def _free_port() -> int:
 
 
 def _cpu() -> str:
-    from benchmarks.kernels import cpu_name
+    from molds.precision import cpu_description
 
-    return cpu_name()
+    return cpu_description()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main() -> None:
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
     from molds.distributed import init_distributed
-    from molds.engines.ddp import DDPEngine, autocast_dtype
+    from molds.engines.ddp import DDPEngine
     from molds.engines.optim import build_optimizer, build_scheduler
     from molds.engines.zero import ZeroEngine
     from molds.models import build_model
@@ -63,7 +63,8 @@ def main() -> None:
         batches.append({k: b[k].to(dist.device) for k in keep})
         if len(batches) == args.steps:
             break
-    dtype = autocast_dtype(recipe.trainer.precision, dist.device)
+    plan = plan_for(recipe, dist)  # the precision the molds loop measures and takes; every loop uses it
+    dtype = plan.dtype
 
     def autocast():
         import contextlib
@@ -73,7 +74,7 @@ def main() -> None:
     # plain PyTorch
     plain_model = build_model(recipe.model, tok).to(dist.device)
     opt = build_optimizer(plain_model, recipe.optim)
-    sched = build_scheduler(opt, recipe.optim, recipe.trainer.max_steps)
+    sched = build_scheduler(opt, recipe.optim, plan.horizon)
 
     def plain_step(batch):
         with autocast():
@@ -85,7 +86,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    molds_engine = DDPEngine(recipe, build_model(recipe.model, tok), loss_fn, dist, plan_for(recipe, dist))
+    molds_engine = DDPEngine(recipe, build_model(recipe.model, tok), loss_fn, dist, plan)
 
     # bare DeepSpeed
     import deepspeed
@@ -125,7 +126,9 @@ def main() -> None:
             spent[name] += time.perf_counter() - t0
     n = args.rounds * len(batches)
     per_step = {k: v / n for k, v in spent.items()}
-    print(json.dumps({
+    from molds.precision import cpu_description
+
+    print(json.dumps({"cpu": cpu_description(),
         "device": str(dist.device),
         "steps_timed_per_loop": n,
         "s_per_step": {k: round(v, 5) for k, v in per_step.items()},

@@ -329,7 +329,8 @@ class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
     RANGES: ClassVar[dict] = {
-        "lr": (0.0, 10.0), "min_lr_ratio": (0.0, 1.0), "warmup_steps": (0, _BIG), "weight_decay": (0.0, 10.0),
+        "lr": (0.0, 10.0), "min_lr_ratio": (0.0, 1.0), "warmup_steps": (0, _BIG), "warmup_fraction": (0.0, 0.9),
+        "weight_decay": (0.0, 10.0),
         "beta1": (0.0, 0.999999), "beta2": (0.0, 0.999999999), "eps": (0.0, 1.0), "grad_clip": (0.0, 1e6),
     }
 
@@ -339,8 +340,12 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
 
-    warmup_steps: int = 100
-    """Linear warmup length in optimizer steps."""
+    warmup_steps: Optional[int] = None
+    """Linear warmup length in optimizer steps (unset: 100, unless ``warmup_fraction`` is set)."""
+
+    warmup_fraction: float = 0.0
+    """Linear warmup over this fraction of the run (of ``trainer.max_steps``, or of the time
+    budget ``trainer.max_time``: what a budgeted recipe uses); not with ``warmup_steps``."""
 
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to norms and biases)."""
@@ -365,8 +370,13 @@ class TrainerConfig:
     RANGES: ClassVar[dict] = {"max_steps": (1, _BIG), "global_batch_size": (0, _BIG), "grad_accum": (0, 1 << 16),
                               "max_nonfinite_steps": (0, _BIG)}
 
-    max_steps: int = 1000
-    """Optimizer steps to train."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to train (unset: 1000, unless ``max_time`` is set)."""
+
+    max_time: Optional[str] = None
+    """Train for this much wall-clock time instead ("2h", "1h45m", "90m", "5400s"): the
+    learning-rate schedule, ``checkpoint.interval_fraction`` and ``checkpoint.average_last``
+    follow the fraction of it spent; a resumed run carries what it spent. Not with ``max_steps``."""
 
     global_batch_size: int = 0
     """Sequences per optimizer step across all data-parallel ranks, as DeepSpeed's
@@ -386,7 +396,9 @@ class TrainerConfig:
     """``skip`` / ``rollback``: stop once this many steps were non-finite in the run."""
 
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """``auto``: bf16 autocast on a CUDA device that supports it, fp32 otherwise."""
+    """``auto``: bf16 where a bf16 matrix product of the model's shape measures faster than
+    fp32 on this device (timed at start, said on the start line), fp32 otherwise. ``bf16`` /
+    ``fp32``: as asked (the start line says when the other measured faster)."""
 
 
 @dataclass
@@ -438,10 +450,19 @@ class EvalConfig:
 class CheckpointConfig:
     """Saving and resuming (see README: run directories, resume and fork)."""
 
-    RANGES: ClassVar[dict] = {"interval_steps": (0, _BIG), "keep_last": (0, 1 << 20)}
+    RANGES: ClassVar[dict] = {"interval_steps": (0, _BIG), "keep_last": (0, 1 << 20), "interval_fraction": (0.0, 1.0),
+                              "average_last": (0, 1 << 10)}
 
     interval_steps: int = 0
     """Save every N steps (0: only at the end)."""
+
+    interval_fraction: float = 0.0
+    """Save each time the run passes another multiple of this fraction of its length (of
+    its steps, or of ``trainer.max_time``); 0: off. With ``interval_steps`` both apply."""
+
+    average_last: int = 0
+    """At the end, write the mean of the last N checkpoints (the final one included) as
+    ``RUN/averaged``, the model to sample and export (``molds-average``'s average; 0: off)."""
 
     keep_last: int = 3
     """Keep this many checkpoints (0: all)."""

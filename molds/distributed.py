@@ -137,6 +137,14 @@ def all_reduce_sum(values: list[float], dist: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(value: float, dist: DistInfo) -> float:
+    if not dist.distributed:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_have(flag: bool, dist: DistInfo) -> bool:
     """True only if every rank says True (e.g. "I have a batch"): ranks stop together."""
     if not dist.distributed:

@@ -29,6 +29,8 @@ class Plan:
     ep_size: int
     device: str | None = None  # set by on_device
     dtype: torch.dtype | None = None  # what the run computes in (None: float32)
+    precision: object = None  # molds.precision.Precision: the measurement behind dtype
+    horizon: object = None  # molds.budget.Horizon: steps or a time budget, and where the run is
     ds_config: dict | None = None  # the DeepSpeed config (engines zero and pipeline)
 
     @property
@@ -36,16 +38,22 @@ class Plan:
         """Micro-batches per optimizer step on each rank."""
         return self.batching.grad_accum
 
-    def on_device(self, recipe, device: torch.device) -> "Plan":
-        """The plan completed for ``device``: its precision and DeepSpeed config."""
-        from .engines.ddp import autocast_dtype
+    def on_device(self, recipe, dist) -> "Plan":
+        """The plan completed for this rank's device (``dist``: molds.distributed's, whose
+        ranks agree on the measurement): its precision and DeepSpeed config."""
+        from .distributed import all_reduce_sum
+        from .precision import gemm_shape, resolve_precision
         from .recipe import deepspeed_config
 
-        dtype = autocast_dtype(recipe.trainer.precision, device)
+        def mean_over_ranks(values):
+            return [v / dist.world_size for v in all_reduce_sum(values, dist)]
+
+        precision = resolve_precision(recipe.trainer.precision, dist.device, gemm_shape(recipe), mean_over_ranks)
+        dtype = precision.dtype
         cfg = None
         if self.engine in ("zero", "pipeline"):
             cfg = deepspeed_config(recipe, self.world_size, dtype is not None, batching=self.batching)
-        return dataclasses.replace(self, device=str(device), dtype=dtype, ds_config=cfg)
+        return dataclasses.replace(self, device=str(dist.device), dtype=dtype, precision=precision, ds_config=cfg)
 
     def summary(self) -> dict:
         """What the checkpoint lineage records of it."""
@@ -53,6 +61,7 @@ class Plan:
         return {"engine": self.engine, "schedule": self.schedule, "world_size": self.world_size,
                 "dp_size": b.dp_size, "pp_size": self.pp_size, "ep_size": self.ep_size,
                 "global_batch": b.global_batch, "micro_batches": b.grad_accum, "micro_batch": b.micro_batch,
+                "horizon": self.horizon.describe() if self.horizon is not None else None,
                 "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else "float32"}
 
 
@@ -60,13 +69,15 @@ def resolve_plan(recipe, world_size: int) -> Plan:
     """Check the recipe for ``world_size`` ranks (no process group needed) and resolve it."""
     from .recipe import validate
 
+    from .budget import horizon_of
+
     batching = validate(recipe, world_size)
     p = recipe.parallel
     return Plan(world_size=world_size, engine=p.engine, schedule=p.schedule if p.engine == "pipeline" else "none",
-                batching=batching, pp_size=p.pp_size, ep_size=p.ep_size)
+                batching=batching, pp_size=p.pp_size, ep_size=p.ep_size, horizon=horizon_of(recipe.trainer))
 
 
 def plan_for(recipe, dist) -> Plan:
     """The plan for ranks that already exist (``dist``: molds.distributed's): what a
     benchmark or a test that builds an engine itself hands it."""
-    return resolve_plan(recipe, dist.world_size).on_device(recipe, dist.device)
+    return resolve_plan(recipe, dist.world_size).on_device(recipe, dist)

@@ -277,6 +277,7 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
                           f"{m.max_position_embeddings}")
     if d.on_bad_shard == "skip" and d.verify != "eager":
         raise RecipeError("data.on_bad_shard=skip needs data.verify=eager (every rank must skip the same shards)")
+    check_horizon(recipe)
     if recipe.checkpoint.fork and not recipe.checkpoint.resume:
         raise RecipeError("checkpoint.fork needs checkpoint.resume: the checkpoint to fork from")
     if recipe.checkpoint.fork_optimizer and not recipe.checkpoint.fork:
@@ -284,6 +285,35 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
     if not d.manifest:
         raise RecipeError("data.manifest: give the directory written by molds-preprocess")
     return batching
+
+
+def check_horizon(recipe: Recipe) -> None:
+    """A run's length is steps or a time budget; one warm-up knob; an average that can be made."""
+    from .budget import parse_duration
+
+    t, o, c = recipe.trainer, recipe.optim, recipe.checkpoint
+    if t.max_time is not None:
+        try:
+            seconds = parse_duration(t.max_time)
+        except ValueError as exc:
+            raise RecipeError(f"trainer.max_time: {exc}") from None
+        if seconds <= 0:
+            raise RecipeError(f"trainer.max_time={t.max_time!r} must be longer than zero")
+        if t.max_steps is not None:
+            raise RecipeError(f"trainer.max_time={t.max_time!r} and trainer.max_steps={t.max_steps} both set: a run "
+                              f"trains for a number of steps or for a time, not both")
+    if o.warmup_steps is not None and o.warmup_fraction:
+        raise RecipeError(f"optim.warmup_steps={o.warmup_steps} and optim.warmup_fraction={o.warmup_fraction} both "
+                          f"set: give one")
+    if t.max_time is not None and o.warmup_steps:
+        raise RecipeError("optim.warmup_steps with trainer.max_time: a budgeted run warms up over a fraction of its "
+                          "time (optim.warmup_fraction)")
+    if c.average_last > 1 and not (c.interval_steps or c.interval_fraction):
+        raise RecipeError(f"checkpoint.average_last={c.average_last} needs checkpoints during the run "
+                          f"(checkpoint.interval_steps or checkpoint.interval_fraction)")
+    if c.average_last and c.keep_last and c.keep_last < c.average_last:
+        raise RecipeError(f"checkpoint.keep_last={c.keep_last} keeps fewer checkpoints than checkpoint.average_last="
+                          f"{c.average_last} averages (0 keeps all)")
 
 
 def check_kernels(recipe: Recipe) -> None:

@@ -42,6 +42,7 @@ class Run:
     log: object
     evaluator: object
     flops: tuple  # (per real token, per squared molecule length)
+    plan: object = None  # molds.plan.Plan: the recipe resolved for this run
     step: int = 0
     start_step: int = 0
     resumed_from: str | None = None
@@ -74,14 +75,15 @@ def main(argv: list[str] | None = None) -> dict:
 def train(run: Run) -> None:
     """The loop: take micro-batches, step, log, evaluate, checkpoint."""
     from molds.data.loader import batch_tensors
-    from molds.distributed import all_have, collective
+    from molds.distributed import all_have, all_reduce_max, collective
 
-    recipe, dist, engine = run.recipe, run.dist, run.engine
+    recipe, dist, engine, horizon = run.recipe, run.dist, run.engine, run.plan.horizon
     accum = run.batching.grad_accum
     batches = iter(run.loader)
     window = _new_window()
     bar = _progress_bar(run)
-    while run.step < recipe.trainer.max_steps:
+    horizon.start(run.step, horizon.elapsed_s)  # the budget's clock runs from here (and what a resume carried)
+    while not horizon.done:
         micro = []
         try:
             for _ in range(accum):
@@ -104,18 +106,24 @@ def train(run: Run) -> None:
             _non_finite(run, result)
             continue
         run.step += 1
+        before = horizon.fraction
+        if horizon.timed:
+            with collective(f"step {run.step}: agreeing on the time spent", dist):
+                horizon.advance(run.step, agree=lambda s: all_reduce_max(s, dist))
+        else:
+            horizon.advance(run.step)
+        last = horizon.done
         if bar is not None:
             bar.update(1)
-        if run.step % recipe.logging.interval_steps == 0 or run.step == recipe.trainer.max_steps:
+        if run.step % recipe.logging.interval_steps == 0 or last:
             with collective(f"step {run.step}: gathering metrics", dist):
                 _log(run, window, result, bar)
             window = _new_window()
-        kind = run.evaluator.due(run.step) if run.step < recipe.trainer.max_steps else None
+        kind = run.evaluator.due(run.step) if not last else None
         if kind:
             with collective(f"step {run.step}: {kind} evaluation", dist):
                 run.evaluator.run(run.step, kind)
-        interval = recipe.checkpoint.interval_steps
-        if interval and run.step % interval == 0 and run.step < recipe.trainer.max_steps:
+        if not last and _checkpoint_due(recipe.checkpoint, run.step, before, horizon.fraction):
             save(run)
     if bar is not None:
         bar.close()
@@ -134,19 +142,65 @@ def finish(run: Run) -> dict:
         final = run.resumed_from  # nothing trained since: the checkpoint we started from is the last one
     else:
         final = save(run)
+    averaged = _average_last(run) if recipe.checkpoint.average_last else None
     stats = run.loader.totals()
     pp = run.engine.topology.pp_size  # the stages of a pipeline read the same batches
     truncated, truncated_tokens = (x / pp for x in all_reduce_sum([stats["truncated"], stats["truncated_tokens"]],
                                                                    dist))
-    summary = {"steps": run.step, "checkpoint": final, "nonfinite_steps": run.counters["nonfinite_steps"],
+    summary = {"steps": run.step, "checkpoint": final, "averaged": averaged,
+               "horizon": run.plan.horizon.state(), "nonfinite_steps": run.counters["nonfinite_steps"],
                "rollbacks": run.counters["rollbacks"], "truncated_molecules": int(truncated),
                "truncated_tokens": int(truncated_tokens), "skipped_shards": run.loader.skipped["shards"],
                "skipped_rows": run.loader.skipped["rows"]}
     if dist.is_main:
-        notes = [f"{k.replace('_', ' ')} {v}" for k, v in summary.items() if k not in ("steps", "checkpoint") and v]
-        print(f"[molds] {run.step} steps; checkpoint {final}" + (f"; {', '.join(notes)}" if notes else ""),
-              file=sys.stderr)
-    return {"step": run.step, "checkpoint": final, "summary": summary}
+        notes = [f"{k.replace('_', ' ')} {v}" for k, v in summary.items()
+                 if k not in ("steps", "checkpoint", "averaged", "horizon") and v]
+        spent = ""
+        if run.plan.horizon.timed:
+            from molds.budget import format_duration
+
+            spent = f" in {format_duration(run.plan.horizon.elapsed_s)} of a {run.plan.horizon.describe()}"
+        print(f"[molds] {run.step} steps{spent}; checkpoint {final}" + (f"; averaged model {averaged}" if averaged
+                                                                         else "")
+              + (f"; {', '.join(notes)}" if notes else ""), file=sys.stderr)
+    return {"step": run.step, "checkpoint": final, "averaged": averaged, "summary": summary}
+
+
+def _checkpoint_due(cfg, step: int, before: float, fraction: float) -> bool:
+    """``checkpoint.interval_steps`` reached, or the run passed another multiple of
+    ``checkpoint.interval_fraction`` of its length during this step."""
+    if cfg.interval_steps and step % cfg.interval_steps == 0:
+        return True
+    if cfg.interval_fraction:
+        return int(fraction / cfg.interval_fraction + 1e-9) > int(before / cfg.interval_fraction + 1e-9)
+    return False
+
+
+def _average_last(run: Run) -> str:
+    """``checkpoint.average_last``: the mean of the run's last N checkpoints as RUN/averaged
+    (rank 0 writes it; every rank waits for it)."""
+    from molds.checkpoint.average import average_checkpoints, last_checkpoints
+    from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
+    from molds.distributed import all_have, collective
+
+    out = os.path.join(run.recipe.run.output_dir, "averaged")
+    n = run.recipe.checkpoint.average_last
+    ok, error = True, None
+    with collective("averaging the last checkpoints", run.dist):
+        if run.dist.is_main:
+            try:
+                have = len(complete_checkpoints(checkpoints_dir(run.recipe.run.output_dir)))
+                if have < n:
+                    print(f"[molds] warning: checkpoint.average_last={n} but the run has {have} checkpoints; "
+                          f"averaging those", file=sys.stderr)
+                average_checkpoints(last_checkpoints(run.recipe.run.output_dir, min(n, have)), out)
+            except MoldsError as exc:
+                ok, error = False, exc
+        if not all_have(ok, run.dist):
+            if error is not None:
+                raise error
+            raise MoldsError(f"averaging the last {n} checkpoints into {out} failed on rank 0")
+    return out
 
 
 def teardown(run: Run) -> None:
@@ -194,7 +248,7 @@ def setup(recipe, plan=None) -> Run:
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
-    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist.device)
+    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist)
     if plan.world_size != dist.world_size:
         raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
     batching = plan.batching
@@ -216,8 +270,9 @@ def setup(recipe, plan=None) -> Run:
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
         "parameters": parameters, "host_allocator": allocator, "kernels": kernels, "plan": plan.summary(),
+        "precision": plan.precision.describe(), "machine": _machine(dist.device),
     }
-    run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops)
+    run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan)
     if resume_from is not None:
         _resume(run, resume_from)
     if dist.is_main:
@@ -251,6 +306,13 @@ def _resume(run: Run, path: str) -> None:
                   f"{' and optimizer moments' if recipe.checkpoint.fork_optimizer else ''} kept, step 0, fresh data "
                   f"cursor on {run.manifest.path}", file=sys.stderr)
         return
+    carried = saved.get("horizon", {})
+    if run.plan.horizon.timed and "elapsed_s" not in carried:
+        from molds.errors import CheckpointError
+
+        raise CheckpointError(f"{path} was trained by steps and carries no elapsed time; a run with "
+                              f"trainer.max_time continues it only as a fork (--checkpoint.fork true)")
+    run.plan.horizon.start(int(saved["step"]), float(carried.get("elapsed_s", 0.0)))  # before the schedule
     step, data_state = restore(path, run.engine, dist, seed=recipe.run.seed)  # the schedule: this recipe's
     run.loader.load_state_dict(data_state)
     run.step = run.start_step = step
@@ -302,7 +364,7 @@ def _log(run: Run, window: dict, result, bar) -> None:
     loss = all_reduce_mean(result.loss, dist)
     pp = run.engine.topology.pp_size
     real, tokens, sq, trunc, trunc_tok = (x / pp for x in (real, tokens, sq, trunc, trunc_tok))  # pipeline stages share batches
-    peak, _ = device_peak_tflops(dist.device, run.recipe.logging.peak_tflops)
+    peak, _ = device_peak_tflops(dist.device, run.recipe.logging.peak_tflops, run.plan.precision)
     flops = run.flops[0] * real + run.flops[1] * sq
     values = {"train/loss": loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
               "train/tokens_per_sec": real / elapsed, "train/padding_ratio": 1 - real / max(1.0, tokens),
@@ -360,7 +422,7 @@ def save(run: Run) -> str:
     with collective(f"step {run.step}: saving a checkpoint", run.dist):
         _check_manifest_unchanged(run)
         data_state = merge_states(gather_objects(run.loader.state_dict(), run.dist))
-        lineage = dict(run.lineage, counters=dict(run.counters))
+        lineage = dict(run.lineage, counters=dict(run.counters), horizon=run.plan.horizon.state())
         path = save_checkpoint(run.recipe.run.output_dir, run.engine, run.dist, run.step, data_state, lineage,
                                keep_last=run.recipe.checkpoint.keep_last,
                                needed_bytes=12 * run.lineage["parameters"] + (1 << 20))
@@ -443,7 +505,8 @@ def _progress_bar(run: Run):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=run.recipe.trainer.max_steps, initial=run.step, desc="train", file=sys.stderr,
+    h = run.plan.horizon
+    return tqdm(total=None if h.timed else h.max_steps, initial=run.step, desc="train", file=sys.stderr,
                 dynamic_ncols=True)
 
 
@@ -458,7 +521,9 @@ def _start_summary(run: Run, parameters: int) -> None:
     run.log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
     from molds.metrics.logger import device_peak_tflops
 
-    run.log.text("run/mfu_peak", device_peak_tflops(run.dist.device, recipe.logging.peak_tflops)[1])
+    run.log.text("run/mfu_peak", device_peak_tflops(run.dist.device, recipe.logging.peak_tflops,
+                                                    run.plan.precision)[1])
+    run.log.text("run/precision", run.plan.precision.describe())
     if run.lineage["kernels"]:
         run.log.text("run/kernels", run.lineage["kernels"])
     if not run.dist.is_main:
@@ -475,11 +540,26 @@ def _start_summary(run: Run, parameters: int) -> None:
           f"{b.dp_size} data-parallel){mols}; host allocator: {run.lineage['host_allocator']}"
           f"{' (MOLDS_SYSTEM_ALLOCATOR=1 to keep the C library defaults)' if run.lineage['host_allocator'] == 'retain' else ''}",
           file=sys.stderr)
+    print(f"[molds] {run.plan.precision.describe()}", file=sys.stderr)
+    warning = run.plan.precision.warning()
+    if warning:
+        notes.append(warning)
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)
+
+
+def _machine(device) -> str:
+    """What the run ran on, named in the lineage (a figure that does not name its CPU class
+    cannot be re-run)."""
+    import torch
+
+    from molds.precision import cpu_description
+
+    gpu = f"{torch.cuda.get_device_name(device)}; " if device.type == "cuda" else ""
+    return f"{gpu}{cpu_description()}; torch {torch.__version__}"
 
 
 def _hparams(recipe) -> dict:

@@ -135,7 +135,7 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
         refuse_averaged(checkpoint, lineage)  # a fork of its weights alone (fork_optimizer false) is fine
     engine.load(checkpoint, optimizer=optimizer)
     if not keep_schedule:
-        engine.set_lr_schedule(engine.recipe.optim, engine.recipe.trainer.max_steps, position=0)
+        engine.set_lr_schedule(engine.recipe.optim, engine.plan.horizon, position=0)
         return step, {} if averaged else read_json(os.path.join(checkpoint, DATA_STATE))
     old_world = int(lineage.get("world_topology", {}).get("world_size", lineage.get("world_size", 0)) or 0)
     path = rng_file(checkpoint, dist.rank)

@@ -25,7 +25,8 @@ from ..errors import CheckpointError
 
 RESUME_MUTABLE = (
     # the learning-rate schedule and the length of the run
-    "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "trainer.max_steps",
+    "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.warmup_fraction", "trainer.max_steps",
+    "trainer.max_time", "trainer.precision",
     # what is logged, evaluated and saved, and when
     "logging.*", "eval.*", "checkpoint.*", "run.name", "run.output_dir", "run.overwrite",
     # how the same global batch is computed: topology, engine, launch and data-reading details

@@ -64,18 +64,19 @@ class Engine(Protocol):
         """Read the canonical state from ``directory`` (weights; optimizer and schedule
         unless ``optimizer`` is False)."""
 
-    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
-        """Use this learning-rate schedule from now on (a resume may change it), at
-        ``position`` optimizer steps (default: where the engine is)."""
+    def set_lr_schedule(self, optim, horizon, position: int | None = None) -> None:
+        """Use this learning-rate schedule from now on (a resume may change it) over
+        ``horizon`` (steps, or a ``molds.budget.Horizon``), at ``position`` optimizer steps
+        (default: where the engine is)."""
 
 
 class ScheduledEngine:
     """What every engine shares: its ``self.scheduler`` takes a new schedule the same way."""
 
-    def set_lr_schedule(self, optim, max_steps: int, position: int | None = None) -> None:
+    def set_lr_schedule(self, optim, horizon, position: int | None = None) -> None:
         from .optim import set_schedule
 
-        set_schedule(self.scheduler, optim, max_steps, position)
+        set_schedule(self.scheduler, optim, horizon, position)
 
 
 class WholeModelEngine(ScheduledEngine):

@@ -19,17 +19,11 @@ from .base import StepResult, Topology, WholeModelEngine
 from .optim import (adam_step_count, build_optimizer, build_scheduler, load_moments, moments_of, set_schedule)
 
 
-def autocast_dtype(precision: str, device: torch.device):
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()):
-        return torch.bfloat16
-    return None
-
-
 class DDPEngine(WholeModelEngine):
     name = "ddp"
 
     def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist, plan):
-        self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
+        self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         self.model = model.to(dist.device)
         self.topology = Topology(world_size=dist.world_size, rank=dist.rank, dp_size=dist.world_size,
                                  dp_rank=dist.rank)
@@ -48,7 +42,7 @@ class DDPEngine(WholeModelEngine):
             module = torch.compile(module)
         self.module = module
         self.optimizer = build_optimizer(self.model, recipe.optim)
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.trainer.max_steps)
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim, plan.horizon)
         self.dtype = plan.dtype
         from ..models.moe import set_aux_loss_scale
 
@@ -115,5 +109,5 @@ class DDPEngine(WholeModelEngine):
         if optimizer:
             moments, meta = read_optimizer(directory)
             load_moments(self._param_slots(), self.optimizer, moments, int(meta["optimizer_step"]), directory)
-            set_schedule(self.scheduler, self.recipe.optim, self.recipe.trainer.max_steps,
+            set_schedule(self.scheduler, self.recipe.optim, self.plan.horizon,
                          int(meta["scheduler_step"]))

@@ -1,9 +1,9 @@
 """AdamW with decoupled weight decay (not on norms and biases) and linear warmup +
 cosine decay, shared by every engine; and the optimizer state in canonical form.
 
-The schedule is a pure function of the optimizer step, so a checkpoint stores only
-that step; on resume the schedule is rebuilt from the (possibly changed) recipe
-(``set_schedule``). Optimizer moments move to and from the canonical layout by
+The schedule is a pure function of the optimizer step (with a time budget, of the
+fraction of it spent: ``molds.budget``), so a checkpoint stores only that; on resume the
+schedule is rebuilt from the (possibly changed) recipe (``set_schedule``). Optimizer moments move to and from the canonical layout by
 parameter name (``moments_of`` / ``load_moments``).
 """
 
@@ -46,27 +46,55 @@ def build_optimizer(model: torch.nn.Module, optim, fused: bool | None = None) ->
     return adamw(param_groups(model.named_parameters(), optim.weight_decay), optim, fused)
 
 
-def lr_lambda(optim, max_steps: int):
-    def f(step: int) -> float:
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        span = max(1, max_steps - optim.warmup_steps)
-        progress = min(1.0, (step - optim.warmup_steps) / span)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+def warmup_steps(optim, max_steps: int) -> int:
+    """The warm-up in steps: ``optim.warmup_steps``, or ``warmup_fraction`` of the steps, or 100."""
+    if optim.warmup_steps is not None:
+        return optim.warmup_steps
+    return round(optim.warmup_fraction * max_steps) if optim.warmup_fraction else 100
 
 
-def build_scheduler(optimizer, optim, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, max_steps))
+def lr_lambda(optim, horizon):
+    """The learning-rate factor at a step: linear warm-up, then cosine decay to
+    ``min_lr_ratio``. ``horizon``: the run's steps (an int, or a ``molds.budget.Horizon``
+    counting steps), or a Horizon with a time budget, whose spent fraction then drives
+    both the warm-up (``warmup_fraction``) and the decay (the step is not used)."""
+    from ..budget import Horizon
+
+    def decay(progress: float) -> float:
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    if isinstance(horizon, Horizon) and horizon.timed:
+        warm = optim.warmup_fraction
+
+        def by_time(step: int) -> float:
+            x = horizon.fraction
+            if warm and x < warm:
+                return x / warm
+            return decay((x - warm) / (1 - warm))
+
+        return by_time
+    max_steps = horizon.max_steps if isinstance(horizon, Horizon) else horizon
+    warm_steps = warmup_steps(optim, max_steps)
+
+    def by_step(step: int) -> float:
+        if warm_steps and step < warm_steps:
+            return (step + 1) / warm_steps
+        return decay((step - warm_steps) / max(1, max_steps - warm_steps))
+
+    return by_step
 
 
-def set_schedule(scheduler, optim, max_steps: int, position: int | None = None) -> None:
-    """Make ``scheduler`` follow ``optim``'s schedule over ``max_steps``, at ``position``
-    (the number of optimizer steps taken; default: where it is)."""
+def build_scheduler(optimizer, optim, horizon):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, horizon))
+
+
+def set_schedule(scheduler, optim, horizon, position: int | None = None) -> None:
+    """Make ``scheduler`` follow ``optim``'s schedule over ``horizon`` (steps, or a
+    ``molds.budget.Horizon``), at ``position`` (the number of optimizer steps taken;
+    default: where it is)."""
     n = len(scheduler.optimizer.param_groups)
     scheduler.base_lrs = [optim.lr] * n
-    scheduler.lr_lambdas = [lr_lambda(optim, max_steps)] * n
+    scheduler.lr_lambdas = [lr_lambda(optim, horizon)] * n
     if position is not None:
         scheduler.last_epoch = position
     values = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]

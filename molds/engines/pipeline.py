@@ -247,7 +247,7 @@ class PipelineEngine(ScheduledEngine):
         from ..distributed import quiet_on_other_ranks
         from ..models.moe import moe_layers, set_aux_loss_scale
 
-        self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
+        self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         with quiet_on_other_ranks(dist):  # DeepSpeed's communication layer over molds' process group
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
         p = recipe.parallel
@@ -305,7 +305,7 @@ class PipelineEngine(ScheduledEngine):
 
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)
-        scheduler = build_scheduler(optimizer, recipe.optim, recipe.trainer.max_steps)
+        scheduler = build_scheduler(optimizer, recipe.optim, plan.horizon)
         ds_cfg = copy.deepcopy(plan.ds_config)  # DeepSpeed writes into its config; clipping changes below
         self.clip = recipe.optim.grad_clip
         if self.stage_zero == 0:
@@ -493,7 +493,7 @@ class PipelineEngine(ScheduledEngine):
         set_full_state(self.engine, self._slots(), weights, moments, meta, stage=self.stage_zero,
                        device=self.dist.device, where=directory)
         if optimizer:
-            set_schedule(self.scheduler, self.recipe.optim, self.recipe.trainer.max_steps, int(meta["scheduler_step"]))
+            set_schedule(self.scheduler, self.recipe.optim, self.plan.horizon, int(meta["scheduler_step"]))
             self.engine.global_steps = int(meta["scheduler_step"])
         with torch.no_grad():
             self.module._synchronize_tied_weights()

@@ -57,14 +57,14 @@ class ZeroEngine(WholeModelEngine):
 
         import deepspeed
 
-        self.recipe, self.dist, self.loss_fn = recipe, dist, loss_fn
+        self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         self.dtype = plan.dtype
         cfg = copy.deepcopy(plan.ds_config)  # DeepSpeed writes into its config
         if recipe.parallel.offload_optimizer:
             cfg.setdefault("zero_force_ds_cpu_optimizer", False)
         self.stage = recipe.parallel.zero_stage
         optimizer = build_optimizer(model, recipe.optim)
-        scheduler = build_scheduler(optimizer, recipe.optim, recipe.trainer.max_steps)
+        scheduler = build_scheduler(optimizer, recipe.optim, plan.horizon)
         from ..distributed import quiet_on_other_ranks
 
         with quiet_on_other_ranks(dist):
@@ -131,7 +131,7 @@ class ZeroEngine(WholeModelEngine):
         set_full_state(self.engine, model_slots, weights, moments if optimizer else None, meta, stage=self.stage,
                        device=self.dist.device, where=directory)
         if optimizer:
-            set_schedule(self.scheduler, self.recipe.optim, self.recipe.trainer.max_steps, int(meta["scheduler_step"]))
+            set_schedule(self.scheduler, self.recipe.optim, self.plan.horizon, int(meta["scheduler_step"]))
             self.engine.global_steps = int(meta["scheduler_step"])
 
 

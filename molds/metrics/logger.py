@@ -15,12 +15,19 @@ import os
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
 
-def device_peak_tflops(device, override: float | None) -> tuple[float | None, str]:
+def device_peak_tflops(device, override: float | None, precision=None) -> tuple[float | None, str]:
+    """The peak ``train/mfu`` is taken against, per rank, and where it comes from: the
+    recipe's ``logging.peak_tflops``; a known GPU's dense bf16 rate; on a CPU the matrix
+    rate measured at start for the chosen precision (``precision``: molds.precision's)."""
     if override:
         return override, f"logging.peak_tflops={override}"
     import torch
 
     if device.type != "cuda":
+        if precision is not None and precision.peak_gflops > 0:
+            m, k, n = precision.shape
+            return precision.peak_gflops / 1000, (f"measured {precision.name} matrix rate per rank at {m}x{k}x{n}: "
+                                                  f"{precision.peak_gflops:,.1f} GFLOP/s")
         return None, "no known peak for this device (set logging.peak_tflops for MFU)"
     name = torch.cuda.get_device_name(device)
     for key, value in PEAK_TFLOPS.items():

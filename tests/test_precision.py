@@ -1,0 +1,103 @@
+"""trainer.precision resolved by measurement (molds.precision): ``auto`` takes bf16 only
+where a bf16 matrix product of the model's shape measured faster than fp32; the ranks
+agree; an explicit choice that measured slower runs and is said; the peak a CPU's MFU is
+taken against is that measurement."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from molds.precision import Precision, cpu_class, cpu_description, gemm_shape, matmul_rate, resolve_precision
+
+CPU = torch.device("cpu")
+SHAPE = (256, 64, 192)
+
+
+def _stub(fp32: float, bf16: float):
+    calls = []
+
+    def measure(dtype, shape, device):
+        calls.append((dtype, shape))
+        return bf16 if dtype == torch.bfloat16 else fp32
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("fp32,bf16,want", [(100.0, 480.0, torch.bfloat16), (100.0, 2.4, None), (50.0, 50.0, None)],
+                         ids=["bf16-faster", "fp32-faster", "tie"])
+def test_auto_takes_bf16_only_where_it_measured_faster(fp32, bf16, want):
+    measure, calls = _stub(fp32, bf16)
+    p = resolve_precision("auto", CPU, SHAPE, measure=measure)
+    assert p.dtype == want and p.warning() is None
+    assert sorted(str(d) for d, _ in calls) == ["torch.bfloat16", "torch.float32"] and calls[0][1] == SHAPE
+    assert p.peak_gflops == (bf16 if want is torch.bfloat16 else fp32)
+    assert f"bf16 {bf16:,.1f} and fp32 {fp32:,.1f} GFLOP/s" in p.describe()
+
+
+def test_an_explicit_choice_runs_and_says_when_it_measured_slower():
+    measure, _ = _stub(100.0, 2.5)
+    p = resolve_precision("bf16", CPU, SHAPE, measure=measure)
+    assert p.dtype == torch.bfloat16 and p.peak_gflops == 2.5
+    assert "40.0x slower than fp32" in p.warning() and "'auto' would take fp32" in p.warning()
+    measure, _ = _stub(100.0, 480.0)
+    p = resolve_precision("fp32", CPU, SHAPE, measure=measure)
+    assert p.dtype is None and "4.8x faster" in p.warning()
+
+
+def test_the_ranks_decide_on_their_mean_rates():
+    """Two ranks that measured on either side of the line take the same precision."""
+    per_rank = [[100.0, 90.0], [100.0, 130.0]]  # fp32, bf16 of each rank
+
+    def agree(rates):
+        return [sum(r[i] for r in per_rank) / len(per_rank) for i in range(2)]
+
+    choices = set()
+    for fp32, bf16 in per_rank:
+        measure, _ = _stub(fp32, bf16)
+        choices.add(resolve_precision("auto", CPU, SHAPE, agree=agree, measure=measure).dtype)
+    assert choices == {torch.bfloat16}  # mean bf16 110 > fp32 100
+
+
+def test_on_this_machine_the_choice_follows_the_measured_rates():
+    p = resolve_precision("auto", CPU, SHAPE)
+    assert p.fp32_gflops > 0 and p.bf16_gflops > 0
+    assert (p.dtype == torch.bfloat16) == (p.bf16_gflops > p.fp32_gflops)
+    assert cpu_description() in p.describe()
+    assert cpu_class() in ("bf16-native", "fp32-only")
+
+
+def test_without_native_bf16_auto_takes_fp32():
+    """oneDNN limited to AVX2 (what a CPU without AVX-512 BF16 or AMX has) emulates bf16
+    products: ``auto`` measures that and takes fp32, on either class of machine."""
+    code = ("import torch; from molds.precision import resolve_precision; "
+            "p = resolve_precision('auto', torch.device('cpu'), (256, 64, 192)); print(p.name, p.describe())")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("fp32 "), out.stdout
+
+
+def test_the_measured_shape_is_the_models_and_the_timing_is_short():
+    from molds.recipe import parse_recipe
+
+    recipe = parse_recipe(["--recipe", os.path.join(os.path.dirname(__file__), "..", "recipes", "cpu_moses.json")])
+    assert gemm_shape(recipe) == (1024, 192, 512)  # 16 x 256 tokens capped at 1,024; 8/3 x 192 -> 512
+    import time
+
+    start = time.perf_counter()
+    assert matmul_rate(torch.float32, (1024, 192, 512), CPU) > 0
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_cpu_runs_mfu_against_the_measured_rate():
+    from molds.metrics.logger import device_peak_tflops
+
+    p = Precision("auto", None, 100.0, 3.0, SHAPE, "cpu")
+    peak, text = device_peak_tflops(CPU, None, p)
+    assert peak == pytest.approx(0.1) and "measured fp32 matrix rate" in text
+    assert device_peak_tflops(CPU, 2.0, p) == (2.0, "logging.peak_tflops=2.0")
