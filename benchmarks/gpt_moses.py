@@ -10,16 +10,19 @@
    from the bundled sample when the manifest is the quick start's ``runs/quickstart/data``.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
    run directory; ``--seed`` sets run.seed and data.seed; ``--steps`` trainer.max_steps).
-3. With ``--average_last N``: ``molds-average`` of the run's N newest checkpoints (the
-   README's cpu_moses figures use 3: steps 18,000, 20,000 and 22,000).
-4. Sampling and scoring: ``--num`` molecules at ``--temperature`` from the final (or the
-   averaged) checkpoint (``molds.eval.evaluate``), the test split's loss, and FCD to it
-   with ``--fcd``.
+3. The model scored: the recipe's own average (``checkpoint.average_last``: RUN/averaged),
+   or with ``--average_last N`` ``molds-average`` of the run's N newest checkpoints, or
+   else the final checkpoint.
+4. ``molds-sample``: ``--num`` molecules at ``--temperature`` (the procedure ends here:
+   ``procedure_s`` is ETL + training + averaging + sampling), then ``molds-eval --samples``:
+   the generation metrics, FCD to the split with ``--fcd``, and with ``--moses`` FCD, SNN,
+   Frag and Scaf against the whole split (timed apart: ``eval_s``).
 
 One JSON line: every metric (validity counts empty and invalid samples; unique@10k over
 the first 10,000 valid; novelty against the training split and against every split, i.e.
-the whole MOSES training file), the wall time of each phase, and the published CharRNN
-and MolGPT figures beside them.
+the whole MOSES training file), the wall time of each phase, the run's horizon (steps,
+time spent) and precision, and the published CharRNN (Test and TestSF) and MolGPT
+figures beside them.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# Polykovskiy et al. 2020 (MOSES), table 2; Bagal et al. 2021 (MolGPT), table 2
-PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.842},
+# Polykovskiy et al. 2020 (MOSES, and its repository's README table: Test / TestSF); Bagal et al. 2021 (MolGPT)
+PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.842, "fcd_test": 0.0732,
+                         "fcd_testsf": 0.5204, "snn_test": 0.6015, "snn_testsf": 0.5649, "frag_test": 0.9998,
+                         "frag_testsf": 0.9983, "scaf_test": 0.9242, "scaf_testsf": 0.1101},
              "MolGPT": {"validity": 0.994, "unique@10k": 1.0, "novelty": 0.797}}
 
 
@@ -55,6 +60,9 @@ def main() -> int:
     ap.add_argument("--split", default="test", help="split for the loss (and FCD)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fcd", action="store_true")
+    ap.add_argument("--moses", action="store_true",
+                    help="also MOSES's FCD, SNN, Frag and Scaf against the whole --split (its scaffold-held-out test "
+                         "split: MOSES's TestSF construction)")
     ap.add_argument("--average_last", type=int, default=0,
                     help="score the mean of the run's N newest checkpoints (molds-average; 0: the final one)")
     ap.add_argument("--output_dir", default=None, help="run directory (default: runs/bench-<recipe name>)")
@@ -95,32 +103,51 @@ def main() -> int:
     subprocess.run(launcher + argv, check=True)
     train_s = time.perf_counter() - t0
 
-    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.checkpoint import read_lineage
+    from molds.checkpoint.average import AVERAGED_FROM, average_checkpoints, last_checkpoints
 
-    scored, averaged = out, None
+    scored, averaged, average_s = out, None, 0.0
     if args.average_last:
-        from molds.checkpoint import read_lineage
-        from molds.checkpoint.average import AVERAGED_FROM, average_checkpoints, last_checkpoints
-
+        t0 = time.perf_counter()
         scored = average_checkpoints(last_checkpoints(out, args.average_last),
                                      os.path.join(out, f"averaged-last{args.average_last}"))
+        average_s = time.perf_counter() - t0
+    elif os.path.isdir(os.path.join(out, "averaged")):  # the recipe's own (checkpoint.average_last)
+        scored = os.path.join(out, "averaged")
+    if scored != out:
         averaged = [s["step"] for s in read_lineage(scored)[AVERAGED_FROM]]
-    t0 = time.perf_counter()
+    # the procedure's last part, as a user runs it: molds-sample, then molds-eval --samples
+    from molds.cli.sample import main as sample_main
+    from molds.eval.evaluate import evaluate_samples
+
     seed = 0 if args.seed is None else args.seed
-    report = evaluate_checkpoint(scored, split=args.split, num=args.num, seeds=(seed,), temperature=args.temperature,
-                                 fcd=args.fcd, max_batches=50)
+    samples = os.path.join(out, "samples.smi")
+    t0 = time.perf_counter()
+    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--seed", str(seed),
+                    "--out", samples]):
+        raise SystemExit("molds-sample failed")
+    sample_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = evaluate_samples(samples, manifest_dir, split=args.split, fcd=args.fcd, moses=args.moses)
+    from molds.eval.evaluate import evaluate_checkpoint
+
+    loss = evaluate_checkpoint(scored, split=args.split, num=2, max_batches=50)["loss"]  # the held-out split's loss
     eval_s = time.perf_counter() - t0
-    m = report["per_seed"][0]
+    m = report["metrics"]
     keys = ("validity", "unique@10k", "novelty", "novelty_all_splits", "int_div", "filters", "scaffold_novelty",
-            "fcd", "unfinished_or_special")
+            "fcd", "snn", "frag", "scaf", "moses_reference_molecules")
+    lineage = read_lineage(os.path.join(out, "checkpoints", open(os.path.join(out, "checkpoints", "latest")).read()))
     from molds.precision import cpu_description
 
+    procedure_s = (etl_s or 0.0) + train_s + average_s + sample_s
     print(json.dumps({"cpu": cpu_description(),
         "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
-        "seed": recipe.run.seed, "steps": report["step"], "averaged_steps": averaged,
-        "etl_s": None if etl_s is None else round(etl_s, 1),
-        "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
-        "temperature": args.temperature, f"{args.split}_loss": round(report["loss"], 4),
+        "seed": recipe.run.seed, "steps": lineage["step"], "horizon": lineage.get("horizon"),
+        "precision": lineage.get("precision"), "averaged_steps": averaged,
+        "etl_s": None if etl_s is None else round(etl_s, 1), "train_s": round(train_s, 1),
+        "average_s": round(average_s, 1), "sample_s": round(sample_s, 1),
+        "procedure_s": round(procedure_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
+        "temperature": args.temperature, "reference_split": args.split, f"{args.split}_loss": round(loss, 4),
         **{k: m.get(k) for k in keys}, "published": PUBLISHED}))
     return 0
 

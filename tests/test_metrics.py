@@ -129,3 +129,50 @@ def test_fcd_is_computed_offline_and_ranks_sets():
     near = ["CCCO", "CCNC", "CCCC", "COC", "CC(C)N", "CCCCN", "OCCN", "CC(=O)N"] * 4
     far = ["c1ccc2ccccc2c1", "c1ccc(-c2ccccc2)cc1", "O=c1cc[nH]c(=O)[nH]1", "c1ccncc1"] * 8
     assert fcd_score(near, ref) < fcd_score(far, ref)
+
+
+def test_moses_similarities_against_rdkit_by_hand():
+    """SNN, Frag and Scaf as MOSES defines them, checked against RDKit calls made here."""
+    from collections import Counter
+
+    from rdkit import Chem, DataStructs
+    from rdkit.Chem import AllChem, rdFingerprintGenerator
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    from molds.metrics.generation import ReferenceSet, generation_metrics
+
+    ref = ["c1ccc2ccccc2c1CCO", "CC(=O)Nc1ccc(O)cc1", "O=C(O)c1ccccc1OC(C)=O", "c1ccc(-c2ccncc2)cc1", "CCN(CC)CC"]
+    gen = ["c1ccc2ccccc2c1CCN", "CC(=O)Nc1ccc(O)cc1", "c1ccc(-c2ccccn2)cc1", "not a smiles", None]
+    reference = ReferenceSet(ref)
+    m = generation_metrics(gen, None, moses_reference=reference)
+    mols_g = [Chem.MolFromSmiles(s) for s in gen[:3]]
+    mols_r = [Chem.MolFromSmiles(s) for s in ref]
+    fpgen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
+    fr = [fpgen.GetFingerprint(x) for x in mols_r]
+    snn = sum(max(DataStructs.BulkTanimotoSimilarity(fpgen.GetFingerprint(x), fr)) for x in mols_g) / 3
+    assert m["snn"] == pytest.approx(snn) and 0 < m["snn"] < 1
+
+    def frags(mols):
+        c = Counter()
+        for x in mols:
+            c.update(Chem.MolToSmiles(AllChem.FragmentOnBRICSBonds(x)).split("."))
+        return c
+
+    def scafs(mols):
+        c = Counter()
+        for x in mols:
+            s = MurckoScaffold.GetScaffoldForMol(x)
+            if s.GetRingInfo().NumRings() >= 2:
+                c[Chem.MolToSmiles(s)] += 1
+        return c
+
+    def cos(a, b):
+        keys = set(a) | set(b)
+        dot = sum(a[k] * b[k] for k in keys)
+        return dot / (sum(v * v for v in a.values()) ** 0.5 * sum(v * v for v in b.values()) ** 0.5)
+
+    assert m["frag"] == pytest.approx(cos(frags(mols_g), frags(mols_r)))
+    assert m["scaf"] == pytest.approx(cos(scafs(mols_g), scafs(mols_r)))
+    same = generation_metrics(ref, None, moses_reference=reference)
+    assert same["snn"] == pytest.approx(1.0) and same["frag"] == pytest.approx(1.0) and same["scaf"] == pytest.approx(1.0)
+    assert m["moses_reference_molecules"] == 5

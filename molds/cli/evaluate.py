@@ -32,6 +32,10 @@ def build_parser():
     p.add_argument("--top_k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--max_batches", type=int, default=0, help="loss on at most this many batches (0: all)")
     p.add_argument("--fcd", type=bool, default=False, help="also the Fréchet ChemNet Distance to the split")
+    p.add_argument("--moses", type=bool, default=False,
+                   help="also MOSES's FCD, SNN, Frag and Scaf against the whole split (or --reference)")
+    p.add_argument("--reference", type=str, default=None,
+                   help="a SMILES file (MOSES's test.csv or test_scaffolds.csv) for FCD / SNN / Frag / Scaf")
     p.add_argument("--recipe", type=str, default=None,
                    help="train this recipe once per seed, then evaluate each final checkpoint")
     p.add_argument("--samples", type=str, default=None,
@@ -76,11 +80,13 @@ def run(argv: list[str]) -> int:
     if overrides and not args.recipe:
         raise UsageError(f"recipe overrides ({' '.join(overrides)}) need --recipe")
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
-                  top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd)
+                  top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd, moses=args.moses,
+                  reference_file=args.reference)
     if args.samples:
         if args.checkpoint or args.recipe or not args.manifest:
             raise UsageError("--samples takes --manifest and neither a CHECKPOINT nor --recipe")
-        report = evaluate_samples(args.samples, args.manifest, split=args.split, fcd=args.fcd)
+        report = evaluate_samples(args.samples, args.manifest, split=args.split, fcd=args.fcd, moses=args.moses,
+                                  reference_file=args.reference)
         out = args.out or os.path.splitext(args.samples)[0] + "-eval"
     elif args.recipe:
         if args.checkpoint:

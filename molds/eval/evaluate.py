@@ -17,9 +17,37 @@ import os
 from ..errors import MoldsError
 
 
+def moses_reference(manifest, split: str, reference_file: str | None = None):
+    """The reference set of MOSES's similarity metrics: a SMILES file (MOSES's own test.csv,
+    one SMILES per line or a CSV with a SMILES column), or the whole ``split``."""
+    from ..metrics.generation import ReferenceSet, reference_smiles
+
+    if reference_file:
+        return ReferenceSet(read_smiles_file(reference_file))
+    return ReferenceSet(reference_smiles(manifest, split, limit=1 << 30))
+
+
+def read_smiles_file(path: str) -> list[str]:
+    import csv
+
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            if path.endswith(".csv"):
+                rows = list(csv.reader(fh))
+                if not rows:
+                    raise MoldsError(f"{path}: empty")
+                header = [h.strip().lower() for h in rows[0]]
+                col = header.index("smiles") if "smiles" in header else 0
+                return [r[col].strip() for r in rows[1:] if len(r) > col and r[col].strip()]
+            return [line.split()[0] for line in fh if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoldsError(f"{path}: cannot read SMILES ({exc})") from exc
+
+
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
-                        max_batches: int = 0, fcd: bool = False, batch_size: int = 512) -> dict:
+                        max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
+                        reference_file: str | None = None) -> dict:
     from ..checkpoint import open_checkpoint
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
@@ -42,13 +70,15 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         max_tokens = default_max_tokens(m, model_cfg["max_position_embeddings"])
+        reference = moses_reference(m, split, reference_file) if moses or reference_file else None
         per_seed = []
         for seed in seeds:
             ids = sample_ids(loaded.model, num, bos=loaded.specials.bos, eos=loaded.specials.eos,
                              max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
                              batch_size=batch_size, forbid=forbidden_tokens(loaded.recipe, loaded.specials))
             smiles = ids_to_smiles(loaded.tokenizer, ids)
-            metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed)
+            metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed,
+                                         moses_reference=reference)
             metrics["unfinished_or_special"] = sum(s is None for s in smiles)
             per_seed.append(metrics)
             report.setdefault("examples", [s for s in smiles if s][:20])
@@ -71,7 +101,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     return report
 
 
-def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: bool = False) -> dict:
+def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: bool = False, moses: bool = False,
+                     reference_file: str | None = None) -> dict:
     """Generation metrics of a SMILES file (another tool's samples, say) against a manifest."""
     from ..data.manifest import Manifest
     from ..metrics.generation import generation_metrics
@@ -84,6 +115,7 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
     if not smiles:
         raise MoldsError(f"{path}: no samples")
     m = Manifest.load(manifest_dir)
-    metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None)
+    reference = moses_reference(m, split, reference_file) if moses or reference_file else None
+    metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference)
     return {"checkpoint": None, "samples_file": os.path.abspath(path), "manifest": m.path, "split": split,
             "family": "samples", "metrics": metrics, "examples": [s for s in smiles if s][:20]}

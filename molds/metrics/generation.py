@@ -16,6 +16,14 @@
   (A, B, C) match
 - fcd: Fréchet ChemNet Distance to a reference split, computed by the ``fcd_torch``
   package (its ChemNet weights ship inside the wheel, so it works offline)
+- snn, frag, scaf (``moses_reference``): MOSES's similarities to a reference set. SNN: the
+  mean over valid samples of the largest Tanimoto similarity to a reference molecule
+  (Morgan fingerprints, radius 2, 1024 bits); Frag: cosine similarity of the BRICS
+  fragment counts (bonds cut by ``FragmentOnBRICSBonds``); Scaf: cosine similarity of the
+  Bemis-Murcko scaffold counts (scaffolds of at least two rings). MOSES scores them, and
+  FCD, against its whole test set (Test) and its scaffold test set (TestSF, scaffolds absent
+  from training); a manifest made with ``--split scaffold`` holds out whole scaffolds, so
+  its test split is a TestSF of the same construction
 
 Canonical SMILES and scaffolds come from the ETL's own ``Canonicalizer`` with the
 manifest's options, so a sample is compared with the training set exactly as the
@@ -145,25 +153,132 @@ def reference_smiles(manifest, split: str, limit: int, seed: int = 0) -> list[st
     return rows
 
 
-def fcd_score(generated: Sequence[str], reference: Sequence[str]) -> float | None:
-    """FCD, or None (with the reason on stderr) when fcd_torch is missing or fails: a
-    metric must not end a training run."""
+def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
+    """The mean and covariance of ChemNet's activations over ``smiles``, taken chunk by
+    chunk (fcd_torch holds a whole list's activations and encodings at once: 158k
+    molecules, a MOSES test split, went past 16 GB)."""
+    import numpy as np
+    from fcd_torch import FCD
+
+    fcd = FCD(device="cpu", n_jobs=1, batch_size=512)
+    n, first, second = 0, None, None
+    for start in range(0, len(smiles), chunk):
+        act = np.asarray(fcd.get_predictions(list(smiles[start:start + chunk])), dtype=np.float64)
+        if not len(act):
+            continue
+        first = act.sum(0) if first is None else first + act.sum(0)
+        second = act.T @ act if second is None else second + act.T @ act
+        n += len(act)
+    if n < 2:
+        return {}
+    mu = first / n
+    return {"mu": mu, "sigma": (second - n * np.outer(mu, mu)) / (n - 1)}
+
+
+def fcd_score(generated: Sequence[str], reference) -> float | None:
+    """FCD of ``generated`` to ``reference`` (SMILES, or ``chemnet_stats`` of them), or
+    None (with the reason on stderr) when fcd_torch is missing or fails: a metric must not
+    end a training run."""
     import sys
 
-    if len(generated) < 2 or len(reference) < 2:
+    if len(generated) < 2 or (not isinstance(reference, dict) and len(reference) < 2):
         return None
     try:
-        from fcd_torch import FCD
+        from fcd_torch.utils import calculate_frechet_distance
 
-        return float(FCD(device="cpu", n_jobs=1, batch_size=512)(list(generated), list(reference)))
+        ref = reference if isinstance(reference, dict) else chemnet_stats(reference)
+        gen = chemnet_stats(generated)
+        if not ref or not gen:
+            return None
+        return float(calculate_frechet_distance(ref["mu"], ref["sigma"], gen["mu"], gen["sigma"]))
     except Exception as exc:  # an old fcd_torch against a newer NumPy / SciPy, or no fcd_torch
         print(f"[molds] FCD not computed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
 
 
+def morgan_fingerprints(mols) -> list:
+    from rdkit.Chem import rdFingerprintGenerator
+
+    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
+    return [gen.GetFingerprint(m) for m in mols]
+
+
+def snn_score(gen_fps: list, ref_fps: list) -> float | None:
+    """Mean over the samples of the largest Tanimoto similarity to a reference molecule."""
+    from rdkit import DataStructs
+
+    if not gen_fps or not ref_fps:
+        return None
+    return sum(max(DataStructs.BulkTanimotoSimilarity(fp, ref_fps)) for fp in gen_fps) / len(gen_fps)
+
+
+def fragment_counts(mols):
+    """BRICS fragments (as MOSES cuts them), counted over the molecules."""
+    from collections import Counter
+
+    from rdkit import Chem
+    from rdkit.Chem import AllChem
+
+    counts = Counter()
+    for m in mols:
+        counts.update(Chem.MolToSmiles(AllChem.FragmentOnBRICSBonds(m)).split("."))
+    return counts
+
+
+def scaffold_counts(mols, min_rings: int = 2):
+    """Bemis-Murcko scaffolds of at least ``min_rings`` rings, counted over the molecules."""
+    from collections import Counter
+
+    from rdkit import Chem
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    counts = Counter()
+    for m in mols:
+        try:
+            scaffold = MurckoScaffold.GetScaffoldForMol(m)
+        except (ValueError, RuntimeError):
+            continue
+        text = Chem.MolToSmiles(scaffold)
+        if text and scaffold.GetRingInfo().NumRings() >= min_rings:
+            counts[text] += 1
+    return counts
+
+
+def cosine_similarity(a, b) -> float | None:
+    if not a or not b:
+        return None
+    dot = sum(v * b.get(k, 0) for k, v in a.items())
+    norm = (sum(v * v for v in a.values()) ** 0.5) * (sum(v * v for v in b.values()) ** 0.5)
+    return dot / norm
+
+
+class ReferenceSet:
+    """A reference split's molecules, fingerprints, fragment and scaffold counts (computed
+    once; several seeds' samples are scored against it)."""
+
+    def __init__(self, smiles: Sequence[str]):
+        from rdkit import Chem
+
+        self.smiles = list(smiles)
+        mols = [m for m in (Chem.MolFromSmiles(s) for s in self.smiles) if m is not None]
+        self.fps = morgan_fingerprints(mols)
+        self.fragments = fragment_counts(mols)
+        self.scaffolds = scaffold_counts(mols)
+        try:
+            self.chemnet = chemnet_stats(self.smiles)
+        except Exception:  # fcd_torch missing or failing: fcd_score says why, the rest stands
+            self.chemnet = self.smiles
+
+    def scores(self, valid_mols, valid_canonical) -> dict:
+        return {"fcd": fcd_score(valid_canonical, self.chemnet),
+                "snn": snn_score(morgan_fingerprints(valid_mols), self.fps),
+                "frag": cosine_similarity(fragment_counts(valid_mols), self.fragments),
+                "scaf": cosine_similarity(scaffold_counts(valid_mols), self.scaffolds)}
+
+
 def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_split: str = "train",
                        fcd_reference: str | None = None, fcd_max: int = 10000, diversity_max: int = 5000,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, moses_reference: "ReferenceSet | None" = None) -> dict:
     """All of the above for one list of samples (None: no SMILES, counted invalid)."""
     parsed = parse_samples(smiles, manifest)
     valid = [p for p in parsed if p is not None]
@@ -194,8 +309,11 @@ def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_spl
         scaffolds = {p["scaffold"] for p in valid if p["scaffold"]}
         new_scaffolds = absent_from_split(manifest, train_split, "scaffold", scaffolds)
         out["scaffold_novelty"] = len(new_scaffolds) / len(scaffolds) if scaffolds else None
-        if fcd_reference:
+        if fcd_reference and moses_reference is None:
             ref = reference_smiles(manifest, fcd_reference, fcd_max, seed)
             out["fcd"] = fcd_score(canon[:fcd_max], ref)
             out["fcd_reference"] = f"{fcd_reference} ({len(ref)} molecules)"
+    if moses_reference is not None:  # FCD, SNN, Frag, Scaf of every valid sample against the whole reference
+        out.update(moses_reference.scores([p["mol"] for p in valid], canon))
+        out["moses_reference_molecules"] = len(moses_reference.smiles)
     return out
