@@ -8,8 +8,8 @@ is refused with the key and the range.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, Literal, Optional
 
 _BIG = 1 << 30  # an upper bound for counts no run approaches
 
@@ -135,6 +135,10 @@ class RunConfig:
     min_gpus: int = 0
     """GPUs per machine the recipe is sized for (0: runs anywhere). With fewer CUDA devices
     visible the run stops at once and names its CPU twin (recipes/smoke/ of the same name)."""
+
+    expect: Dict[str, str] = field(default_factory=dict)
+    """What the recipe reaches on each class of CPU (``bf16-native``: AMX or AVX-512 BF16;
+    ``fp32-only``: AVX2 and the like), measured: said on the start line of a CPU run."""
 
 
 @dataclass

@@ -541,6 +541,12 @@ def _start_summary(run: Run, parameters: int) -> None:
           f"{' (MOLDS_SYSTEM_ALLOCATOR=1 to keep the C library defaults)' if run.lineage['host_allocator'] == 'retain' else ''}",
           file=sys.stderr)
     print(f"[molds] {run.plan.precision.describe()}", file=sys.stderr)
+    if run.dist.device.type == "cpu":
+        from molds.precision import cpu_class
+
+        cls = cpu_class()
+        expected = recipe.run.expect.get(cls)
+        print(f"[molds] CPU class {cls}" + (f": this recipe reaches {expected}" if expected else ""), file=sys.stderr)
     warning = run.plan.precision.warning()
     if warning:
         notes.append(warning)

@@ -28,7 +28,7 @@ RESUME_MUTABLE = (
     "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.warmup_fraction", "trainer.max_steps",
     "trainer.max_time", "trainer.precision",
     # what is logged, evaluated and saved, and when
-    "logging.*", "eval.*", "checkpoint.*", "run.name", "run.output_dir", "run.overwrite",
+    "logging.*", "eval.*", "checkpoint.*", "run.name", "run.output_dir", "run.overwrite", "run.expect",
     # how the same global batch is computed: topology, engine, launch and data-reading details
     "parallel.engine", "parallel.zero_stage", "parallel.ds_config", "parallel.offload_optimizer",
     "parallel.offload_params", "parallel.pp_size", "parallel.ep_size", "parallel.ddp_bucket_mb",
