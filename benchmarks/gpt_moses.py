@@ -1,8 +1,9 @@
 """A decoder recipe end to end on MOSES: ETL (when needed), training, sampling, scoring.
 
     python benchmarks/gpt_moses.py [--recipe recipes/cpu_moses.json] [--nproc 2]
-                                   [--input ../shared/data/moses_train.csv.gz] [--seed 0]
-                                   [--steps N] [--num 10000] [--average_last 3] [--fcd]
+                                   [--input moses/train.csv.gz] [--seed 0] [--steps N]
+                                   [--num 10000] [--average_last 3] [--fcd] [--moses]
+                                   [--reference test=moses/test.csv.gz] [--score_only]
                                    [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
@@ -16,7 +17,9 @@
 4. ``molds-sample``: ``--num`` molecules at ``--temperature`` (the procedure ends here:
    ``procedure_s`` is ETL + training + averaging + sampling), then ``molds-eval --samples``:
    the generation metrics, FCD to the split with ``--fcd``, and with ``--moses`` FCD, SNN,
-   Frag and Scaf against the whole split (timed apart: ``eval_s``).
+   Frag and Scaf against the whole split, and with ``--reference NAME=FILE`` against
+   MOSES's own Test / TestSF files (timed apart: ``eval_s``). ``--score_only`` repeats
+   steps 3-4 on a finished run.
 
 One JSON line: every metric (validity counts empty and invalid samples; unique@10k over
 the first 10,000 valid; novelty against the training split and against every split, i.e.
@@ -63,6 +66,11 @@ def main() -> int:
     ap.add_argument("--moses", action="store_true",
                     help="also MOSES's FCD, SNN, Frag and Scaf against the whole --split (its scaffold-held-out test "
                          "split: MOSES's TestSF construction)")
+    ap.add_argument("--reference", action="append", default=[], metavar="NAME=FILE",
+                    help="also FCD, SNN, Frag and Scaf against a SMILES file, reported under NAME (MOSES's own "
+                         "test.csv.gz and test_scaffolds.csv.gz: Test and TestSF); repeatable")
+    ap.add_argument("--score_only", action="store_true",
+                    help="no ETL and no training: sample and score the run already in --output_dir")
     ap.add_argument("--average_last", type=int, default=0,
                     help="score the mean of the run's N newest checkpoints (molds-average; 0: the final one)")
     ap.add_argument("--output_dir", default=None, help="run directory (default: runs/bench-<recipe name>)")
@@ -84,8 +92,18 @@ def main() -> int:
     recipe = parse_recipe(argv)
     manifest_dir = recipe.data.manifest
 
+    references = []
+    for item in args.reference:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not os.path.isfile(path):
+            ap.error(f"--reference {item!r}: expected NAME=FILE with an existing file")
+        references.append((label, path))
+
     etl_s = None
-    if not os.path.exists(os.path.join(manifest_dir, "manifest.json")):
+    if args.score_only:
+        if not os.path.isfile(os.path.join(out, "checkpoints", "latest")):
+            ap.error(f"--score_only: {out} holds no finished run")
+    elif not os.path.exists(os.path.join(manifest_dir, "manifest.json")):
         if args.input:
             source = args.input
         elif os.path.normpath(manifest_dir).endswith(os.path.join("quickstart", "data")):
@@ -100,8 +118,9 @@ def main() -> int:
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                  os.path.join(ROOT, "molds", "train.py")])
     t0 = time.perf_counter()
-    subprocess.run(launcher + argv, check=True)
-    train_s = time.perf_counter() - t0
+    if not args.score_only:
+        subprocess.run(launcher + argv, check=True)
+    train_s = None if args.score_only else time.perf_counter() - t0
 
     from molds.checkpoint import read_lineage
     from molds.checkpoint.average import AVERAGED_FROM, average_checkpoints, last_checkpoints
@@ -132,6 +151,11 @@ def main() -> int:
     from molds.eval.evaluate import evaluate_checkpoint
 
     loss = evaluate_checkpoint(scored, split=args.split, num=2, max_batches=50)["loss"]  # the held-out split's loss
+    against = {}
+    for label, path in references:
+        r = evaluate_samples(samples, manifest_dir, split=args.split, reference_file=path)["metrics"]
+        against[label] = {k: r.get(k) for k in ("fcd", "snn", "frag", "scaf", "moses_reference_molecules")}
+        against[label]["file"] = os.path.basename(path)
     eval_s = time.perf_counter() - t0
     m = report["metrics"]
     keys = ("validity", "unique@10k", "novelty", "novelty_all_splits", "int_div", "filters", "scaffold_novelty",
@@ -139,16 +163,16 @@ def main() -> int:
     lineage = read_lineage(os.path.join(out, "checkpoints", open(os.path.join(out, "checkpoints", "latest")).read()))
     from molds.precision import cpu_description
 
-    procedure_s = (etl_s or 0.0) + train_s + average_s + sample_s
+    procedure_s = None if train_s is None else (etl_s or 0.0) + train_s + average_s + sample_s
     print(json.dumps({"cpu": cpu_description(),
         "recipe": os.path.relpath(args.recipe, ROOT), "manifest": manifest_dir, "nproc": args.nproc,
         "seed": recipe.run.seed, "steps": lineage["step"], "horizon": lineage.get("horizon"),
         "precision": lineage.get("precision"), "averaged_steps": averaged,
-        "etl_s": None if etl_s is None else round(etl_s, 1), "train_s": round(train_s, 1),
+        "etl_s": None if etl_s is None else round(etl_s, 1), "train_s": None if train_s is None else round(train_s, 1),
         "average_s": round(average_s, 1), "sample_s": round(sample_s, 1),
-        "procedure_s": round(procedure_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
+        "procedure_s": None if procedure_s is None else round(procedure_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
         "temperature": args.temperature, "reference_split": args.split, f"{args.split}_loss": round(loss, 4),
-        **{k: m.get(k) for k in keys}, "published": PUBLISHED}))
+        **{k: m.get(k) for k in keys}, "against": against, "published": PUBLISHED}))
     return 0
 
 

@@ -136,9 +136,9 @@ class RunConfig:
     """GPUs per machine the recipe is sized for (0: runs anywhere). With fewer CUDA devices
     visible the run stops at once and names its CPU twin (recipes/smoke/ of the same name)."""
 
-    expect: Dict[str, str] = field(default_factory=dict)
-    """What the recipe reaches on each class of CPU (``bf16-native``: AMX or AVX-512 BF16;
-    ``fp32-only``: AVX2 and the like), measured: said on the start line of a CPU run."""
+    expect: Dict[Literal["bf16-native", "fp32-only"], str] = field(default_factory=dict)
+    """What the recipe reaches on each class of CPU (``bf16-native``: bf16 products measured faster, AMX or AVX-512 BF16;
+    ``fp32-only``: AVX2 and the like; see ``molds.precision``), measured: said on the start line of a CPU run."""
 
 
 @dataclass

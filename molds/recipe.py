@@ -201,6 +201,9 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
     """The checks that need no process group; returns the step's batching."""
     check_ranges(recipe)
     p, m, d = recipe.parallel, recipe.model, recipe.data
+    unknown = sorted(set(recipe.run.expect) - {"bf16-native", "fp32-only"})
+    if unknown:  # jsonargparse does not check a Dict's Literal keys
+        raise RecipeError(f"run.expect: unknown CPU class {unknown[0]!r} (the classes: 'bf16-native', 'fp32-only')")
     if p.engine == "pipeline" and p.zero_stage >= 2:
         raise RecipeError(f"parallel.zero_stage={p.zero_stage} cannot be combined with parallel.engine=pipeline "
                           f"(DeepSpeed pipelines support ZeRO stage 0 or 1)")

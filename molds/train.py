@@ -542,9 +542,7 @@ def _start_summary(run: Run, parameters: int) -> None:
           file=sys.stderr)
     print(f"[molds] {run.plan.precision.describe()}", file=sys.stderr)
     if run.dist.device.type == "cpu":
-        from molds.precision import cpu_class
-
-        cls = cpu_class()
+        cls = run.plan.precision.cpu_class
         expected = recipe.run.expect.get(cls)
         print(f"[molds] CPU class {cls}" + (f": this recipe reaches {expected}" if expected else ""), file=sys.stderr)
     warning = run.plan.precision.warning()

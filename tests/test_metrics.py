@@ -176,3 +176,23 @@ def test_moses_similarities_against_rdkit_by_hand():
     same = generation_metrics(ref, None, moses_reference=reference)
     assert same["snn"] == pytest.approx(1.0) and same["frag"] == pytest.approx(1.0) and same["scaf"] == pytest.approx(1.0)
     assert m["moses_reference_molecules"] == 5
+
+
+def test_reference_files_as_moses_ships_them(tmp_path):
+    """molds-eval --reference reads MOSES's test.csv.gz (gzip, a SMILES header), a plain CSV
+    and a .smi file alike; a damaged file is refused with its path."""
+    import gzip
+
+    from molds.errors import MoldsError
+    from molds.eval.evaluate import read_smiles_file
+
+    smiles = ["CCO", "c1ccccc1", "CC(=O)O"]
+    with gzip.open(tmp_path / "test.csv.gz", "wt") as fh:
+        fh.write("SMILES\n" + "\n".join(smiles) + "\n")
+    (tmp_path / "ref.csv").write_text("id,smiles\n" + "".join(f"{i},{s}\n" for i, s in enumerate(smiles)))
+    (tmp_path / "ref.smi").write_text("".join(f"{s} name{i}\n" for i, s in enumerate(smiles)))
+    for name in ("test.csv.gz", "ref.csv", "ref.smi"):
+        assert read_smiles_file(str(tmp_path / name)) == smiles, name
+    (tmp_path / "bad.csv.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(MoldsError, match="bad.csv.gz"):
+        read_smiles_file(str(tmp_path / "bad.csv.gz"))

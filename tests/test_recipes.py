@@ -102,6 +102,7 @@ def test_numeric_sweep_zero_negative_absurd(section, name, kind):
       "--parallel.schedule", "dualpipev", "--trainer.grad_accum", "4", "--parallel.activation_checkpoint_interval",
       "1"], "activation_checkpoint_interval"),
     (["--checkpoint.fork", "true"], "fork"),
+    (["--run.expect", '{"avx2": "validity 0.95"}'], "run.expect: unknown CPU class 'avx2'"),
 ])
 def test_impossible_combinations_name_the_key(overrides, key):
     recipe = parse_recipe(["--recipe", SMOKE, *overrides])

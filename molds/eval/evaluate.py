@@ -29,10 +29,13 @@ def moses_reference(manifest, split: str, reference_file: str | None = None):
 
 def read_smiles_file(path: str) -> list[str]:
     import csv
+    import gzip
 
+    plain = path[:-3] if path.endswith(".gz") else path  # MOSES ships test.csv.gz / test_scaffolds.csv.gz
+    opener = gzip.open if plain != path else open
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            if path.endswith(".csv"):
+        with opener(path, "rt", encoding="utf-8", newline="") as fh:
+            if plain.endswith(".csv"):
                 rows = list(csv.reader(fh))
                 if not rows:
                     raise MoldsError(f"{path}: empty")
@@ -40,7 +43,7 @@ def read_smiles_file(path: str) -> list[str]:
                 col = header.index("smiles") if "smiles" in header else 0
                 return [r[col].strip() for r in rows[1:] if len(r) > col and r[col].strip()]
             return [line.split()[0] for line in fh if line.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
         raise MoldsError(f"{path}: cannot read SMILES ({exc})") from exc
 
 
