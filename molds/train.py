@@ -159,7 +159,7 @@ def finish(run: Run) -> dict:
         if run.plan.horizon.timed:
             from molds.budget import format_duration
 
-            spent = f" in {format_duration(run.plan.horizon.elapsed_s)} of a {run.plan.horizon.describe()}"
+            spent = f" in {format_duration(run.plan.horizon.elapsed_s)} of {run.plan.horizon.describe()}"
         print(f"[molds] {run.step} steps{spent}; checkpoint {final}" + (f"; averaged model {averaged}" if averaged
                                                                          else "")
               + (f"; {', '.join(notes)}" if notes else ""), file=sys.stderr)
