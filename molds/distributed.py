@@ -87,7 +87,7 @@ def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> D
                                              timeout=datetime.timedelta(seconds=timeout_s))
     elif torch.distributed.is_initialized():
         backend = torch.distributed.get_backend()
-    if not cuda and world > 1:
+    if not cuda:  # DeepSpeed maps one for a single rank too
         atexit.register(release_deepspeed_shm, rank)
     return DistInfo(rank, world, local_rank, device, backend, timeout_s)
 
