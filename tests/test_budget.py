@@ -53,19 +53,10 @@ def _budgeted(rank, world, args, kill_at_save=0):
     import signal
 
     import molds.checkpoint as ckpt
-    from molds.data import loader as loader_mod
     from molds.train import main
+    from tests.faults.common import record_gids
 
-    original_iter = loader_mod.MoleculeLoader.__iter__
-    record = f"{args[args.index('--run.output_dir') + 1]}.gids-rank{rank}"
-
-    def recording(self):
-        for batch in original_iter(self):
-            with open(record, "a") as fh:
-                fh.write(" ".join(map(str, batch["gids"].tolist())) + "\n")
-            yield batch
-
-    loader_mod.MoleculeLoader.__iter__ = recording
+    record_gids(rank, args)
     if kill_at_save:
         saves = {"n": 0}
         original = ckpt.save_checkpoint

@@ -29,6 +29,23 @@ def losses(out) -> dict:
     return {r["step"]: r["train/loss"] for r in metrics(out) if "train/loss" in r}
 
 
+def record_gids(rank, args):
+    """Patch the loader so this rank appends every molecule id it trains on, one batch per
+    line, to ``<run.output_dir>.gids-rank<rank>``."""
+    from molds.data import loader as loader_mod
+
+    original_iter = loader_mod.MoleculeLoader.__iter__
+    record = f"{args[args.index('--run.output_dir') + 1]}.gids-rank{rank}"
+
+    def recording(self):
+        for batch in original_iter(self):
+            with open(record, "a") as fh:
+                fh.write(" ".join(map(str, batch["gids"].tolist())) + "\n")
+            yield batch
+
+    loader_mod.MoleculeLoader.__iter__ = recording
+
+
 def train(rank, world, args):
     from molds.train import main
 
@@ -69,18 +86,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
 
         DDPEngine.train_step = editing
     elif fault == "record-gids":  # every molecule this rank trains on, appended to a file
-        from molds.data import loader as loader_mod
-
-        original_iter = loader_mod.MoleculeLoader.__iter__
-        record = f"{args[args.index('--run.output_dir') + 1]}.gids-rank{rank}"
-
-        def recording(self):
-            for batch in original_iter(self):
-                with open(record, "a") as fh:
-                    fh.write(" ".join(map(str, batch["gids"].tolist())) + "\n")
-                yield batch
-
-        loader_mod.MoleculeLoader.__iter__ = recording
+        record_gids(rank, args)
     elif fault == "wide-lr":  # let optim.lr reach absurd values (its declared range refuses them)
         from molds.config import OptimConfig
 
