@@ -48,7 +48,11 @@ setup(
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1"],
+        # molecular representations beside SMILES (molds-preprocess --representation; asked for by name)
+        "selfies": ["selfies>=2.1"],
+        "safe": ["safe-mol>=0.2"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1", "selfies>=2.1",
+                "safe-mol>=0.2"],
         # peers benchmarks/kernels.py compares against on a GPU (never imported by molds itself)
         "peers": ["liger-kernel>=0.5", "torchao>=0.10"],
     },

@@ -1,6 +1,14 @@
 """ETL throughput against bare RDKit, and peak memory, in one run.
 
     python benchmarks/etl.py [--input moses_train.csv.gz] [--n 200000] [--workers 2]
+    python benchmarks/etl.py --write-sdf X.sdf.gz [--input moses_train.csv.gz] [--n N] [--coords]
+    python benchmarks/etl.py --input X.sdf.gz [--n N]       # SD input: the floor is RDKit's SD supplier
+
+For an SD file (``.sdf``/``.sd``, compressed or not) the floor reads the sampled records
+with RDKit's forward SD supplier (molblock parse) instead of parsing SMILES, then the same
+canonical SMILES and scaffold. ``--write-sdf`` turns the SMILES of ``--input`` into an SD
+file (title = row number, one ``row`` SD tag; 2D coordinates with ``--coords``, else the
+zero coordinates RDKit writes for a molecule without a conformer) to benchmark with.
 
 Times bare RDKit (parse + canonical SMILES + Murcko scaffold, plus the standardization
 calls when they are switched on) on one core, on a sample spread evenly over the input
@@ -56,13 +64,77 @@ def rdkit_floor(smiles: list[str], standardize: dict) -> float:
     return len(smiles) / (time.perf_counter() - start)
 
 
-def parallel_floor(smiles: list[str], standardize: dict, workers: int) -> float:
+def rdkit_sd_floor(records: list[bytes], standardize: dict) -> float:
+    """Records per second on one core: RDKit's forward SD supplier over the records (no
+    per-record work of molds'), then what ``rdkit_floor`` does after parsing."""
+    import io
+
+    from rdkit import Chem, RDLogger
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    RDLogger.DisableLog("rdApp.*")
+    data = b"".join(records)
+    start = time.perf_counter()
+    for mol in Chem.ForwardSDMolSupplier(io.BytesIO(data)):
+        if mol is None:
+            continue
+        Chem.MolToSmiles(mol)
+        Chem.MolToSmiles(MurckoScaffold.GetScaffoldForMol(mol), isomericSmiles=False)
+    return len(records) / (time.perf_counter() - start)
+
+
+def parallel_floor(sample: list, standardize: dict, workers: int, floor=rdkit_floor) -> float:
     """Per-core floor with ``workers`` processes running it at once (machine contention)."""
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(workers) as pool:
-        rates = list(pool.map(rdkit_floor, [smiles] * workers, [standardize] * workers))
+        rates = list(pool.map(floor, [sample] * workers, [standardize] * workers))
     return sum(rates) / workers
+
+
+def is_sdf(path: str) -> bool:
+    stem = path.lower()
+    for ext in (".gz", ".bz2", ".xz", ".zst"):
+        stem = stem[: -len(ext)] if stem.endswith(ext) else stem
+    return stem.endswith((".sdf", ".sd"))
+
+
+def sd_records(path: str, limit: int = 0):
+    """The raw bytes of each record of an SD file, streamed (molds' splitter)."""
+    import fsspec
+
+    from molds.preprocessing.sdf import read_sd_records
+
+    with fsspec.open(path, "rb", compression="infer") as fh:
+        for n, (_, _, text, _) in enumerate(read_sd_records(fh)):
+            if limit and n >= limit:
+                return
+            if text is not None:
+                yield text.encode("latin-1")
+
+
+def write_sdf(source: str, column: str, out: str, n: int, coords: bool) -> int:
+    """SMILES of ``source`` (first ``n`` rows; 0: all) as an SD file; returns the records written."""
+    from rdkit import Chem, RDLogger
+    from rdkit.Chem import AllChem
+
+    RDLogger.DisableLog("rdApp.*")
+    opener = gzip.open if source.endswith(".gz") else open
+    written = 0
+    with opener(source, "rt", newline="") as src, gzip.open(out, "wt", compresslevel=1) as dst:
+        rows = csv.reader(src)
+        col = next(rows).index(column)
+        for i, row in enumerate(rows):
+            if n and i >= n:
+                break
+            mol = Chem.MolFromSmiles(row[col])
+            if mol is None:
+                continue
+            if coords:
+                AllChem.Compute2DCoords(mol)
+            dst.write(f"{i + 1}" + Chem.MolToMolBlock(mol).split("\n", 1)[1] + f">  <row>\n{i + 1}\n\n$$$$\n")
+            written += 1
+    return written
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -90,14 +162,34 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--floor-sample", type=int, default=10000)
     ap.add_argument("--engine", default="local")
+    ap.add_argument("--write-sdf", help="write the SMILES of --input (first --n) as this SD file and exit")
+    ap.add_argument("--coords", action="store_true", help="--write-sdf: 2D coordinates (slower to write)")
     for flag in ("largest-fragment", "uncharge", "normalize"):
         ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     standardize = {k: getattr(args, k) for k in ("largest_fragment", "uncharge", "normalize")}
 
+    if args.write_sdf:
+        count = write_sdf(args.input, args.smiles_column, args.write_sdf, args.n, args.coords)
+        print(json.dumps({"wrote": args.write_sdf, "records": count, "bytes": os.path.getsize(args.write_sdf)}))
+        return
     tmp = tempfile.mkdtemp(prefix="molds-bench-etl-")
     data = args.input
-    if args.n:
+    sdf = is_sdf(data)
+    if sdf:
+        if args.n:
+            data = os.path.join(tmp, "input.sdf.gz")
+            with gzip.open(data, "wb", compresslevel=1) as dst:
+                for record in sd_records(args.input, args.n):
+                    dst.write(record)
+        # the floor's sample: every k-th record, k from the first records' size and the file's
+        head = list(sd_records(data, 1000))
+        per_record = max(1, sum(map(len, head)) // max(1, len(head)))
+        raw_bytes = os.path.getsize(data) * (4 if data.endswith((".gz", ".bz2", ".xz", ".zst")) else 1)
+        step = max(1, raw_bytes // per_record // args.floor_sample)
+        sample = [r for i, r in enumerate(sd_records(data)) if i % step == 0][:args.floor_sample]
+        floor_fn = rdkit_sd_floor
+    elif args.n:
         data = os.path.join(tmp, "input.csv.gz")
         with gzip.open(args.input, "rt") as src, gzip.open(data, "wt", compresslevel=1) as dst:
             dst.write(next(src))
@@ -105,20 +197,22 @@ def main() -> None:
                 if i >= args.n:
                     break
                 dst.write(line)
-    # the floor's sample is spread evenly over the whole input (every k-th molecule), so
-    # it costs what the ETL's molecules cost on average wherever the file changes character
-    opener = gzip.open if data.endswith(".gz") else open
-    with opener(data, "rt", newline="") as fh:
-        rows = csv.reader(fh)
-        header = next(rows)
-        if args.smiles_column not in header:
-            sys.exit(f"{data}: no column {args.smiles_column!r} in its header {header}")
-        col = header.index(args.smiles_column)
-        everything = [row[col].strip() for row in rows if len(row) > col]
-    sample = everything[::max(1, len(everything) // args.floor_sample)][:args.floor_sample]
-    del everything
+    if not sdf:
+        # the floor's sample is spread evenly over the whole input (every k-th molecule), so
+        # it costs what the ETL's molecules cost on average wherever the file changes character
+        opener = gzip.open if data.endswith(".gz") else open
+        with opener(data, "rt", newline="") as fh:
+            rows = csv.reader(fh)
+            header = next(rows)
+            if args.smiles_column not in header:
+                sys.exit(f"{data}: no column {args.smiles_column!r} in its header {header}")
+            col = header.index(args.smiles_column)
+            everything = [row[col].strip() for row in rows if len(row) > col]
+        sample = everything[::max(1, len(everything) // args.floor_sample)][:args.floor_sample]
+        del everything
+        floor_fn = rdkit_floor
 
-    floor_before = rdkit_floor(sample, standardize)
+    floor_before = floor_fn(sample, standardize)
     cmd = [sys.executable, "-m", "molds.preprocessing.cli", "--input", data, "--smiles_column", args.smiles_column,
            "--output", os.path.join(tmp, "out"), "--workers", str(args.workers), "--engine", args.engine,
            "--progress", "false"]
@@ -141,8 +235,8 @@ def main() -> None:
     sampler.join()
     if proc.returncode:
         sys.exit(f"molds-preprocess failed with exit code {proc.returncode}")
-    floor_after = rdkit_floor(sample, standardize)
-    floor_parallel = parallel_floor(sample, standardize, args.workers)
+    floor_after = floor_fn(sample, standardize)
+    floor_parallel = parallel_floor(sample, standardize, args.workers, floor_fn)
     manifest_path = out.decode().strip().splitlines()[-1]
     manifest = json.load(open(manifest_path))
     timings = json.load(open(os.path.join(os.path.dirname(manifest_path), "report.json")))["timings_s"]
@@ -166,6 +260,10 @@ def main() -> None:
         "stage_s": timings,
         "standardize": standardize,
         "engine": args.engine,
+        "input": args.input,
+        "input_format": "sdf" if sdf else "smiles",
+        "floor": "RDKit ForwardSDMolSupplier + canonical SMILES + scaffold" if sdf
+                 else "RDKit MolFromSmiles + canonical SMILES + scaffold",
     }))
     import shutil
 

@@ -15,23 +15,32 @@ import json
 import re
 from dataclasses import dataclass
 
+from .representation import REASONS as REPRESENTATION_REASONS
+
 REJECT_REASONS = {
     "malformed_row": "the row has a different number of fields than the header, or is not a JSON object",
     "non_utf8": "a field holds bytes that are not valid UTF-8",
     "missing_field": "the record has no SMILES field (JSONL / Parquet null)",
     "empty": "the SMILES field is empty or whitespace",
-    "too_long": "the SMILES string is longer than max_smiles_length (checked before parsing)",
+    "too_long": "the SMILES string is longer than max_smiles_length (checked before parsing; for an SD record, "
+                "its canonical SMILES)",
     "too_many_heavy_atoms": "more heavy atoms than max_heavy_atoms (estimated before parsing, exact after)",
     "parse_error": "RDKit cannot parse the SMILES (syntax, unclosed ring, embedded whitespace)",
     "valence_error": "RDKit parses the SMILES but an atom has an impossible valence",
     "kekulize_error": "RDKit cannot kekulize the aromatic system",
     "sanitize_error": "RDKit sanitization failed for another reason",
     "standardize_error": "rdMolStandardize raised on this molecule",
-    "empty_molecule": "the molecule is empty after standardization",
+    "empty_molecule": "the molecule is empty (an SD record with no atoms) or empty after standardization",
     "scaffold_error": "the Murcko scaffold could not be computed",
     "inchi_error": "the InChIKey used as dedupe key could not be computed",
     "bad_label": "a label value is neither a number nor a recognised missing marker",
     "tokenizer_roundtrip": "decoding the token ids does not give back the canonical SMILES",
+    "sdf_parse_error": "RDKit cannot read the SD record's molblock (counts line, atom or bond block, no M  END)",
+    "empty_record": "an SD record with nothing before its $$$$ line",
+    "record_too_large": "an SD record over 8 MiB without a $$$$ line (not SDF, or a lost separator): skipped unread",
+    "truncated_input": "the compressed input ends before its end marker: the record cut there (SDF), or the "
+                       "unreadable rest of the file (one count per file); the records before it are read",
+    **REPRESENTATION_REASONS,
 }
 
 # Hard bounds on the caps: RDKit's Murcko scaffold costs ~0.1 s at 500 heavy atoms, ~1 s at
@@ -133,10 +142,16 @@ class Canonicalizer:
             return "too_many_heavy_atoms"
         if _WHITESPACE.search(smiles):
             return "parse_error"  # RDKit would silently read the text after a space as a name
-        Chem = self._chem
-        mol = Chem.MolFromSmiles(smiles)
+        mol = self._chem.MolFromSmiles(smiles)
         if mol is None:
             return self._classify_failure(smiles)
+        return self.from_mol(mol)
+
+    def from_mol(self, mol, check_length: bool = False) -> Molecule | str:
+        """The steps after parsing, for a molecule RDKit has already read (an SD record).
+        ``check_length``: hold the canonical SMILES to ``max_smiles_length`` (a SMILES input
+        is held to it before parsing)."""
+        opts, Chem = self.options, self._chem
         if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:  # exact, before the costly steps (the scaffold
             return "too_many_heavy_atoms"  # of a huge molecule takes RDKit time cubic in its size)
         if self._steps:
@@ -156,6 +171,8 @@ class Canonicalizer:
         canonical = Chem.MolToSmiles(mol)
         if not canonical:
             return "empty_molecule"
+        if check_length and len(canonical) > opts.max_smiles_length:
+            return "too_long"
         try:
             core = self._scaffold_of(mol)
             if self._generic is not None:

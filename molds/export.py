@@ -186,4 +186,44 @@ def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: st
                 shutil.copy(os.path.join(tok_src, name), os.path.join(tmp, name))
         with open(os.path.join(tmp, "molds_lineage.json"), "w", encoding="utf-8") as fh:
             json.dump({**loaded.lineage, "exported_from": os.path.abspath(loaded.checkpoint)}, fh, indent=2)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
+            fh.write(model_card(loaded, type(hf).__name__))
     return out
+
+
+_DECODING = {
+    "smiles": "The tokens spell canonical SMILES: `tokenizer.decode(ids, skip_special_tokens=True)` is the "
+              "molecule.",
+    "selfies": "The tokens spell **SELFIES** (one token per bracket symbol), not SMILES. Decode what "
+               "`tokenizer.decode(ids, skip_special_tokens=True)` returns with the `selfies` package: "
+               "`selfies.decoder(text)` gives the SMILES (every SELFIES string decodes to a molecule).",
+    "safe": "The tokens spell **SAFE** strings (BRICS fragments joined by `.`, each cut bond a ring-closure "
+            "digit shared by its two fragments), which RDKit may or may not read as they are. Decode what "
+            "`tokenizer.decode(ids, skip_special_tokens=True)` returns with the `safe-mol` package: "
+            "`safe.decode(text)` gives the SMILES (None when the fragments do not join).",
+}
+
+
+def model_card(loaded, architecture: str) -> str:
+    """The exported directory's README: what the model is and how its output is read."""
+    from .representation import of_manifest
+
+    rep = of_manifest(loaded.manifest)
+    block = (loaded.manifest.data.get("representation") or {"name": "smiles"}) if loaded.manifest else {"name": "smiles"}
+    lines = [f"# {loaded.lineage.get('recipe', {}).get('run', {}).get('name') or 'molds model'}", "",
+             f"A chemical language model trained with molds ({architecture}, {loaded.family}), exported from "
+             f"`{os.path.abspath(loaded.checkpoint)}` at step {loaded.lineage.get('step')}.", "",
+             "## Reading its output", "", _DECODING[rep.name], ""]
+    if rep.name != "smiles":
+        lines += [f"Representation: `{json.dumps(block, sort_keys=True)}`.", ""]
+    if loaded.family == "decoder":
+        lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  "tok = AutoTokenizer.from_pretrained(PATH)", "model = AutoModelForCausalLM.from_pretrained(PATH)",
+                  "out = model.generate(tok('', return_tensors='pt').input_ids[:, :1], do_sample=True, max_new_tokens=128)",
+                  "text = tok.decode(out[0], skip_special_tokens=True)"]
+        if rep.name == "selfies":
+            lines += ["import selfies; smiles = selfies.decoder(text)"]
+        elif rep.name == "safe":
+            lines += ["import safe; smiles = safe.decode(text)"]
+        lines += ["```", ""]
+    return "\n".join(lines)

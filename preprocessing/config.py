@@ -12,7 +12,8 @@ class PreprocessConfig:
 
     input: list[str] = field(default_factory=list)
     """Input files, globs, fsspec URIs, saved HF dataset directories or ``datasets:NAME[:CONFIG]``
-    (local HF cache only). CSV/TSV/.smi/Parquet/JSONL, optionally .gz/.bz2/.xz/.zst."""
+    (local HF cache only). CSV/TSV/.smi/SDF (.sdf/.sd/.mol, V2000 and V3000)/Parquet/JSONL,
+    optionally .gz/.bz2/.xz/.zst."""
 
     output: str = ""
     """Output directory: manifest.json, report.md, tokenizer/ and <split>/*.parquet.
@@ -20,15 +21,18 @@ class PreprocessConfig:
 
     smiles_column: str = "smiles"
     """Column (CSV/TSV/Parquet/HF) or key (JSONL) holding the SMILES; matched exactly,
-    else case-insensitively when that is unambiguous. Ignored for .smi."""
+    else case-insensitively when that is unambiguous. Ignored for .smi and SDF (the
+    molblock is the structure)."""
 
     id_column: Optional[str] = None
-    """Optional column with compound ids; without it the id is ``file:row``."""
+    """Optional column with compound ids (SDF: an SD tag, or ``_Name`` for the title line);
+    without it, or where a row's value is empty, the id is ``file:row``."""
 
     label_columns: list[str] = field(default_factory=list)
-    """Numeric label columns stored as the ``labels`` list; missing values become NaN."""
+    """Numeric label columns (SDF: SD tags) stored as the ``labels`` list; missing values
+    (and SD records without the tag) become NaN, other non-numbers reject the row."""
 
-    input_format: Literal["auto", "csv", "tsv", "smi", "parquet", "jsonl", "hf"] = "auto"
+    input_format: Literal["auto", "csv", "tsv", "smi", "sdf", "parquet", "jsonl", "hf"] = "auto"
     """Input format; ``auto`` decides from the file name."""
 
     delimiter: Optional[str] = None
@@ -72,6 +76,12 @@ class PreprocessConfig:
     seed: int = 0
     """Seed of every hash-based order (split order, ties, row order in shards)."""
 
+    representation: Literal["smiles", "selfies", "safe"] = "smiles"
+    """What the tokens spell: canonical SMILES, SELFIES (one token per bracket symbol; needs the
+    ``selfies`` package) or SAFE (BRICS fragments as a SMILES-compatible string; needs
+    ``safe-mol``). Each row is decoded back and compared with its canonical SMILES; rows that do
+    not round-trip are rejected with the reason. Sampling and evaluation decode through it."""
+
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory."""
 
@@ -105,6 +115,13 @@ class PreprocessConfig:
 
     work_dir: Optional[str] = None
     """Where spill files go (default: inside the temporary output directory)."""
+
+    on_truncated: Literal["fail", "keep"] = "fail"
+    """A compressed input that ends before its end marker (a cut-short download): ``fail``
+    stops the run (nothing written; OUT.failed-report.* accounts for every row read);
+    ``keep`` keeps every record read before the cut, counts the cut as one
+    ``truncated_input`` rejection per file (the record it cut, for SDF) and names the file
+    and line in the manifest, the report and on stderr."""
 
     overwrite: bool = False
     """Replace an existing output directory (only once the new one is complete)."""

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from molds.errors import InputError
 
-from .readers import read_chunks
+from .readers import TruncatedInputError, read_chunks, warn_truncated
 from .stages import MapStage, Stats
 
 _POLL_S = 0.5
@@ -106,8 +106,14 @@ class LocalEngine:
                         put(chunk)
                         last = (path, chunk.rows[-1])
                         drain(block=False)
-                except InputError as exc:  # a truncated archive, a malformed file: stop reading,
-                    read_error = exc  # but let the workers finish what was read, so it is counted
+                except TruncatedInputError as exc:
+                    if cfg.on_truncated == "keep":  # the records before the cut are kept, the cut counted
+                        warn_truncated(exc)
+                        continue
+                    read_error = exc
+                    break
+                except InputError as exc:  # a malformed file: stop reading, but let the
+                    read_error = exc  # workers finish what was read, so it is counted
                     break
             for _ in procs:
                 put(None)

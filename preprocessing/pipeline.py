@@ -17,7 +17,7 @@ from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
                      partition_token_counts, reduce_partition, write_shard)
-from .tokenizer import (SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
+from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
                         train_bpe_tokenizer, vocab_from_counts)
 
 
@@ -62,6 +62,16 @@ def _validate(cfg: PreprocessConfig) -> None:
     if cfg.tokenizer == "bpe" and not 16 < cfg.bpe_vocab_size <= 65535:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
     _chem_options(cfg)  # the chemistry caps, checked before anything is created
+    _representation(cfg)  # the representation's package, asked for by name when it is missing
+
+
+def _representation(cfg: PreprocessConfig):
+    from molds.representation import MissingPackage, get
+
+    try:
+        return get(cfg.representation)
+    except MissingPackage as exc:
+        raise InputError(f"--representation {cfg.representation}: {exc}") from None
 
 
 def _chem_options(cfg: PreprocessConfig) -> ChemOptions:
@@ -116,10 +126,12 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
             counts = map_tokens or Counter()
         else:
             counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
-                                                                    splits) for p in parts]), Counter())
+                                                                    splits, cfg.representation) for p in parts]),
+                         Counter())
         vocab = vocab_from_counts(counts)
-        save_tokenizer(build_regex_tokenizer(vocab), tok_dir)
-        return ("regex", vocab), {"kind": "regex"}
+        save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[cfg.representation]), tok_dir)
+        info = {"kind": "regex"} if cfg.representation == "smiles" else {"kind": "regex", "grammar": cfg.representation}
+        return ("regex", vocab, cfg.representation), info
     fast_file = os.path.join(tok_dir, "tokenizer.json")
     if cfg.tokenizer == "bpe":
         def corpus():
@@ -176,8 +188,10 @@ def run(cfg: PreprocessConfig) -> str:
     chem = _chem_options(cfg)
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
                            check_regex=cfg.tokenizer == "regex",
-                           two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random")
-    cols = Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns))
+                           two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
+                           columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns)),
+                           representation=cfg.representation)
+    cols = options.columns
     engine = _make_engine(cfg)
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed
     progress = Progress(cfg.progress)
@@ -217,7 +231,7 @@ def run(cfg: PreprocessConfig) -> str:
         tok_dir = os.path.join(tmp_dir, "tokenizer")
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
-                                                        cfg.vocab_from, work_dir) for p in parts])
+                                                        cfg.vocab_from, work_dir, cfg.representation) for p in parts])
         for f in finals:
             stats.merge(f["stats"])
         timings["tokenize_s"] = time.time() - t
@@ -234,7 +248,7 @@ def run(cfg: PreprocessConfig) -> str:
         manifest_path = write_outputs(
             tmp_dir, cfg=cfg, inputs=[p for _, p, _ in inputs], chem=chem, tok_info=tok_info, stats=stats,
             duplicates=duplicates, plans=plans, written=written, finals=finals, timings=timings,
-            special_tokens=SPECIAL_TOKENS,
+            special_tokens=SPECIAL_TOKENS, representation=_representation(cfg).describe(),
         )
         shutil.rmtree(work_dir, ignore_errors=True)
         _publish(tmp_dir, final_dir)

@@ -38,8 +38,8 @@ def _read_file_batches(batch):
     for file_index, path, fmt, opts in rows:
         o = json.loads(opts)
         cols = Columns(o["smiles"], o["id"], tuple(o["labels"]))
-        for chunk in read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"], o["delimiter"],
-                                 o["smi_header"]):
+        for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
+                                                 o["delimiter"], o["smi_header"]), o["on_truncated"]):
             yield pa.table({
                 "file_index": pa.array([chunk.file_index] * len(chunk), pa.int64()),
                 "path": pa.array([chunk.path] * len(chunk), pa.string()),
@@ -48,7 +48,21 @@ def _read_file_batches(batch):
                 "id": pa.array(chunk.ids, pa.string()),
                 "labels": pa.array([None if v is None else json.dumps(v) for v in chunk.labels], pa.string()),
                 "reason": pa.array([chunk.reasons.get(i) for i in range(len(chunk))], pa.string()),
+                "kind": pa.array([chunk.kind] * len(chunk), pa.string()),
+                "record": pa.array(chunk.records or [None] * len(chunk), pa.int64()),
             })
+
+
+def _kept_until_cut(chunks, on_truncated: str):
+    """``--on_truncated keep``: a cut-short input ends after the chunk holding its cut."""
+    from .readers import TruncatedInputError, warn_truncated
+
+    try:
+        yield from chunks
+    except TruncatedInputError as exc:
+        if on_truncated != "keep":
+            raise
+        warn_truncated(exc)
 
 
 def _chunks_of(table) -> list[RawChunk]:
@@ -56,10 +70,12 @@ def _chunks_of(table) -> list[RawChunk]:
     cols = {name: table.column(name).to_pylist() for name in table.column_names}
     chunks: dict[tuple, RawChunk] = {}
     for i in range(table.num_rows):
-        key = (cols["file_index"][i], cols["path"][i])
+        key = (cols["file_index"][i], cols["path"][i], cols["kind"][i])
         c = chunks.get(key)
         if c is None:
-            c = chunks[key] = RawChunk(key[0], key[1])
+            c = chunks[key] = RawChunk(key[0], key[1], kind=key[2])
+        if key[2] == "sdf":
+            c.records.append(cols["record"][i])
         if cols["reason"][i] is not None:
             c.reasons[len(c.rows)] = cols["reason"][i]
         c.rows.append(cols["row"][i])
@@ -88,7 +104,7 @@ class _Canonicalize:
         return pa.table({
             "spills": [json.dumps([[path, offsets.tolist()] for path, offsets in stage.spills])],
             "stats": [json.dumps({"rows_in": stage.stats.rows_in, "rejected": dict(stage.stats.rejected),
-                                  "examples": stage.stats.examples})],
+                                  "examples": stage.stats.examples, "truncated": stage.stats.truncated})],
             "tokens": [json.dumps(dict(stage.tokens))],
         })
 
@@ -119,7 +135,8 @@ class RayEngine:
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
         opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels),
-                           "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header})
+                           "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
+                           "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}
                                      for i, p, f in inputs], override_num_blocks=max(1, len(inputs)))
         # num_cpus=0 keeps the (light) reader a separate operator from the actor pool:
@@ -133,7 +150,7 @@ class RayEngine:
             spills.extend((path, np.asarray(offsets, np.int64)) for path, offsets in json.loads(row["spills"]))
             body = json.loads(row["stats"])
             part = Stats(body["rows_in"], Counter(body["rejected"]),
-                         {k: [tuple(e) for e in v] for k, v in body["examples"].items()})
+                         {k: [tuple(e) for e in v] for k, v in body["examples"].items()}, body["truncated"])
             stats.merge(part)
             progress.advance(part.rows_in, sum(part.rejected.values()))
             t = Counter(json.loads(row["tokens"]))

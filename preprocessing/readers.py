@@ -5,7 +5,8 @@ Rows that are broken at the file level (wrong field count, bad bytes, no SMILES 
 are carried in the chunk with their rejection reason, so every record is counted.
 
 Formats: CSV / TSV (Python's ``csv``: quoted commas, CRLF, embedded newlines), .smi
-(``SMILES [whitespace id]``), Parquet (pyarrow, by row group), JSONL, and HuggingFace
+(``SMILES [whitespace id]``), SDF / MOL (V2000 and V3000, split into records here and
+parsed by RDKit in the workers: ``sdf.py``), Parquet (pyarrow, by row group), JSONL, and HuggingFace
 ``datasets`` (a ``save_to_disk`` directory, or ``datasets:NAME[:CONFIG]`` already in the
 local cache; nothing is downloaded). Any of the text formats may be gzip/bz2/xz/zstd
 compressed; paths may be local, globs, or fsspec URIs.
@@ -29,9 +30,18 @@ _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 _FORMATS = {
     ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".smi": "smi", ".smiles": "smi", ".txt": "smi",
     ".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+    ".sdf": "sdf", ".sd": "sdf", ".mol": "sdf",
 }
 
 
+class TruncatedInputError(InputError):
+    """A compressed input whose stream ends before its end marker (a cut-short download)."""
+
+
+def warn_truncated(exc: TruncatedInputError) -> None:
+    """``--on_truncated keep``: said on stderr as the input ends (and in the manifest)."""
+    print(f"[molds-preprocess] WARNING: {exc}; the records before the cut are kept, the cut is counted as "
+          f"'truncated_input' (--on_truncated keep)", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -45,6 +55,10 @@ class RawChunk:
     ids: list = field(default_factory=list)  # compound id or None
     labels: list = field(default_factory=list)  # list of raw label values, or None
     reasons: dict = field(default_factory=dict)  # position in chunk -> rejection reason
+    # "smiles": ``smiles`` holds SMILES; "sdf": it holds SD records (latin-1 text) and
+    # ``records`` their record numbers, the worker reads id and labels from the record
+    kind: str = "smiles"
+    records: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -109,7 +123,7 @@ def detect_format(path: str, forced: str = "auto") -> str:
             return fmt
     raise InputError(
         f"input {path!r}: cannot tell its format from the name; pass --input_format "
-        f"(one of csv, tsv, smi, parquet, jsonl, hf)"
+        f"(one of csv, tsv, smi, sdf, parquet, jsonl, hf)"
     )
 
 
@@ -125,7 +139,7 @@ def _open_text(path: str):
     return io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig", errors="surrogateescape", newline="")
 
 
-def _is_clean(text: str) -> bool:
+def is_clean(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -144,26 +158,42 @@ def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
     raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}")
 
 
-def _chunked(file_index: int, path: str, records, chunk_rows: int):
-    """Group (row, smiles, id, labels, reason) records into RawChunks. If reading fails
-    part-way (a truncated archive), the records read so far are still handed on (so they
-    are processed and counted) before the error."""
-    chunk = RawChunk(file_index, path)
+def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "smiles"):
+    """Group (row, smiles, id, labels, reason) records into RawChunks (for ``kind`` "sdf":
+    (row, record number, text, reason)). If reading fails part-way (a truncated archive),
+    the records read so far are still handed on (so they are processed and counted) before
+    the error; a stream cut short adds one ``truncated_input`` record where it was cut
+    (unless the reader gave the record it cut itself)."""
+    chunk = RawChunk(file_index, path, kind=kind)
+    last = [0, None, 0]  # the last record's row, reason and record number
+
+    def add(row, text, cid, labels, reason, number=None):
+        if reason is not None:
+            chunk.reasons[len(chunk.rows)] = reason
+            text = None
+        chunk.rows.append(row)
+        chunk.smiles.append(text)
+        chunk.ids.append(cid)
+        chunk.labels.append(labels)
+        if number is not None:
+            chunk.records.append(number)
+        last[:] = [row, reason, number]
+
     try:
-        for row, smiles, cid, labels, reason in records:
-            if reason is not None:
-                chunk.reasons[len(chunk.rows)] = reason
-                smiles = None
-            chunk.rows.append(row)
-            chunk.smiles.append(smiles)
-            chunk.ids.append(cid)
-            chunk.labels.append(labels)
+        for record in records:
+            if kind == "sdf":
+                row, number, text, reason = record
+                add(row, text, None, None, reason, number)
+            else:
+                add(*record)
             if len(chunk.rows) >= chunk_rows:
                 yield chunk
-                chunk = RawChunk(file_index, path)
+                chunk = RawChunk(file_index, path, kind=kind)
     except GeneratorExit:  # the consumer stopped early: nothing more may be yielded
         raise
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, EOFError) and last[1] != "truncated_input":
+            add(last[0] + 1, None, None, None, "truncated_input", last[2] + 1 if kind == "sdf" else None)
         if chunk.rows:
             yield chunk
         raise
@@ -193,7 +223,7 @@ def _read_delimited(path, cols: Columns, delimiter: str):
             row = line
             if len(record) != width:
                 yield row, None, None, None, "malformed_row"
-            elif not all(map(_is_clean, record)):
+            elif not all(map(is_clean, record)):
                 yield row, None, None, None, "non_utf8"
             else:
                 yield (row, record[s_idx], record[i_idx].strip() if i_idx is not None else None,
@@ -209,7 +239,7 @@ def _read_smi(path, has_header: bool):
             if not line.strip():
                 continue
             row = n + 1  # 1-based line number
-            if not _is_clean(line):
+            if not is_clean(line):
                 yield row, None, None, None, "non_utf8"
             else:
                 parts = line.strip().split(None, 1)
@@ -222,7 +252,7 @@ def _read_jsonl(path, cols: Columns):
             if not line.strip():
                 continue
             row = n + 1  # 1-based line number
-            if not _is_clean(line):
+            if not is_clean(line):
                 yield row, None, None, None, "non_utf8"
                 continue
             try:
@@ -298,6 +328,24 @@ def _read_hf(path, cols: Columns, chunk_rows: int):
         yield label, _read_arrow_batches(label, table.to_batches(max_chunksize=chunk_rows), table.schema.names, cols)
 
 
+def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
+    """The records of an SD file as chunks; at its end, a requested SD tag that no record
+    had is refused (a misspelt ``--id-column`` / ``--label-columns``), naming the tags seen."""
+    from .sdf import TITLE_TAG, read_sd_records, resolve_tag, sd_tags
+
+    seen: set[str] = set()
+    with _open_binary(path) as fh:
+        for chunk in _chunked(file_index, path, read_sd_records(fh), chunk_rows, kind="sdf"):
+            seen |= sd_tags(chunk.smiles)
+            yield chunk
+    wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels)
+    missing = [tag for tag in wanted if resolve_tag(tag, seen) is None]
+    if missing:
+        shown = sorted(seen)[:40]
+        raise InputError(f"{path}: no record has the SD tag(s) {missing}; its records have {shown}"
+                         f"{' ...' if len(seen) > 40 else ''} (the title line is {TITLE_TAG!r})")
+
+
 def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows: int,
                 delimiter: str | None = None, has_header: bool | None = None):
     """Yield the records of one input as ``RawChunk``s; raise ``InputError`` naming it."""
@@ -310,6 +358,9 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
             records = _read_jsonl(path, cols)
         elif fmt == "parquet":
             records = _read_parquet(path, cols, chunk_rows)
+        elif fmt == "sdf":
+            yield from _read_sdf(file_index, path, cols, chunk_rows)
+            return
         elif fmt == "hf":
             for label, split_records in _read_hf(path, cols, chunk_rows):
                 yield from _chunked(file_index, label, split_records, chunk_rows)
@@ -319,7 +370,10 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
         yield from _chunked(file_index, path, records, chunk_rows)
     except InputError:
         raise
-    except (OSError, EOFError, csv.Error, ValueError, ImportError) as exc:
+    except EOFError as exc:
+        raise TruncatedInputError(f"{path}: the compressed stream ends before its end marker (cut short): "
+                                  f"{exc}") from exc
+    except (OSError, csv.Error, ValueError, ImportError) as exc:
         raise InputError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from exc
 
 

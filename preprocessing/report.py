@@ -25,7 +25,7 @@ def _merge_hist(finals, split: int) -> list[int]:
 
 
 def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, plans, written, finals, timings,
-                  special_tokens) -> str:
+                  special_tokens, representation=None) -> str:
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(os.path.join(out_dir, "tokenizer", "tokenizer.json")).get_vocab(with_added_tokens=True)
@@ -80,6 +80,12 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "splits": split_stats,
         },
     }
+    if cfg.representation != "smiles":  # SMILES manifests keep the keys (and hashes) they always had
+        manifest["representation"] = representation
+        manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
+        manifest["columns"].insert(manifest["columns"].index("canonical_smiles") + 1, "text")
+    if stats.truncated:  # --on_truncated keep: where each cut-short input was cut
+        manifest["stats"]["truncated_inputs"] = list(stats.truncated)
     accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())
     if accounted != stats.rows_in:
         raise RuntimeError(f"row accounting broken: {stats.rows_in} in, {accounted} accounted for")
@@ -108,7 +114,9 @@ def _report(m, stats, finals, timings, cfg) -> str:
         f"`{m['canonicalization']['hash'][:16]}`",
         f"- tokenizer: {m['tokenizer']['kind']}, {m['tokenizer']['vocab_size']} tokens "
         f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
-        f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}", "",
+        f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}",
+        *[f"- **cut short** (compressed input ends early; read up to here, the rest is lost): `{where}`"
+          for where in s.get("truncated_inputs", [])], "",
         "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |", "|---|---|---|---|---|---|",
     ]
     for name in SPLITS:

@@ -27,16 +27,16 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from molds.chem import Canonicalizer, ChemOptions, Molecule
-from .readers import RawChunk, parse_labels
+from .readers import Columns, RawChunk, is_clean, parse_labels
 from .split import assign_split, group_major
-from .tokenizer import count_tokens, counts_of_codes, make_encoder, token_codes
+from .tokenizer import GRAMMARS, count_tokens, counts_of_codes, make_encoder, token_codes
 
 NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
 _GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
-SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "scaffold", "token_ids", "token_length",
-                 "labels", "source")
+SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
+                 "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class StageOptions:
     num_labels: int
     check_regex: bool  # reject canonical SMILES the SMILES regex cannot cover
     two_stage: bool  # dedupe key does not decide the group: dedupe, then regroup
+    columns: Columns | None = None  # SD inputs: the id tag and label tags the workers read
+    representation: str = "smiles"  # what the tokens spell (molds.representation)
 
 
 @dataclass
@@ -54,9 +56,13 @@ class Stats:
     rows_in: int = 0
     rejected: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> [(source, raw)]
+    truncated: list = field(default_factory=list)  # source of every truncated_input row (one per cut file)
+    notes: Counter = field(default_factory=Counter)  # counts that are no rejection (safe: single_fragment)
 
     def reject(self, reason: str, source: str, raw):
         self.rejected[reason] += 1
+        if reason == "truncated_input":
+            self.truncated.append(source)
         ex = self.examples.setdefault(reason, [])
         if len(ex) < _EXAMPLES_PER_REASON:
             ex.append((source, raw if raw is None else _clip(str(raw))))
@@ -64,6 +70,8 @@ class Stats:
     def merge(self, other: "Stats"):
         self.rows_in += other.rows_in
         self.rejected.update(other.rejected)
+        self.truncated = sorted(self.truncated + other.truncated)
+        self.notes.update(other.notes)
         for reason, ex in other.examples.items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: _EXAMPLES_PER_REASON - len(mine)])
@@ -105,6 +113,13 @@ class MapStage:
     def __init__(self, options: StageOptions, work_dir: str, name: str, spill_rows: int = 200_000):
         self.options, self.work_dir, self.name, self.spill_rows = options, work_dir, name, spill_rows
         self.canonicalize = Canonicalizer(options.chem)
+        self._sd_parser = None
+        self.represent = None
+        if options.representation != "smiles":
+            from molds.representation import get
+
+            self.represent = get(options.representation)
+        self.grammar = GRAMMARS[options.representation]
         self.stats = Stats()
         self.tokens = Counter()
         self.spills: list[tuple[str, np.ndarray]] = []
@@ -112,7 +127,7 @@ class MapStage:
         self._cols = self._empty()
 
     def _empty(self) -> dict:
-        return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "scaffold", "dedupe_key",
+        return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "text", "scaffold", "dedupe_key",
                                 "compound_id", "source", "labels")}
 
     def process(self, chunk: RawChunk) -> tuple[int, int]:
@@ -120,30 +135,52 @@ class MapStage:
         opts, stats, cols = self.options, self.stats, self._cols
         rejected_before = sum(stats.rejected.values())
         accepted = []
+        sdf = chunk.kind == "sdf"
         for pos, row in enumerate(chunk.rows):
-            source = f"{chunk.path}:{row}"
+            source = f"{chunk.path}:{row} (record {chunk.records[pos]})" if sdf else f"{chunk.path}:{row}"
             stats.rows_in += 1
             raw = chunk.smiles[pos]
             if raw is None:
                 stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
                 continue
+            cid, label_values = chunk.ids[pos], chunk.labels[pos]
+            if sdf:
+                parsed, title, cid, label_values = self._read_sd(raw, row)
+                if isinstance(parsed, str):
+                    stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
+                    continue
+                if cid is not None and not is_clean(cid):
+                    stats.reject("non_utf8", source, title)
+                    continue
             labels = None
             if opts.num_labels:
-                labels = parse_labels(chunk.labels[pos])
+                labels = parse_labels(label_values)
                 if labels is None:
-                    stats.reject("bad_label", source, chunk.labels[pos])
+                    stats.reject("bad_label", source, label_values)
                     continue
-            mol = self.canonicalize(raw)
+            if sdf:
+                raw = self._sd_raw(parsed)
+                mol = self.canonicalize.from_mol(parsed, check_length=True)
+            else:
+                mol = self.canonicalize(raw)
             if not isinstance(mol, Molecule):
-                stats.reject(mol, source, raw)
+                stats.reject(mol, source, title if sdf else raw)
                 continue
-            accepted.append(((chunk.file_index << 40) | row, raw, mol, chunk.ids[pos] or source, source, labels))
+            text = None
+            if self.represent is not None:
+                text, reason = self._represent(mol.canonical)
+                if reason is not None:
+                    stats.reject(reason, source, mol.canonical)
+                    continue
+            accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
+                             text))
         if opts.check_regex and accepted:
             accepted = self._check_regex(accepted)
-        for order, raw, mol, cid, source, labels in accepted:
+        for order, raw, mol, cid, source, labels, text in accepted:
             cols["order"].append(order)
             cols["raw_smiles"].append(raw)
             cols["canonical_smiles"].append(mol.canonical)
+            cols["text"].append(text)
             cols["scaffold"].append(mol.scaffold)
             cols["dedupe_key"].append(mol.dedupe_key)
             cols["compound_id"].append(cid)
@@ -153,10 +190,41 @@ class MapStage:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
 
+    def _read_sd(self, text: str, first_line: int):
+        """An SD record through RDKit: (mol or reason, title or RDKit's message, id, label values)."""
+        if self._sd_parser is None:
+            from .sdf import SDRecordParser
+
+            columns = self.options.columns
+            self._sd_parser = SDRecordParser(columns.id if columns else None, columns.labels if columns else ())
+        return self._sd_parser(text, first_line)
+
+    def _sd_raw(self, mol) -> str | None:
+        """``raw_smiles`` of an SD row: RDKit's SMILES of the record as read, before
+        standardization; ``None`` (= the canonical SMILES) when nothing changes it."""
+        chem = self.options.chem
+        if chem.standardizes or not chem.keep_stereo:
+            return self.canonicalize._chem.MolToSmiles(mol)
+        return None
+
+    def _represent(self, canonical: str) -> tuple[str | None, str | None]:
+        """The row in the manifest's representation, decoded back and compared with its
+        canonical SMILES: (text, None) or (None, reason)."""
+        text, reason = self.represent.encode(canonical)
+        if reason is not None:
+            return None, reason
+        Chem = self.canonicalize._chem
+        decoded = self.represent.decode(text)
+        mol = Chem.MolFromSmiles(decoded) if decoded else None
+        if mol is None or Chem.MolToSmiles(mol) != canonical:
+            return None, f"{self.represent.name}_roundtrip"
+        return text, None
+
     def _check_regex(self, accepted: list) -> list:
-        """Reject rows whose canonical SMILES the tokenizer regex does not cover, and
-        count the tokens of the rest, in one batch pass over the chunk."""
-        tc = token_codes([a[2].canonical for a in accepted])
+        """Reject rows whose text (canonical SMILES, or the representation's string) the
+        tokenizer regex does not cover, and count the tokens of the rest, in one batch pass
+        over the chunk."""
+        tc = token_codes([a[6] if a[6] is not None else a[2].canonical for a in accepted], self.grammar)
         covered = tc.covered.tolist()
         for a, ok in zip(accepted, covered):
             if not ok:
@@ -195,6 +263,8 @@ class MapStage:
             table = table.append_column("dedupe_key", pa.array(cols["dedupe_key"], pa.string()))
         if opts.num_labels:
             table = table.append_column("labels", pa.array(cols["labels"], pa.list_(pa.float32())))
+        if self.represent is not None:
+            table = table.append_column("text", pa.array(cols["text"], pa.string()))
         self._cols = self._empty()
         path = os.path.join(self.work_dir, f"spill-{self.name}-{self._written}.arrow")
         self._written += 1
@@ -271,17 +341,24 @@ def partition_splits(staged_table: pa.Table, groups_path: str, method: str, thre
     return assign_split(thresholds, major[pos], row_groups)
 
 
+def token_texts(table: pa.Table) -> pa.ChunkedArray:
+    """What the tokenizer reads: the representation's string, or the canonical SMILES."""
+    return table.column("text" if "text" in table.column_names else "canonical_smiles")
+
+
 def partition_smiles(staged: str, groups: str, method: str, thresholds, splits: set[int]):
-    """Canonical SMILES of a partition's rows that fall in ``splits`` (vocabulary passes)."""
+    """The token texts (canonical SMILES, or the representation's strings) of a partition's
+    rows that fall in ``splits`` (vocabulary passes)."""
     table = read_ipc(staged)
     which = partition_splits(table, groups, method, thresholds)
     mask = np.isin(which, list(splits))
-    return table.column("canonical_smiles").filter(pa.array(mask)).to_pylist()
+    return token_texts(table).filter(pa.array(mask)).to_pylist()
 
 
-def partition_token_counts(staged: str, groups: str, method: str, thresholds, splits: set[int]) -> Counter:
+def partition_token_counts(staged: str, groups: str, method: str, thresholds, splits: set[int],
+                           representation: str = "smiles") -> Counter:
     """Regex token counts of a partition's rows in ``splits``, counted where they are read."""
-    return count_tokens(partition_smiles(staged, groups, method, thresholds, splits))
+    return count_tokens(partition_smiles(staged, groups, method, thresholds, splits), GRAMMARS[representation])
 
 
 # ---------------------------------------------------------------- finalize
@@ -292,16 +369,16 @@ def length_bucket_of(lengths: np.ndarray, boundaries) -> np.ndarray:
 
 
 def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
-                       work_dir: str) -> dict:
+                       work_dir: str, representation: str = "smiles") -> dict:
     """Tokenize, check the round trip, bucket by length and order a reduced partition."""
     encoder = make_encoder(encoder_spec)
     table = read_ipc(result["staged"])
     n = len(table)
     split = partition_splits(table, result["groups"], method, thresholds)
-    canonical = table.column("canonical_smiles").to_pylist()
-    flat, lengths = encoder.encode_batch(canonical)
+    texts = token_texts(table).to_pylist()
+    flat, lengths = encoder.encode_batch(texts)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    ok = encoder.roundtrip_ok(flat, lengths, canonical)
+    ok = encoder.roundtrip_ok(flat, lengths, texts)
     unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
     unk = (unk_cum[offsets[1:]] - unk_cum[offsets[:-1]]) > 0
     # unknown tokens are expected outside the vocabulary's own split: kept, counted
@@ -319,6 +396,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "compound_id": table.column("compound_id"),
         "raw_smiles": table.column("raw_smiles"),
         "canonical_smiles": table.column("canonical_smiles"),
+        **({"text": table.column("text")} if "text" in table.column_names else {}),
         "scaffold": table.column("scaffold"),
         "token_ids": token_ids,
         "token_length": pa.array(lengths, pa.int32()),
@@ -335,6 +413,9 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         out = out.filter(pa.array(ok))
     out = out.sort_by([("_split", "ascending"), ("_lbucket", "ascending"), ("_bucket", "ascending"),
                        ("_row_hash", "ascending")])
+    if "text" in out.column_names and representation == "safe":  # the no-cut rule's rows, as kept
+        stats.notes["single_fragment"] += int(pc.sum(pc.invert(pc.match_substring(out.column("text"), "."))).as_py()
+                                              or 0)
     path = os.path.join(work_dir, f"final-{result['index']}.arrow")
     _write_ipc(out, path)
     s = out.column("_split").to_numpy()
@@ -345,7 +426,8 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
     segments = {(int(k) // 1024, int(k) % 1024): int(c) for k, c in zip(keys, seg_rows)}
     seg_start = {(int(k) // 1024, int(k) % 1024): int(f) for k, f in zip(keys, seg_first)}
     text_bytes = sum(pc.sum(pc.binary_length(out.column(c))).as_py() or 0
-                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "scaffold", "source"))
+                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "source")
+                     if c in out.column_names)
     return {
         "index": result["index"],
         "path": path,

@@ -1,8 +1,9 @@
-"""SMILES tokenizers the ETL trains and saves as HuggingFace fast tokenizers.
+"""SMILES (and SELFIES, SAFE) tokenizers the ETL trains and saves as HuggingFace fast tokenizers.
 
 ``regex``: the atom-level SMILES regex of Schwaller et al. (2019, "Molecular
 Transformer"): bracket atoms, two-letter halogens, %nn ring closures, bonds and
-branches are one token each. The vocabulary comes from the corpus itself.
+branches are one token each (SAFE strings too: their attachment points are ring-closure
+digits); for SELFIES one token per bracket symbol. The vocabulary comes from the corpus itself.
 ``bpe``: HF ``tokenizers`` byte-pair encoding trained on the corpus' canonical SMILES.
 A path: an existing HF tokenizer directory, used as is.
 
@@ -24,10 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-SMILES_REGEX = (
-    r"(\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>|\*|\$"
-    r"|%\([0-9]+\)|%[0-9]{2}|[0-9])"
-)
+from molds.representation import SELFIES_PATTERN, SMILES_PATTERN as SMILES_REGEX
+
 _TOKEN = re.compile(SMILES_REGEX)
 _COVERED = re.compile(f"(?:{SMILES_REGEX})*")
 
@@ -53,17 +52,36 @@ def regex_covers(smiles: str) -> bool:
     return _COVERED.fullmatch(smiles) is not None
 
 
-# Batch tokenizing. Every regex token but these is one ASCII character; ``token_codes``
-# replaces each of these with a private-use character (one per distinct token in the batch),
-# so afterwards one character is one token. At any position the alternatives here and in
-# SMILES_REGEX that can start there are tried in the same order, so the tokens are those of
-# ``findall``; a bracket atom may not hold the space that joins the batch (canonical SMILES
-# never do), so no token spans two rows.
-_MULTI = re.compile(r"\[[^\] ]+]|%\([0-9]+\)|%[0-9]{2}|Br|Cl")
+# Batch tokenizing. Every regex token but the ``multi`` ones is one ASCII character;
+# ``token_codes`` replaces each multi-character token with a private-use character (one per
+# distinct token in the batch), so afterwards one character is one token. At any position the
+# alternatives of ``multi`` and of the pattern that can start there are tried in the same
+# order, so the tokens are those of ``findall``; a bracket token may not hold the space that
+# joins the batch (canonical SMILES and SELFIES never do), so no token spans two rows.
 _PLACEHOLDER = 0xF0000  # first code point of Unicode's supplementary private use area A
 _LAST_PLACEHOLDER = 0x10FFFF  # the last code point
 _PRIVATE = re.compile("[\U000F0000-\U0010FFFF]")
-_SINGLE = np.array([ch != 32 and _TOKEN.fullmatch(chr(ch)) is not None for ch in range(128)])
+
+
+class Grammar(NamedTuple):
+    """A token regex (``pattern``) with its multi-character alternatives (``multi``, in the
+    pattern's order) and a table of the ASCII characters that are tokens alone."""
+
+    pattern: str
+    token: re.Pattern
+    multi: re.Pattern
+    single: np.ndarray
+
+    @classmethod
+    def of(cls, pattern: str, multi: str) -> "Grammar":
+        token = re.compile(pattern)
+        single = np.array([ch != 32 and token.fullmatch(chr(ch)) is not None for ch in range(128)])
+        return cls(pattern, token, re.compile(multi), single)
+
+
+SMILES = Grammar.of(SMILES_REGEX, r"\[[^\] ]+]|%\([0-9]+\)|%[0-9]{2}|Br|Cl")  # SMILES and SAFE
+SELFIES = Grammar.of(SELFIES_PATTERN, r"\[[^\] ]+]")
+GRAMMARS = {"smiles": SMILES, "safe": SMILES, "selfies": SELFIES}
 
 
 class _OutOfPlaceholders(Exception):
@@ -81,13 +99,13 @@ class TokenCodes(NamedTuple):
     multi: list
 
 
-def token_codes(texts: list[str]) -> TokenCodes:
+def token_codes(texts: list[str], grammar: Grammar = SMILES) -> TokenCodes:
     """The regex tokens of every text, as codes (see ``TokenCodes``)."""
     if not texts:
         return TokenCodes(np.zeros(0, np.uint32), np.zeros(0, np.int32), np.zeros(0, bool), [])
     joined = " ".join(texts)
     if joined.count(" ") != max(0, len(texts) - 1) or _PRIVATE.search(joined):
-        return _token_codes_per_row(texts)  # a space or private-use character in a text: not for the fast path
+        return _token_codes_per_row(texts, grammar)  # a space or private-use character: not for the fast path
     multi: dict[str, str] = {}
 
     def placeholder(m):
@@ -100,12 +118,12 @@ def token_codes(texts: list[str]) -> TokenCodes:
         return ch
 
     try:
-        substituted = _MULTI.sub(placeholder, joined)
+        substituted = grammar.multi.sub(placeholder, joined)
     except _OutOfPlaceholders:  # over 131,072 distinct multi-character tokens in one batch
-        return _token_codes_per_row(texts)
+        return _token_codes_per_row(texts, grammar)
     cp = np.frombuffer((substituted + " ").encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     border = cp == 32
-    keep = border | (cp >= _PLACEHOLDER) | _SINGLE[np.minimum(cp, 127)] & (cp < 128)
+    keep = border | (cp >= _PLACEHOLDER) | grammar.single[np.minimum(cp, 127)] & (cp < 128)
     row_of = np.cumsum(border) - border  # row index of every character
     dropped = np.bincount(row_of[~keep], minlength=len(texts))[:len(texts)]
     cp, border = cp[keep], border[keep]
@@ -113,11 +131,11 @@ def token_codes(texts: list[str]) -> TokenCodes:
     return TokenCodes(cp[~border], lengths.astype(np.int32), dropped == 0, list(multi))
 
 
-def _token_codes_per_row(texts: list[str]) -> TokenCodes:
+def _token_codes_per_row(texts: list[str], grammar: Grammar = SMILES) -> TokenCodes:
     multi: dict[str, int] = {}
     codes, lengths, covered = [], [], []
     for text in texts:
-        toks = _TOKEN.findall(text)
+        toks = grammar.token.findall(text)
         for t in toks:
             codes.append(ord(t) if len(t) == 1 else _PLACEHOLDER + multi.setdefault(t, len(multi)))
         lengths.append(len(toks))
@@ -134,9 +152,9 @@ def counts_of_codes(tc: TokenCodes, rows: np.ndarray | None = None) -> Counter:
                     for v, c in zip(values.tolist(), counts.tolist())})
 
 
-def count_tokens(smiles_list: list[str]) -> Counter:
+def count_tokens(smiles_list: list[str], grammar: Grammar = SMILES) -> Counter:
     """Token frequencies of a batch."""
-    return counts_of_codes(token_codes(smiles_list))
+    return counts_of_codes(token_codes(smiles_list, grammar))
 
 
 def vocab_from_counts(counts: Counter) -> dict[str, int]:
@@ -161,12 +179,12 @@ def _post_processor(vocab: dict[str, int]):
     )
 
 
-def build_regex_tokenizer(vocab: dict[str, int]):
+def build_regex_tokenizer(vocab: dict[str, int], grammar: Grammar = SMILES):
     """A ``tokenizers.Tokenizer``: regex pre-split, word-level vocabulary, exact decoding."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(SMILES_REGEX), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(grammar.pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = _post_processor(vocab)
     return tok
@@ -240,8 +258,8 @@ class RegexEncoder:
     from code to id (characters no token covers are skipped, as ``findall`` does, so such
     a row fails ``roundtrip_ok``)."""
 
-    def __init__(self, vocab: dict[str, int]):
-        self.vocab = dict(vocab)
+    def __init__(self, vocab: dict[str, int], grammar: Grammar = SMILES):
+        self.vocab, self.grammar = dict(vocab), grammar
         self.unk_id = vocab[SPECIAL_TOKENS["unk_token"]]
         self.itos = [None] * (max(vocab.values()) + 1)
         for tok, i in vocab.items():
@@ -251,7 +269,7 @@ class RegexEncoder:
 
     def encode_batch(self, smiles_list: list[str]):
         """Returns (flat ids as numpy uint16, lengths as numpy int32)."""
-        tc = token_codes(smiles_list)
+        tc = token_codes(smiles_list, self.grammar)
         multi = np.array([self.vocab.get(t, self.unk_id) for t in tc.multi], dtype=np.uint16)
         one_char = tc.codes < 128
         ids = np.empty(len(tc.codes), dtype=np.uint16)
@@ -311,7 +329,7 @@ class HFEncoder:
 
 
 def make_encoder(spec: tuple):
-    """``("regex", vocab)`` or ``("hf", tokenizer.json path, unk id)``; built in the worker."""
+    """``("regex", vocab, grammar name)`` or ``("hf", tokenizer.json path, unk id)``; built in the worker."""
     if spec[0] == "regex":
-        return RegexEncoder(spec[1])
+        return RegexEncoder(spec[1], GRAMMARS[spec[2]])
     return HFEncoder(spec[1], spec[2])

@@ -197,6 +197,10 @@ class MoleculeLoader:
             from ..errors import RecipeError
             from .randomize import Randomizer
 
+            spelled = (self.manifest.data.get("representation") or {}).get("name", "smiles")
+            if spelled != "smiles":
+                raise RecipeError(f"data.randomized_smiles={cfg.randomized_smiles}: {self.manifest.path} spells its "
+                                  f"molecules in {spelled}, not SMILES; set data.randomized_smiles to 0")
             if cfg.randomized_marker == "sep" and sp.sep is None:
                 raise RecipeError(f"data.randomized_marker=sep: the tokenizer of {self.manifest.path} has no sep "
                                   f"token; set data.randomized_marker to none")

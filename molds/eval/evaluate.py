@@ -54,7 +54,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     from ..checkpoint import open_checkpoint
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
-    from .sampling import default_max_tokens, forbidden_tokens, ids_to_smiles, sample_ids
+    from ..representation import of_manifest
+    from .sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
     from .scoring import model_forward, property_predictions, property_report, split_data_config, split_loss
 
     loaded = open_checkpoint(checkpoint, manifest_dir)
@@ -73,20 +74,23 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         max_tokens = default_max_tokens(m, model_cfg["max_position_embeddings"])
+        representation = of_manifest(m)
         reference = moses_reference(m, split, reference_file) if moses or reference_file else None
         per_seed = []
         for seed in seeds:
             ids = sample_ids(loaded.model, num, bos=loaded.specials.bos, eos=loaded.specials.eos,
                              max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
                              batch_size=batch_size, forbid=forbidden_tokens(loaded.recipe, loaded.specials))
-            smiles = ids_to_smiles(loaded.tokenizer, ids)
+            texts = ids_to_texts(loaded.tokenizer, ids)
+            smiles = texts_to_smiles(texts, representation)
             metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed,
                                          moses_reference=reference)
-            metrics["unfinished_or_special"] = sum(s is None for s in smiles)
+            metrics["unfinished_or_special"] = sum(t is None for t in texts)
+            metrics["decodable"] = sum(s is not None for s in smiles) / len(smiles)
             per_seed.append(metrics)
             report.setdefault("examples", [s for s in smiles if s][:20])
         report["sampling"] = {"num": num, "temperature": temperature, "top_k": top_k, "max_tokens": max_tokens,
-                              "seeds": list(seeds)}
+                              "seeds": list(seeds), "representation": representation.name}
         report["per_seed"] = per_seed
         report["metrics"] = mean_std(per_seed)
     elif model_cfg["num_tasks"]:

@@ -1,4 +1,4 @@
-"""Sampling SMILES from a causal decoder (the library behind ``molds-sample``).
+"""Sampling molecules from a causal decoder (the library behind ``molds-sample``).
 
 Every sample starts from the beginning-of-sequence token and is decoded with a
 key/value cache (``CausalDecoder.decode``) until its end token or ``max_tokens``; one
@@ -20,9 +20,12 @@ import torch
 def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperature: float = 1.0, top_k: int = 0,
                batch_size: int = 512, seed: int = 0, device=None,
                stop_together: Callable[[bool], bool] | None = None,
-               forbid: Sequence[int] = ()) -> list[list[int] | None]:
+               forbid: Sequence[int] = (), prefix: Sequence[int] = ()) -> list[list[int] | None]:
     """``num`` token-id lists (without bos/eos), or None for a sample that never ended.
-    Tokens in ``forbid`` are never drawn (their probability goes to the others)."""
+    Tokens in ``forbid`` are never drawn (their probability goes to the others). Every
+    sample starts with the tokens of ``prefix`` (constrained generation: they are read
+    after bos in one causal step, then ``max_tokens`` more are drawn); the lists returned
+    include them."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
     device = device or next(model.parameters()).device
@@ -32,7 +35,8 @@ def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperat
     while len(out) < num:
         n = min(batch_size, num - len(out))
         cache = [{} for _ in range(layers)]
-        logits = model.decode(torch.full((n, 1), bos, dtype=torch.long, device=device), cache, 0)
+        start = torch.tensor([[bos, *prefix]], dtype=torch.long, device=device).expand(n, -1)
+        logits = model.decode(start, cache, 0)
         done = torch.zeros(n, dtype=torch.bool, device=device)
         steps = []
         for t in range(max_tokens):
@@ -49,10 +53,10 @@ def sample_ids(model, num: int, *, bos: int, eos: int, max_tokens: int, temperat
             finished = bool(done.all())
             if (stop_together(finished) if stop_together else finished) or t == max_tokens - 1:
                 break
-            logits = model.decode(nxt[:, None], cache, t + 1)
+            logits = model.decode(nxt[:, None], cache, len(prefix) + t + 1)
         ids = torch.stack(steps, 1).tolist()
         for row in ids:
-            out.append(row[:row.index(eos)] if eos in row else None)
+            out.append([*prefix, *row[:row.index(eos)]] if eos in row else None)
     return out
 
 
@@ -67,12 +71,26 @@ def forbidden_tokens(recipe: dict, specials) -> tuple[int, ...]:
     return ()
 
 
-def ids_to_smiles(tokenizer, samples: list[list[int] | None]) -> list[str | None]:
-    """Decoded SMILES; None for an unfinished sample or one holding a special token
-    (<pad>, <mask>, ... inside a molecule is not a molecule)."""
+def ids_to_texts(tokenizer, samples: list[list[int] | None]) -> list[str | None]:
+    """What each sample's tokens spell (SMILES, SELFIES, SAFE: the manifest's representation);
+    None for an unfinished sample or one holding a special token (<pad>, <mask>, ... inside
+    a molecule is not a molecule)."""
     special = set(tokenizer.all_special_ids)
     return [None if ids is None or special.intersection(ids) else tokenizer.decode(ids).replace(" ", "")
             for ids in samples]
+
+
+def texts_to_smiles(texts: list[str | None], representation=None) -> list[str | None]:
+    """The SMILES each text decodes to through ``representation`` (``molds.representation``;
+    None: the texts are SMILES); None where it decodes to none."""
+    if representation is None or representation.name == "smiles":
+        return list(texts)
+    return [None if t is None else representation.decode(t) for t in texts]
+
+
+def ids_to_smiles(tokenizer, samples: list[list[int] | None], representation=None) -> list[str | None]:
+    """Decoded SMILES of token-id samples (through the representation, when not SMILES)."""
+    return texts_to_smiles(ids_to_texts(tokenizer, samples), representation)
 
 
 def default_max_tokens(manifest, model_max_positions: int) -> int:

@@ -114,7 +114,9 @@ class TrainingEvaluator:
         return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
     def _sample(self, total: int, step: int) -> list:
-        from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_smiles, sample_ids
+        """(text, SMILES) of each sample: what the tokens spell, and the molecule it decodes to."""
+        from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
+        from molds.representation import of_manifest
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -129,12 +131,14 @@ class TrainingEvaluator:
                              seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,
                              stop_together=self._agree,
                              forbid=forbidden_tokens(dataclasses.asdict(self.recipe), self.specials))
-        return ids_to_smiles(self.tokenizer, ids)
+        texts = ids_to_texts(self.tokenizer, ids)
+        return list(zip(texts, texts_to_smiles(texts, of_manifest(self.manifest))))
 
-    def _score(self, smiles: list, step: int, kind: str) -> dict:
+    def _score(self, samples: list, step: int, kind: str) -> dict:
         from molds.metrics.generation import generation_metrics, parse_samples, unique_at
 
         ev = self.recipe.eval
+        texts, smiles = [t for t, _ in samples], [s for _, s in samples]
         if kind == "smoke":
             parsed = parse_samples(smiles, self.manifest)
             canon = [p["canonical"] for p in parsed if p is not None]
@@ -142,11 +146,12 @@ class TrainingEvaluator:
         m = generation_metrics(smiles, self.manifest, fcd_reference=ev.split if ev.fcd else None, seed=step)
         values = {f"eval/{k.replace('@', '_at_')}": v for k, v in m.items()
                   if isinstance(v, float) and k not in ("unique@1k", "unique@10k")}
-        values["eval/unfinished_or_special"] = sum(s is None for s in smiles) / len(smiles)
-        self._pictures(smiles, step)
+        values["eval/unfinished_or_special"] = sum(t is None for t in texts) / len(texts)
+        values["eval/decodable"] = sum(s is not None for s in smiles) / len(smiles)
+        self._pictures(texts, smiles, step)
         return values
 
-    def _pictures(self, smiles: list, step: int) -> None:
+    def _pictures(self, texts: list, smiles: list, step: int) -> None:
         import numpy as np
         import pyarrow.parquet as pq
         from rdkit import Chem
@@ -166,7 +171,7 @@ class TrainingEvaluator:
             self.log.image("eval/samples_grid", np.asarray(img.convert("RGB")), step)
         shown = "\n".join(f"    {s if s else '(unfinished, or holds a special token)'}" for s in smiles[:64])
         self.log.text("eval/samples", shown, step)
-        lengths = [len(self.tokenizer(s, add_special_tokens=False)["input_ids"]) for s in smiles if s]
+        lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts if t]
         self.log.histogram("eval/sample_token_length", lengths, step)
         if self.train_lengths is None:  # up to ~20k training lengths, every shard in proportion
             shards = self.manifest.shards("train")

@@ -93,3 +93,94 @@ def dirty_run(dirty_csv, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("etl") / "dirty")
     manifest = run_etl(out, [dirty_csv[0]], id_column="id", label_columns=["logp"])
     return out, manifest
+
+
+# ---------------------------------------------------------------- SD files
+
+SDF_SMILES = sample_smiles(240, offset=9000)
+
+
+def sd_record(smiles: str, title: str, props: dict, v3000: bool = False) -> str:
+    from rdkit import Chem
+    from rdkit.Chem import AllChem
+
+    mol = Chem.MolFromSmiles(smiles)
+    AllChem.Compute2DCoords(mol, sampleSeed=1)
+    block = Chem.MolToV3KMolBlock(mol) if v3000 else Chem.MolToMolBlock(mol)
+    lines = [title] + block.split("\n")[1:]
+    text = "\n".join(lines).rstrip("\n") + "\n"
+    for tag, value in props.items():
+        text += f">  <{tag}>\n{value}\n\n"
+    return text + "$$$$\n"
+
+
+def _broken_atom_block(smiles: str) -> str:
+    lines = sd_record(smiles, "broken-atoms", {"pIC50": "5"}).split("\n")
+    lines[4] = lines[4][:20] + " garbage"  # the first atom line cut short
+    return "\n".join(lines)
+
+
+def _no_m_end(smiles: str) -> str:
+    return sd_record(smiles, "no-m-end", {"pIC50": "5"}).replace("M  END\n", "")
+
+
+def _pentavalent() -> str:
+    text = sd_record("CC(C)(C)C", "pentavalent", {"pIC50": "1"})
+    # one more bond on the central carbon: an impossible valence RDKit's sanitization refuses
+    lines = text.split("\n")
+    counts = lines[3]
+    atoms, bonds = int(counts[:3]), int(counts[3:6])
+    lines[3] = f"{atoms + 1:>3}{bonds + 1:>3}" + counts[6:]
+    atom = "    1.0000    1.0000    0.0000 C   0  0  0  0  0  0  0  0  0  0  0  0"
+    lines.insert(4 + atoms, atom)
+    lines.insert(5 + atoms + bonds, f"{2:>3}{atoms + 1:>3}  1  0")
+    return "\n".join(lines)
+
+
+EMPTY_MOLECULE = ("empty\n     RDKit          2D\n\n  0  0  0  0  0  0  0  0  0  0999 V2000\nM  END\n"
+                  ">  <pIC50>\n3\n\n$$$$\n")
+
+
+@pytest.fixture(scope="session")
+def hostile_sdf(tmp_path_factory):
+    """Two SD files with every kind of record a vendor file has, and what each should give.
+
+    Returns (paths, good, bad): ``good`` maps a record's title to (SMILES written, label or
+    NaN); ``bad`` maps (file name, record number) to the expected reason.
+    """
+    d = tmp_path_factory.mktemp("sdf")
+    rng = random.Random(11)
+    good, bad = {}, {}
+    parts_a, parts_b = [], []
+    for i, smi in enumerate(SDF_SMILES[:120]):
+        label = f"{rng.uniform(3, 9):.2f}"
+        props = {"pIC50": label, "vendor_id": f"V{i}", "comment": "line one\nline two"}  # multi-line property
+        if i % 7 == 0:
+            props["pIC50"] = ""  # empty property: missing, NaN
+            label = "nan"
+        if i % 11 == 0:
+            del props["pIC50"]  # no such tag in this record: missing, NaN
+            label = "nan"
+        parts_a.append(sd_record(smi, f"A{i}", props, v3000=i % 3 == 0))
+        good[f"A{i}"] = (smi, float(label))
+    bad_records = [("broken", _broken_atom_block(SDF_SMILES[0]), "sdf_parse_error"),
+                   ("no M END", _no_m_end(SDF_SMILES[1]), "sdf_parse_error"),
+                   ("empty molecule", EMPTY_MOLECULE, "empty_molecule"),
+                   ("valence", _pentavalent(), "valence_error"),
+                   ("bad label", sd_record("CCO", "bad-label", {"pIC50": "potent"}), "bad_label"),
+                   ("empty record", "\n\n$$$$\n", "empty_record")]
+    for k, (_, text, reason) in enumerate(bad_records):
+        at = 10 + 17 * k
+        parts_a.insert(at, text)
+    for k, (_, text, reason) in enumerate(bad_records):
+        bad[("a.sdf", parts_a.index(text) + 1)] = reason
+    # file b: CRLF line ends, a V3000-only block, no $$$$ after its last record
+    for i, smi in enumerate(SDF_SMILES[120:200]):
+        parts_b.append(sd_record(smi, f"B{i}", {"pIC50": "7.5", "vendor_id": f"W{i}"}, v3000=i % 2 == 0))
+        good[f"B{i}"] = (smi, 7.5)
+    text_b = "".join(parts_b)
+    text_b = text_b[: text_b.rindex("$$$$")]  # the last record has no separator
+    (d / "a.sdf").write_bytes("".join(parts_a).encode())
+    with gzip.open(d / "b.sdf.gz", "wb") as fh:
+        fh.write(text_b.replace("\n", "\r\n").encode())
+    return [str(d / "a.sdf"), str(d / "b.sdf.gz")], good, bad

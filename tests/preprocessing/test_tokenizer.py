@@ -112,7 +112,8 @@ def test_map_stage_rejects_what_the_regex_cannot_cover(tmp_path):
     opts = StageOptions(chem=ChemOptions(), split="scaffold", seed=0, num_labels=0, check_regex=True,
                         two_stage=False)
     stage = MapStage(opts, str(tmp_path), "t")
-    rows = [(i, s, Molecule(s, "", s), f"id{i}", f"f:{i}", None) for i, s in enumerate(["CCO", "CC\u00e9O", "c1ccccc1"])]
+    rows = [(i, s, Molecule(s, "", s), f"id{i}", f"f:{i}", None, None)
+            for i, s in enumerate(["CCO", "CC\u00e9O", "c1ccccc1"])]
     kept = stage._check_regex(rows)
     assert [r[1] for r in kept] == ["CCO", "c1ccccc1"]
     assert stage.stats.rejected == {"tokenizer_roundtrip": 1}

@@ -1,0 +1,174 @@
+"""Molecular string representations: what a model's tokens spell, and how to get a molecule back.
+
+A manifest names its representation (``manifest["representation"]["name"]``; absent means
+SMILES); the ETL writes it (``encode`` after canonicalization, each row decoded back and
+compared with its canonical SMILES), and sampling, evaluation and export decode through
+it, so every metric is computed on molecules.
+
+- ``smiles``: RDKit canonical SMILES, the regex tokenizer of Schwaller et al.
+- ``selfies`` (Krenn et al. 2020, the ``selfies`` package): every string decodes to a
+  molecule. One token per bracket symbol (``[C]``, ``[=Branch1]``, ``[Ring1]``) and ``.``.
+  Rows refused: ``selfies_encode_error`` (the encoder raises: an atom whose valence is
+  beyond SELFIES' semantic constraints, e.g. hypervalent or charged forms it has no rule
+  for, or a SMILES feature it does not take) and ``selfies_roundtrip`` (the string decodes
+  to another molecule: SELFIES' constraints change a valence, or stereo is lost).
+- ``safe`` (Noutahi et al. 2024, SAFE-GPT, the ``safe-mol`` package): the molecule cut at
+  its BRICS bonds into fragments written one after another (``.``), each cut bond a
+  ring-closure digit shared by its two fragments; a SMILES-compatible string. The SMILES
+  regex tokenizes it (attachment points are its ring-closure digits and ``%nn``). The rule
+  for a molecule with no BRICS bond to cut (ethanol, benzene, ~1 % of MOSES): kept as one
+  fragment (SAFE's ``allow_empty``: the SMILES itself, still valid SAFE), counted as
+  ``single_fragment`` in the manifest. Rows refused: ``safe_encode_error`` (SAFE raises)
+  and ``safe_roundtrip`` (decodes to another molecule).
+
+``selfies`` and ``safe-mol`` are optional extras (``pip install molds[selfies]``,
+``molds[safe]``): asked for by name when a manifest or an ETL needs them.
+"""
+
+from __future__ import annotations
+
+SMILES_PATTERN = (
+    r"(\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>|\*|\$"
+    r"|%\([0-9]+\)|%[0-9]{2}|[0-9])"
+)
+SELFIES_PATTERN = r"(\[[^\]]+]|\.)"
+
+NAMES = ("smiles", "selfies", "safe")
+REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.REJECT_REASONS holds them too)
+    "selfies_encode_error": "the SELFIES encoder refuses the molecule (a valence beyond its semantic "
+                            "constraints, or a SMILES feature it has no symbol for)",
+    "selfies_roundtrip": "the SELFIES string decodes to another molecule (constraints changed a valence, "
+                         "or stereo was lost)",
+    "safe_encode_error": "SAFE's encoder raises on the molecule",
+    "safe_roundtrip": "the SAFE string decodes to another molecule",
+}
+_PACKAGES = {"selfies": ("selfies", "selfies"), "safe": ("safe", "safe-mol")}  # module, pip name
+
+
+class MissingPackage(ImportError):
+    pass
+
+
+def _require(name: str):
+    import importlib
+
+    module, pip_name = _PACKAGES[name]
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingPackage(f"the {name} representation needs the {pip_name!r} package: "
+                             f"pip install {pip_name} (or pip install 'molds[{name}]')") from exc
+
+
+class Representation:
+    """SMILES, the base case: the canonical SMILES is the text."""
+
+    name = "smiles"
+    pattern = SMILES_PATTERN
+
+    def encode(self, canonical: str) -> tuple[str | None, str | None]:
+        """(text, None), or (None, reason) for a row the representation cannot hold."""
+        return canonical, None
+
+    def decode(self, text: str) -> str | None:
+        """The SMILES a text spells (not canonicalized), or None when it spells none."""
+        return text or None
+
+    def describe(self) -> dict:
+        """The manifest's ``representation`` block."""
+        return {"name": self.name}
+
+
+class Selfies(Representation):
+    name = "selfies"
+    pattern = SELFIES_PATTERN
+
+    def __init__(self):
+        self.sf = _require("selfies")
+
+    def encode(self, canonical):
+        try:
+            text = self.sf.encoder(canonical, strict=True)
+        except Exception:  # noqa: BLE001 - selfies.EncoderError and the errors behind it
+            return None, "selfies_encode_error"
+        return (text, None) if text else (None, "selfies_encode_error")
+
+    def decode(self, text):
+        try:
+            return self.sf.decoder(text) or None
+        except Exception:  # noqa: BLE001 - selfies.DecoderError: not a SELFIES string
+            return None
+
+    def describe(self):
+        import importlib.metadata
+
+        return {"name": self.name, "package": "selfies", "version": importlib.metadata.version("selfies"),
+                "constraints": "selfies default", "tokens": "one per bracket symbol, and '.'"}
+
+
+class Safe(Representation):
+    name = "safe"
+
+    def __init__(self):
+        self.safe = _require("safe")
+        try:  # safe-mol logs through loguru; its warnings are counted here instead
+            from loguru import logger
+
+            logger.disable("safe")
+        except ImportError:
+            pass
+
+    def encode(self, canonical):
+        safe = self.safe
+        try:
+            return safe.encode(canonical, canonical=True, slicer="brics"), None
+        except safe.SAFEFragmentationError:  # no BRICS bond to cut: the rule above, one fragment
+            try:
+                return safe.encode(canonical, canonical=True, slicer="brics", allow_empty=True), None
+            except Exception:  # noqa: BLE001
+                return None, "safe_encode_error"
+        except Exception:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
+            return None, "safe_encode_error"
+
+    def encode_fragments(self, smiles: str, randomize: bool = False, seed: int = 0) -> str:
+        """Fragments as they are (no slicing), each ``[*]`` an open attachment digit: the
+        start of a SAFE string another fragment completes (constrained design)."""
+        from safe.converter import SAFEConverter
+
+        try:
+            return SAFEConverter(slicer=None).encoder(smiles, canonical=not randomize, randomize=randomize,
+                                                      allow_empty=True, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
+            raise ValueError(f"SAFE cannot encode {smiles!r}: {exc}") from exc
+
+    def decode(self, text):
+        try:
+            return self.safe.decode(text, canonical=False, ignore_errors=True) or None
+        except Exception:  # noqa: BLE001 - SAFEDecodeError
+            return None
+
+    def describe(self):
+        import importlib.metadata
+
+        return {"name": self.name, "package": "safe-mol", "version": importlib.metadata.version("safe-mol"),
+                "slicer": "brics", "no_cut": "kept as one fragment (allow_empty), counted as single_fragment",
+                "tokens": "the SMILES regex (attachment points are ring-closure digits)"}
+
+
+def get(name: str | None) -> Representation:
+    """The representation called ``name`` (None: SMILES)."""
+    name = name or "smiles"
+    if name == "smiles":
+        return Representation()
+    if name == "selfies":
+        return Selfies()
+    if name == "safe":
+        return Safe()
+    raise ValueError(f"unknown representation {name!r} (one of {', '.join(NAMES)})")
+
+
+def of_manifest(manifest) -> Representation:
+    """The representation a manifest (a ``Manifest`` or its dict) was written in."""
+    data = getattr(manifest, "data", manifest) or {}
+    block = data.get("representation") or {}
+    return get(block.get("name", "smiles"))

@@ -1,0 +1,180 @@
+"""SDF / MOL input: V2000 and V3000 records, streamed, every record accounted.
+
+ChEMBL, PubChem and vendor catalogues ship structures as SD files (often gzipped, several
+GB) with labels as SD properties. Two halves, so the expensive half runs in parallel:
+
+- ``read_sd_records`` (the reader, in the driver): splits the byte stream at ``$$$$``
+  lines in large blocks (a regex over each block, no per-line Python loop), keeping each
+  record's first line and number. It never parses chemistry. A record larger than
+  ``MAX_RECORD_BYTES`` (a file that is not SDF, or a record without its ``$$$$``) is
+  skipped up to the next ``$$$$`` without being held, so memory stays bounded by the chunk
+  size on any file. A compressed stream that ends early yields the partial record it cut as
+  ``truncated_input``.
+- ``SDRecordParser`` (in the workers): each record through RDKit's forward SD supplier on
+  its own bytes (``Chem.ForwardSDMolSupplier`` over a ``BytesIO``: RDKit's own molblock and
+  SD-property parsing, one record at a time so a broken record can never swallow the next),
+  the id from an SD tag or the title line, the labels from SD tags. A record RDKit refuses
+  is read again unsanitized under ``rdBase.CaptureErrorLog`` to name the reason and keep
+  RDKit's own message (which names the line, made absolute here).
+
+Records travel between the two as ``latin-1`` text: a lossless stand-in for the bytes (SD
+files are ASCII in their structure, their property values may be anything), so Arrow (the
+Ray engine) can carry them and the worker gets the exact bytes back.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+MAX_RECORD_BYTES = 8 << 20  # a larger record is refused (``record_too_large``) without being held
+TITLE_TAG = "_Name"  # --id-column _Name: the record's title line (RDKit's name for it)
+_BLOCK = 1 << 20
+_END = re.compile(rb"^\$\$\$\$[ \t\r]*$", re.M)  # the record separator line
+_TAG = re.compile(r"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
+_RDKIT_LINE = re.compile(r" on line (\d+)")
+
+
+def read_sd_records(fh):
+    """Yield ``(first line, record number, latin-1 text or None, reason or None)`` for every
+    record of an SD byte stream ``fh``. ``reason`` is ``empty_record``, ``record_too_large``
+    or ``truncated_input``; a stream that ends without a final ``$$$$`` ends with that
+    record (a single ``.mol`` file is one). ``EOFError`` from a cut-short archive is
+    re-raised after the record it cut is yielded."""
+    buf = b""
+    line = 1  # the line the record in ``buf`` starts on
+    number = 0
+    skipping = None  # the first line of an over-long record whose bytes are being dropped
+    # read1: one read of the decompressor at a time. A buffered read(n) gathers n bytes over
+    # several, and a cut-short archive's EOFError then throws away everything it gathered.
+    read = getattr(fh, "read1", fh.read)
+    while True:
+        try:
+            block = read(_BLOCK)
+        except EOFError:
+            if buf.strip() or skipping is not None:
+                yield (line if skipping is None else skipping), number + 1, None, "truncated_input"
+            raise
+        if not block:
+            break
+        buf += block
+        start = 0
+        for m in _END.finditer(buf):
+            newline = buf.find(b"\n", m.end())
+            if newline < 0:
+                break  # the separator line may go on in the next block
+            end = newline + 1
+            record = buf[start:end]
+            number += 1
+            if skipping is not None:
+                yield skipping, number, None, "record_too_large"
+                skipping = None
+            elif not record[:m.start() - start].strip():
+                yield line, number, None, "empty_record"
+            else:
+                yield line, number, record.decode("latin-1"), None
+            line += record.count(b"\n")
+            start = end
+        buf = buf[start:]
+        if len(buf) > MAX_RECORD_BYTES:  # no separator in sight: drop the bytes, remember where it began
+            if skipping is None:
+                skipping = line
+            cut = buf.rfind(b"\n") + 1  # keep the last partial line: it may be the start of a $$$$ line,
+            line += buf[:cut].count(b"\n")  # unless it is too long for one ("x": not a line start)
+            buf = buf[cut:] if len(buf) - cut <= 16 else b"x"
+    if skipping is not None:
+        yield skipping, number + 1, None, "record_too_large"
+    elif buf.strip():
+        yield line, number + 1, buf.decode("latin-1"), None
+
+
+def sd_tags(records: list) -> set[str]:
+    """The SD tags that occur in these records (to refuse a tag that no record has)."""
+    tags: set[str] = set()
+    for text in records:
+        if text is not None:
+            tags.update(t.strip() for t in _TAG.findall(text))
+    return tags
+
+
+def resolve_tag(wanted: str, present) -> str | None:
+    """``wanted`` exactly, else its unique case-insensitive match among ``present``."""
+    if wanted in present:
+        return wanted
+    folded = [t for t in present if t.lower() == wanted.strip().lower()]
+    return folded[0] if len(folded) == 1 else None
+
+
+class SDRecordParser:
+    """One SD record's text to ``(mol or reason, message, id, raw label values)``.
+
+    ``message`` is RDKit's own complaint for a refused record (its line made absolute),
+    else the title; ``id`` is the id tag's value (or the title for ``_Name``), ``None`` when
+    absent or empty; label values are the tags' strings, ``None`` when the record lacks one
+    (missing, as in the CSV path).
+    """
+
+    def __init__(self, id_tag: str | None, label_tags: tuple[str, ...]):
+        from rdkit import Chem, RDLogger, rdBase
+
+        RDLogger.DisableLog("rdApp.*")
+        self.Chem, self.rdBase = Chem, rdBase
+        self.id_tag, self.label_tags = id_tag, tuple(label_tags)
+
+    def _supplier(self, data: bytes, sanitize: bool = True):
+        return self.Chem.ForwardSDMolSupplier(io.BytesIO(data), sanitize=sanitize, removeHs=sanitize)
+
+    def __call__(self, text: str, first_line: int):
+        data = text.encode("latin-1")
+        try:
+            mol = next(iter(self._supplier(data)), None)
+        except Exception:  # noqa: BLE001 - RDKit raises on some malformed input: a refused record
+            mol = None
+        if mol is None:
+            reason, message = self._classify(data, first_line)
+            return reason, message, None, None
+        return mol, self._title(mol), self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]
+
+    def _title(self, mol) -> str:
+        return self._prop(mol, TITLE_TAG) or ""
+
+    def _prop(self, mol, tag):
+        if tag is None:
+            return None
+        name = tag if tag == TITLE_TAG else resolve_tag(tag, mol.GetPropNames())
+        if name is None or not mol.HasProp(name):
+            return None
+        try:
+            value = mol.GetProp(name)
+        except (UnicodeDecodeError, RuntimeError):  # bytes that are not UTF-8 in a property value
+            return "\udcff"  # not a number, not a clean id: refused as the CSV path refuses such bytes
+        return value if value.strip() else None
+
+    def _classify(self, data: bytes, first_line: int) -> tuple[str, str]:
+        """Why RDKit refused a record: a second, unsanitized read under a log capture."""
+        Chem = self.Chem
+        with self.rdBase.CaptureErrorLog() as capture:
+            try:
+                raw = next(iter(self._supplier(data, sanitize=False)), None)
+            except Exception:  # noqa: BLE001
+                raw = None
+            if raw is None:
+                return "sdf_parse_error", _message(capture.messages, first_line)
+            try:
+                Chem.SanitizeMol(raw)
+            except Chem.AtomValenceException:
+                return "valence_error", _message(capture.messages, first_line)
+            except Chem.KekulizeException:
+                return "kekulize_error", _message(capture.messages, first_line)
+            except Exception:  # noqa: BLE001
+                return "sanitize_error", _message(capture.messages, first_line)
+        return "sanitize_error", _message(capture.messages, first_line)
+
+
+def _message(log: str, first_line: int) -> str:
+    """RDKit's first error line without its time stamp, 'on line N' made a line of the file."""
+    lines = [ln.split("] ", 1)[-1].strip() for ln in (log or "").splitlines() if ln.strip()]
+    lines = [ln for ln in lines if "moving to the beginning of the next molecule" not in ln]
+    if not lines:
+        return "RDKit could not read the record"
+    return _RDKIT_LINE.sub(lambda m: f" on line {first_line + int(m.group(1)) - 1}", lines[0])

@@ -1,0 +1,212 @@
+"""SDF / MOL input: a hostile, vendor-style SD set is fully accounted, every good record
+kept and equal to what RDKit reads from it directly; the record splitter is exact at any
+block boundary; V2000, V3000, CRLF, gzip, the title line and SD tags as id and labels;
+a gzip cut short either stops the run (the default) or keeps every record before the cut."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import random
+
+import pyarrow.parquet as pq
+import pytest
+
+from molds.preprocessing.readers import InputError
+
+from .conftest import run_etl, sd_record as _record
+
+
+def _rows(out: str, manifest: dict) -> list[dict]:
+    rows = []
+    for shards in manifest["splits"].values():
+        for s in shards:
+            rows += pq.read_table(os.path.join(out, s["uri"])).to_pylist()
+    return rows
+
+
+def _rdkit_reads(paths) -> dict:
+    """Title -> canonical SMILES of every record, read by RDKit's supplier one record at a
+    time (over the whole file it loses the record after an empty one: it takes the next
+    record's title line for the empty one's counts line and skips to the next $$$$)."""
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+    got = {}
+    for path in paths:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as fh:
+            text = fh.read().replace(b"\r\n", b"\n")
+        for record in text.split(b"$$$$\n"):
+            mol = next(Chem.ForwardSDMolSupplier(io.BytesIO(record)), None) if record.strip() else None
+            if mol is not None and mol.GetNumAtoms():
+                got[mol.GetProp("_Name")] = Chem.MolToSmiles(mol)
+    return got
+
+
+def test_hostile_sd_set_is_accounted_and_every_good_record_kept(hostile_sdf, tmp_path):
+    paths, good, bad = hostile_sdf
+    out = str(tmp_path / "out")
+    m = run_etl(out, paths, id_column="_Name", label_columns=["pIC50"])
+    stats = m["stats"]
+    assert stats["rows_in"] == len(good) + len(bad)
+    assert stats["rows_in"] == stats["rows_out"] + stats["duplicates"] + sum(stats["rejected"].values())
+    expected = {}
+    for reason in bad.values():
+        expected[reason] = expected.get(reason, 0) + 1
+    assert {k: v for k, v in stats["rejected"].items()} == expected
+    rows = _rows(out, m)
+    by_id = {r["compound_id"]: r for r in rows}
+    reference = _rdkit_reads(paths)
+    from rdkit import Chem
+
+    for title, (smiles, label) in good.items():
+        if title not in by_id:  # the only way to be absent: a duplicate of a kept molecule
+            canonical = Chem.MolToSmiles(Chem.MolFromSmiles(smiles))
+            assert any(r["canonical_smiles"] == canonical for r in rows), title
+            continue
+        row = by_id[title]
+        assert row["canonical_smiles"] == reference[title] == Chem.MolToSmiles(Chem.MolFromSmiles(smiles)), title
+        got = row["labels"][0]
+        assert (math.isnan(got) and math.isnan(label)) or got == pytest.approx(label, rel=1e-6), title
+    assert stats["rows_out"] + stats["duplicates"] == len(good)
+    # every refused record is named by file, line and record number, with RDKit's own complaint
+    report = json.load(open(os.path.join(out, "report.json")))["rejected_examples"]
+    text_a = open(paths[0]).read()
+    starts = [0] + [i + 5 for i in range(len(text_a)) if text_a.startswith("$$$$\n", i)]
+    for (name, number), reason in bad.items():
+        line = text_a[: starts[number - 1]].count("\n") + 1
+        sources = [src for src, _ in report[reason]]
+        assert f"{paths[0]}:{line} (record {number})" in sources, (reason, sources)
+    broken = dict(report["sdf_parse_error"])
+    assert any("Atom line too short" in (msg or "") or "on line" in (msg or "") for msg in broken.values()), broken
+
+
+def test_sd_tags_as_id_and_the_default_id(hostile_sdf, tmp_path):
+    paths, good, _ = hostile_sdf
+    m = run_etl(str(tmp_path / "tag"), [paths[1]], id_column="VENDOR_ID")  # an SD tag, matched case-insensitively
+    ids = {r["compound_id"] for r in _rows(str(tmp_path / "tag"), m)}
+    assert ids and all(i.startswith("W") for i in ids)
+    m = run_etl(str(tmp_path / "none"), [paths[1]])
+    rows = _rows(str(tmp_path / "none"), m)
+    assert all(r["compound_id"] == r["source"] and "(record " in r["source"] for r in rows)
+    with pytest.raises(InputError, match=r"b.sdf.gz: no record has the SD tag\(s\) \['pKi'\].*pIC50"):
+        run_etl(str(tmp_path / "typo"), [paths[1]], label_columns=["pKi"])
+
+
+def test_sdf_gives_the_molecules_and_vocabulary_of_the_same_csv(hostile_sdf, tmp_path):
+    paths, _, _ = hostile_sdf
+    b = _rdkit_reads([paths[1]])
+    csv = tmp_path / "b.csv"
+    csv.write_text("smiles\n" + "\n".join(b.values()) + "\n")
+    m_sdf = run_etl(str(tmp_path / "sdf"), [paths[1]])
+    m_csv = run_etl(str(tmp_path / "csv"), [str(csv)])
+    assert m_sdf["tokenizer"]["vocab_hash"] == m_csv["tokenizer"]["vocab_hash"]
+    for split in ("train", "valid", "test"):
+        got = {r["canonical_smiles"] for s in m_sdf["splits"][split]
+               for r in pq.read_table(os.path.join(tmp_path / "sdf", s["uri"])).to_pylist()}
+        want = {r["canonical_smiles"] for s in m_csv["splits"][split]
+                for r in pq.read_table(os.path.join(tmp_path / "csv", s["uri"])).to_pylist()}
+        assert got == want, split
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000])
+def test_record_splitter_is_exact_at_every_block_boundary(hostile_sdf, monkeypatch, block):
+    from molds.preprocessing import sdf
+
+    paths, _, _ = hostile_sdf
+    data = open(paths[0], "rb").read()
+    whole = list(sdf.read_sd_records(io.BytesIO(data)))
+    # the records put back together are the file, and each starts on the line it names
+    assert "".join(t if t is not None else "\n\n$$$$\n" for _, _, t, _ in whole) == data.decode()
+    assert [n for _, n, _, _ in whole] == list(range(1, len(whole) + 1))
+    lines = data.decode().split("\n")
+    for first, number, text, reason in whole:
+        if text is not None:
+            assert "\n".join(lines[first - 1:]).startswith(text), number
+    monkeypatch.setattr(sdf, "_BLOCK", block)
+    assert list(sdf.read_sd_records(io.BytesIO(data))) == whole
+    crlf = data.replace(b"\n", b"\r\n")
+    assert [(f, n, r) for f, n, _, r in sdf.read_sd_records(io.BytesIO(crlf))] == [(f, n, r) for f, n, _, r in whole]
+
+
+def test_a_record_without_its_separator_is_skipped_within_bounded_memory(monkeypatch, tmp_path):
+    from molds.preprocessing import sdf
+
+    monkeypatch.setattr(sdf, "MAX_RECORD_BYTES", 4096)
+    monkeypatch.setattr(sdf, "_BLOCK", 1000)
+    good = _record("CCO", "before", {}) + _record("CCN", "after", {})
+    junk = "".join(f"junk line {i} without any separator\n" for i in range(400))  # ~15 kB, no $$$$
+    path = tmp_path / "x.sdf"
+    path.write_text(_record("CCC", "first", {}) + junk + "$$$$\n" + good)
+    records = list(sdf.read_sd_records(open(path, "rb")))
+    assert [(n, r) for _, n, _, r in records] == [(1, None), (2, "record_too_large"), (3, None), (4, None)]
+    assert records[1][0] == _record("CCC", "first", {}).count("\n") + 1
+    assert records[2][0] == _record("CCC", "first", {}).count("\n") + junk.count("\n") + 2
+    m = run_etl(str(tmp_path / "out"), [str(path)], id_column="_Name")
+    assert m["stats"]["rows_in"] == 4 and m["stats"]["rejected"] == {"record_too_large": 1}
+
+
+def _cut_gzip(hostile_sdf, tmp_path):
+    paths, good, bad = hostile_sdf
+    blob = gzip.compress(open(paths[0], "rb").read())
+    cut = tmp_path / "cut.sdf.gz"
+    cut.write_bytes(blob[: len(blob) * 2 // 3])
+    return str(cut)
+
+
+def test_a_gzip_cut_short_stops_the_run_by_default(hostile_sdf, tmp_path):
+    cut = _cut_gzip(hostile_sdf, tmp_path)
+    with pytest.raises(InputError, match=r"cut.sdf.gz: the compressed stream ends before its end marker"):
+        run_etl(str(tmp_path / "out"), [hostile_sdf[0][1], cut])
+    rep = json.load(open(tmp_path / "out.failed-report.json"))
+    assert rep["rejected"]["truncated_input"] == 1
+    assert rep["rows_in"] == rep["canonicalized"] + sum(rep["rejected"].values())
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_on_truncated_keep_keeps_every_record_before_the_cut(hostile_sdf, tmp_path, capsys):
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+    cut = _cut_gzip(hostile_sdf, tmp_path)
+    m = run_etl(str(tmp_path / "out"), [cut], id_column="_Name", on_truncated="keep")
+    # what a reader of the readable bytes gets: every complete record before the cut
+    readable = b""
+    with gzip.open(cut, "rb") as fh:
+        try:
+            while True:
+                block = fh.read(1 << 12)
+                if not block:
+                    break
+                readable += block
+        except EOFError:
+            pass
+    complete = readable[: readable.rindex(b"$$$$\n") + 5]
+    expected = [m for m in Chem.ForwardSDMolSupplier(io.BytesIO(complete))]
+    titles = {x.GetProp("_Name") for x in expected if x is not None and x.GetNumAtoms()}
+    kept = {r["compound_id"] for r in _rows(str(tmp_path / "out"), m)}
+    stats = m["stats"]
+    assert stats["rejected"]["truncated_input"] == 1
+    assert stats["rows_in"] == complete.count(b"$$$$\n") + 1
+    assert kept <= titles and len(kept) + stats["duplicates"] == len(titles)
+    assert len(stats["truncated_inputs"]) == 1 and stats["truncated_inputs"][0].startswith(cut + ":")
+    assert "cut short" in open(tmp_path / "out" / "report.md").read()
+    assert "truncated_input" in capsys.readouterr().err
+
+
+def test_a_mol_file_and_v3000_are_one_record_each(tmp_path):
+    from rdkit import Chem
+
+    smiles = "C[C@H](N)C(=O)O"
+    mol = Chem.MolFromSmiles(smiles)
+    (tmp_path / "alanine.mol").write_text(Chem.MolToMolBlock(mol))  # a molfile: no $$$$, no properties
+    (tmp_path / "v3.sd").write_text(Chem.MolToV3KMolBlock(Chem.MolFromSmiles("c1ccccc1O")) + "$$$$\n")
+    m = run_etl(str(tmp_path / "out"), [str(tmp_path / "alanine.mol"), str(tmp_path / "v3.sd")],
+                split_fractions=[1.0, 0.0, 0.0])
+    rows = {r["canonical_smiles"] for s in m["splits"]["train"]
+            for r in pq.read_table(os.path.join(tmp_path / "out", s["uri"])).to_pylist()}
+    assert rows == {Chem.MolToSmiles(mol), "Oc1ccccc1"}  # stereo from the molblock's wedges kept
