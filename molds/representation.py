@@ -12,6 +12,8 @@ it, so every metric is computed on molecules.
   beyond SELFIES' semantic constraints, e.g. hypervalent or charged forms it has no rule
   for, or a SMILES feature it does not take) and ``selfies_roundtrip`` (the string decodes
   to another molecule: SELFIES' constraints change a valence, or stereo is lost).
+- ``conformer``: conformer units (``molds.conformers``), the canonical SMILES and one 3D
+  conformer as text, made by ``molds-preprocess --conformers etkdg``.
 - ``safe`` (Noutahi et al. 2024, SAFE-GPT, the ``safe-mol`` package): the molecule cut at
   its BRICS bonds into fragments written one after another (``.``), each cut bond a
   ring-closure digit shared by its two fragments; a SMILES-compatible string. The SMILES
@@ -32,8 +34,11 @@ SMILES_PATTERN = (
     r"|%\([0-9]+\)|%[0-9]{2}|[0-9])"
 )
 SELFIES_PATTERN = r"(\[[^\]]+]|\.)"
+# conformer units: the SMILES regex (its bracket alternative takes the [SMILES] ... tags whole,
+# its digits, '-' and '.' the numbers) and the coordinate separators ',' and ';'
+CONFORMER_PATTERN = SMILES_PATTERN[:-1] + r"|,|;)"
 
-NAMES = ("smiles", "selfies", "safe")
+NAMES = ("smiles", "selfies", "safe", "conformer")
 REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.REJECT_REASONS holds them too)
     "selfies_encode_error": "the SELFIES encoder refuses the molecule (a valence beyond its semantic "
                             "constraints, or a SMILES feature it has no symbol for)",
@@ -41,6 +46,9 @@ REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.RE
                          "or stereo was lost)",
     "safe_encode_error": "SAFE's encoder raises on the molecule",
     "safe_roundtrip": "the SAFE string decodes to another molecule",
+    "conformer_error": "RDKit's ETKDGv3 found no 3D embedding of the molecule (--conformers etkdg)",
+    "conformer_timeout": "the conformer took longer than --conformer_timeout_s (ETKDG's own timeout included)",
+    "conformer_roundtrip": "the conformer unit does not decode back to the molecule and its coordinates",
 }
 _PACKAGES = {"selfies": ("selfies", "selfies"), "safe": ("safe", "safe-mol")}  # module, pip name
 
@@ -155,8 +163,49 @@ class Safe(Representation):
                 "tokens": "the SMILES regex (attachment points are ring-closure digits)"}
 
 
-def get(name: str | None) -> Representation:
-    """The representation called ``name`` (None: SMILES)."""
+class ConformerUnits(Representation):
+    """``[SMILES]...[/SMILES][CONFORMER]x,y,z;...[/CONFORMER]``: the molecule and one 3D
+    conformer (``molds.conformers``); decodes to the SMILES part."""
+
+    name = "conformer"
+    pattern = CONFORMER_PATTERN
+
+    def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2):
+        self.options = {"seed": seed, "mmff": mmff, "timeout_s": timeout_s, "decimals": decimals}
+        self._embedder = None
+        self.notes: list[str] = []
+
+    def encode(self, canonical):
+        from .conformers import Embedder, parse_unit
+
+        if self._embedder is None:
+            self._embedder = Embedder(**self.options)
+        unit, reason, notes = self._embedder(canonical)
+        self.notes += notes
+        if reason is not None:
+            return None, reason
+        parsed = parse_unit(unit)
+        if parsed is None or parsed[0] != canonical:
+            return None, "conformer_roundtrip"
+        return unit, None
+
+    def decode(self, text):
+        from .conformers import parse_unit
+
+        parsed = parse_unit(text)
+        return parsed[0] if parsed else None
+
+    def describe(self):
+        import rdkit
+
+        return {"name": self.name, "method": "RDKit ETKDGv3" + (" + MMFF94" if self.options["mmff"] else ""),
+                "rdkit_version": rdkit.__version__, **self.options,
+                "unit": "[SMILES]<canonical SMILES>[/SMILES][CONFORMER]x,y,z;... (heavy atoms in SMILES order, Å, "
+                        "centroid at the origin, principal axes along x, y, z)[/CONFORMER]"}
+
+
+def get(name: str | None, **options) -> Representation:
+    """The representation called ``name`` (None: SMILES); ``options`` for conformer units."""
     name = name or "smiles"
     if name == "smiles":
         return Representation()
@@ -164,6 +213,8 @@ def get(name: str | None) -> Representation:
         return Selfies()
     if name == "safe":
         return Safe()
+    if name == "conformer":
+        return ConformerUnits(**options)
     raise ValueError(f"unknown representation {name!r} (one of {', '.join(NAMES)})")
 
 

@@ -82,6 +82,22 @@ class PreprocessConfig:
     ``safe-mol``). Each row is decoded back and compared with its canonical SMILES; rows that do
     not round-trip are rejected with the reason. Sampling and evaluation decode through it."""
 
+    conformers: Literal["none", "etkdg"] = "none"
+    """``etkdg``: write each molecule as a conformer unit, its canonical SMILES and one 3D
+    conformer as text (``[SMILES]...[/SMILES][CONFORMER]x,y,z;...[/CONFORMER]``, heavy atoms in
+    SMILES order): RDKit ETKDGv3, seeded per molecule; molecules it cannot embed in time are
+    rejected (``conformer_error``, ``conformer_timeout``). Needs ``representation smiles``."""
+
+    conformer_mmff: bool = True
+    """Relax each conformer with MMFF94 (a molecule MMFF has no parameters for keeps its ETKDG
+    geometry, counted as ``mmff_unparameterized``)."""
+
+    conformer_timeout_s: int = 2
+    """Time budget per molecule for embedding and relaxing, in whole seconds (1 to 3600)."""
+
+    conformer_decimals: int = 2
+    """Digits after the point of each coordinate in Å (0 to 4; 2: within 0.005 Å)."""
+
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory."""
 

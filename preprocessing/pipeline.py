@@ -65,11 +65,26 @@ def _validate(cfg: PreprocessConfig) -> None:
     _representation(cfg)  # the representation's package, asked for by name when it is missing
 
 
+def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
+    """(name, options) of what the tokens spell: the representation, or conformer units."""
+    if cfg.conformers == "none":
+        return cfg.representation, ()
+    if cfg.representation != "smiles":
+        raise ValueError(f"--conformers {cfg.conformers} writes SMILES conformer units: it needs --representation "
+                         f"smiles, not {cfg.representation}")
+    options = (("seed", cfg.seed), ("mmff", cfg.conformer_mmff), ("timeout_s", cfg.conformer_timeout_s),
+               ("decimals", cfg.conformer_decimals))
+    return "conformer", options
+
+
 def _representation(cfg: PreprocessConfig):
     from molds.representation import MissingPackage, get
 
+    name, options = representation_spec(cfg)
+    if name == "conformer" and not (1 <= cfg.conformer_timeout_s <= 3600 and 0 <= cfg.conformer_decimals <= 4):
+        raise ValueError("--conformer_timeout_s must be in [1, 3600] and --conformer_decimals in [0, 4]")
     try:
-        return get(cfg.representation)
+        return get(name, **dict(options))
     except MissingPackage as exc:
         raise InputError(f"--representation {cfg.representation}: {exc}") from None
 
@@ -120,18 +135,19 @@ def _make_engine(cfg: PreprocessConfig):
 def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
     """Returns (encoder spec, tokenizer manifest block)."""
     method = cfg.split
+    spelled = representation_spec(cfg)[0]
     splits = {0} if cfg.vocab_from == "train" else {0, 1, 2}
     if cfg.tokenizer == "regex":
         if cfg.vocab_from == "all":
             counts = map_tokens or Counter()
         else:
             counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
-                                                                    splits, cfg.representation) for p in parts]),
+                                                                    splits, spelled) for p in parts]),
                          Counter())
         vocab = vocab_from_counts(counts)
-        save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[cfg.representation]), tok_dir)
-        info = {"kind": "regex"} if cfg.representation == "smiles" else {"kind": "regex", "grammar": cfg.representation}
-        return ("regex", vocab, cfg.representation), info
+        save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[spelled]), tok_dir)
+        info = {"kind": "regex"} if spelled == "smiles" else {"kind": "regex", "grammar": spelled}
+        return ("regex", vocab, spelled), info
     fast_file = os.path.join(tok_dir, "tokenizer.json")
     if cfg.tokenizer == "bpe":
         def corpus():
@@ -186,11 +202,12 @@ def run(cfg: PreprocessConfig) -> str:
     work_dir = os.path.join(cfg.work_dir, f"molds-etl-{os.getpid()}") if cfg.work_dir else os.path.join(tmp_dir, "_work")
     os.makedirs(work_dir, exist_ok=True)
     chem = _chem_options(cfg)
+    spelled, spelled_options = representation_spec(cfg)
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
                            check_regex=cfg.tokenizer == "regex",
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
                            columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns)),
-                           representation=cfg.representation)
+                           representation=spelled, representation_options=spelled_options)
     cols = options.columns
     engine = _make_engine(cfg)
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed
@@ -231,7 +248,7 @@ def run(cfg: PreprocessConfig) -> str:
         tok_dir = os.path.join(tmp_dir, "tokenizer")
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
-                                                        cfg.vocab_from, work_dir, cfg.representation) for p in parts])
+                                                        cfg.vocab_from, work_dir, spelled) for p in parts])
         for f in finals:
             stats.merge(f["stats"])
         timings["tokenize_s"] = time.time() - t

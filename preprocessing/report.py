@@ -80,7 +80,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "splits": split_stats,
         },
     }
-    if cfg.representation != "smiles":  # SMILES manifests keep the keys (and hashes) they always had
+    if representation and representation.get("name", "smiles") != "smiles":  # SMILES manifests keep their keys
         manifest["representation"] = representation
         manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
         manifest["columns"].insert(manifest["columns"].index("canonical_smiles") + 1, "text")

@@ -49,6 +49,7 @@ class StageOptions:
     two_stage: bool  # dedupe key does not decide the group: dedupe, then regroup
     columns: Columns | None = None  # SD inputs: the id tag and label tags the workers read
     representation: str = "smiles"  # what the tokens spell (molds.representation)
+    representation_options: tuple = ()  # (key, value) pairs: the conformer units' embedding options
 
 
 @dataclass
@@ -118,7 +119,7 @@ class MapStage:
         if options.representation != "smiles":
             from molds.representation import get
 
-            self.represent = get(options.representation)
+            self.represent = get(options.representation, **dict(options.representation_options))
         self.grammar = GRAMMARS[options.representation]
         self.stats = Stats()
         self.tokens = Counter()
@@ -211,6 +212,10 @@ class MapStage:
         """The row in the manifest's representation, decoded back and compared with its
         canonical SMILES: (text, None) or (None, reason)."""
         text, reason = self.represent.encode(canonical)
+        for note in getattr(self.represent, "notes", ()):
+            self.stats.notes[note] += 1
+        if getattr(self.represent, "notes", None):
+            self.represent.notes.clear()
         if reason is not None:
             return None, reason
         Chem = self.canonicalize._chem

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from molds.representation import SELFIES_PATTERN, SMILES_PATTERN as SMILES_REGEX
+from molds.representation import CONFORMER_PATTERN, SELFIES_PATTERN, SMILES_PATTERN as SMILES_REGEX
 
 _TOKEN = re.compile(SMILES_REGEX)
 _COVERED = re.compile(f"(?:{SMILES_REGEX})*")
@@ -81,7 +81,8 @@ class Grammar(NamedTuple):
 
 SMILES = Grammar.of(SMILES_REGEX, r"\[[^\] ]+]|%\([0-9]+\)|%[0-9]{2}|Br|Cl")  # SMILES and SAFE
 SELFIES = Grammar.of(SELFIES_PATTERN, r"\[[^\] ]+]")
-GRAMMARS = {"smiles": SMILES, "safe": SMILES, "selfies": SELFIES}
+CONFORMER = Grammar.of(CONFORMER_PATTERN, SMILES.multi.pattern)  # SMILES, tags, numbers, ',' and ';'
+GRAMMARS = {"smiles": SMILES, "safe": SMILES, "selfies": SELFIES, "conformer": CONFORMER}
 
 
 class _OutOfPlaceholders(Exception):

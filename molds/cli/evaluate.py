@@ -36,6 +36,10 @@ def build_parser():
                    help="also MOSES's FCD, SNN, Frag and Scaf against the whole split (or --reference)")
     p.add_argument("--reference", type=str, default=None,
                    help="a SMILES file (MOSES's test.csv or test_scaffolds.csv) for FCD / SNN / Frag / Scaf")
+    p.add_argument("--conformers", type=bool, default=False,
+                   help="conformer-unit models: also the share of samples that decode to a molecule with coordinates "
+                        "and the share whose bond lengths are within 0.1 A of its MMFF-relaxed geometry (with "
+                        "--samples: the file holds units, from molds-sample --raw)")
     p.add_argument("--recipe", type=str, default=None,
                    help="train this recipe once per seed, then evaluate each final checkpoint")
     p.add_argument("--samples", type=str, default=None,
@@ -81,12 +85,12 @@ def run(argv: list[str]) -> int:
         raise UsageError(f"recipe overrides ({' '.join(overrides)}) need --recipe")
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
                   top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd, moses=args.moses,
-                  reference_file=args.reference)
+                  reference_file=args.reference, conformers=args.conformers)
     if args.samples:
         if args.checkpoint or args.recipe or not args.manifest:
             raise UsageError("--samples takes --manifest and neither a CHECKPOINT nor --recipe")
         report = evaluate_samples(args.samples, args.manifest, split=args.split, fcd=args.fcd, moses=args.moses,
-                                  reference_file=args.reference)
+                                  reference_file=args.reference, conformers=args.conformers)
         out = args.out or os.path.splitext(args.samples)[0] + "-eval"
     elif args.recipe:
         if args.checkpoint:

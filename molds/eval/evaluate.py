@@ -50,7 +50,7 @@ def read_smiles_file(path: str) -> list[str]:
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
-                        reference_file: str | None = None) -> dict:
+                        reference_file: str | None = None, conformers: bool = False) -> dict:
     from ..checkpoint import open_checkpoint
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
@@ -87,6 +87,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                                          moses_reference=reference)
             metrics["unfinished_or_special"] = sum(t is None for t in texts)
             metrics["decodable"] = sum(s is not None for s in smiles) / len(smiles)
+            if conformers:
+                metrics.update(_conformer_metrics(texts, representation))
             per_seed.append(metrics)
             report.setdefault("examples", [s for s in smiles if s][:20])
         report["sampling"] = {"num": num, "temperature": temperature, "top_k": top_k, "max_tokens": max_tokens,
@@ -108,21 +110,40 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     return report
 
 
+def _conformer_metrics(texts: list, representation) -> dict:
+    if representation.name != "conformer":
+        raise MoldsError(f"--conformers: the model spells {representation.name}, not conformer units "
+                         f"(molds-preprocess --conformers etkdg)")
+    from ..conformers import conformer_metrics
+
+    return conformer_metrics(texts)
+
+
 def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: bool = False, moses: bool = False,
-                     reference_file: str | None = None) -> dict:
-    """Generation metrics of a SMILES file (another tool's samples, say) against a manifest."""
+                     reference_file: str | None = None, conformers: bool = False) -> dict:
+    """Generation metrics of a SMILES file (another tool's samples, say) against a manifest;
+    with ``conformers``, a file of conformer units (``molds-sample --raw``), scored as
+    molecules (their SMILES) and as conformers."""
     from ..data.manifest import Manifest
     from ..metrics.generation import generation_metrics
+    from ..representation import of_manifest
 
     try:
         with open(path, encoding="utf-8") as fh:
-            smiles = [line.strip() or None for line in fh]
+            lines = [line.strip() or None for line in fh]
     except UnicodeDecodeError as exc:
         raise MoldsError(f"{path}: not UTF-8 text ({exc})") from exc
-    if not smiles:
+    if not lines:
         raise MoldsError(f"{path}: no samples")
     m = Manifest.load(manifest_dir)
+    smiles = lines
+    if conformers:
+        from .sampling import texts_to_smiles
+
+        smiles = texts_to_smiles(lines, of_manifest(m))
     reference = moses_reference(m, split, reference_file) if moses or reference_file else None
     metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference)
+    if conformers:
+        metrics.update(_conformer_metrics(lines, of_manifest(m)))
     return {"checkpoint": None, "samples_file": os.path.abspath(path), "manifest": m.path, "split": split,
             "family": "samples", "metrics": metrics, "examples": [s for s in smiles if s][:20]}
