@@ -132,7 +132,7 @@ def write_sdf(source: str, column: str, out: str, n: int, coords: bool) -> int:
                 continue
             if coords:
                 AllChem.Compute2DCoords(mol)
-            dst.write(f"{i + 1}" + Chem.MolToMolBlock(mol).split("\n", 1)[1] + f">  <row>\n{i + 1}\n\n$$$$\n")
+            dst.write(f"{i + 1}\n" + Chem.MolToMolBlock(mol).split("\n", 1)[1] + f">  <row>\n{i + 1}\n\n$$$$\n")
             written += 1
     return written
 
