@@ -44,7 +44,8 @@ def _read_file_batches(batch):
                 "file_index": pa.array([chunk.file_index] * len(chunk), pa.int64()),
                 "path": pa.array([chunk.path] * len(chunk), pa.string()),
                 "row": pa.array(chunk.rows, pa.int64()),
-                "smiles": pa.array(chunk.smiles, pa.string()),
+                "smiles": pa.array([s.decode("latin-1") if isinstance(s, bytes) else s for s in chunk.smiles],
+                                   pa.string()),  # SD records: their bytes as latin-1 text, lossless
                 "id": pa.array(chunk.ids, pa.string()),
                 "labels": pa.array([None if v is None else json.dumps(v) for v in chunk.labels], pa.string()),
                 "reason": pa.array([chunk.reasons.get(i) for i in range(len(chunk))], pa.string()),
@@ -79,7 +80,8 @@ def _chunks_of(table) -> list[RawChunk]:
         if cols["reason"][i] is not None:
             c.reasons[len(c.rows)] = cols["reason"][i]
         c.rows.append(cols["row"][i])
-        c.smiles.append(cols["smiles"][i])
+        text = cols["smiles"][i]
+        c.smiles.append(text.encode("latin-1") if key[2] == "sdf" and text is not None else text)
         c.ids.append(cols["id"][i])
         c.labels.append(None if cols["labels"][i] is None else json.loads(cols["labels"][i]))
     return list(chunks.values())

@@ -55,7 +55,7 @@ class RawChunk:
     ids: list = field(default_factory=list)  # compound id or None
     labels: list = field(default_factory=list)  # list of raw label values, or None
     reasons: dict = field(default_factory=dict)  # position in chunk -> rejection reason
-    # "smiles": ``smiles`` holds SMILES; "sdf": it holds SD records (latin-1 text) and
+    # "smiles": ``smiles`` holds SMILES; "sdf": it holds SD records (bytes) and
     # ``records`` their record numbers, the worker reads id and labels from the record
     kind: str = "smiles"
     records: list = field(default_factory=list)

@@ -10,16 +10,17 @@ GB) with labels as SD properties. Two halves, so the expensive half runs in para
   skipped up to the next ``$$$$`` without being held, so memory stays bounded by the chunk
   size on any file. A compressed stream that ends early yields the partial record it cut as
   ``truncated_input``.
-- ``SDRecordParser`` (in the workers): each record through RDKit's forward SD supplier on
-  its own bytes (``Chem.ForwardSDMolSupplier`` over a ``BytesIO``: RDKit's own molblock and
-  SD-property parsing, one record at a time so a broken record can never swallow the next),
+- ``SDRecordParser`` (in the workers): a chunk's records through RDKit's forward SD
+  supplier (``Chem.ForwardSDMolSupplier`` over a ``BytesIO``: RDKit's own molblock and
+  SD-property parsing), checked to give one molecule per record, else read one record at a
+  time (a misread record can swallow the next one otherwise),
   the id from an SD tag or the title line, the labels from SD tags. A record RDKit refuses
   is read again unsanitized under ``rdBase.CaptureErrorLog`` to name the reason and keep
   RDKit's own message (which names the line, made absolute here).
 
-Records travel between the two as ``latin-1`` text: a lossless stand-in for the bytes (SD
-files are ASCII in their structure, their property values may be anything), so Arrow (the
-Ray engine) can carry them and the worker gets the exact bytes back.
+Records travel between the two as their bytes (SD files are ASCII in their structure,
+their property values may be anything); the Ray engine carries them through Arrow as
+``latin-1`` text, a lossless stand-in, and turns them back into the exact bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ MAX_RECORD_BYTES = 8 << 20  # a larger record is refused (``record_too_large``) 
 TITLE_TAG = "_Name"  # --id-column _Name: the record's title line (RDKit's name for it)
 _BLOCK = 1 << 20
 _END = re.compile(rb"^\$\$\$\$[ \t\r]*$", re.M)  # the record separator line
-_TAG = re.compile(r"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
+_TAG = re.compile(rb"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
 _RDKIT_LINE = re.compile(r" on line (\d+)")
 
 
 def read_sd_records(fh):
-    """Yield ``(first line, record number, latin-1 text or None, reason or None)`` for every
+    """Yield ``(first line, record number, record bytes or None, reason or None)`` for every
     record of an SD byte stream ``fh``. ``reason`` is ``empty_record``, ``record_too_large``
     or ``truncated_input``; a stream that ends without a final ``$$$$`` ends with that
     record (a single ``.mol`` file is one). ``EOFError`` from a cut-short archive is
@@ -72,7 +73,7 @@ def read_sd_records(fh):
             elif not record[:m.start() - start].strip():
                 yield line, number, None, "empty_record"
             else:
-                yield line, number, record.decode("latin-1"), None
+                yield line, number, record, None
             line += record.count(b"\n")
             start = end
         buf = buf[start:]
@@ -85,15 +86,15 @@ def read_sd_records(fh):
     if skipping is not None:
         yield skipping, number + 1, None, "record_too_large"
     elif buf.strip():
-        yield line, number + 1, buf.decode("latin-1"), None
+        yield line, number + 1, buf, None
 
 
 def sd_tags(records: list) -> set[str]:
     """The SD tags that occur in these records (to refuse a tag that no record has)."""
     tags: set[str] = set()
-    for text in records:
-        if text is not None:
-            tags.update(t.strip() for t in _TAG.findall(text))
+    for data in records:
+        if data is not None:
+            tags.update(t.decode("latin-1").strip() for t in _TAG.findall(data))
     return tags
 
 
@@ -106,7 +107,7 @@ def resolve_tag(wanted: str, present) -> str | None:
 
 
 class SDRecordParser:
-    """One SD record's text to ``(mol or reason, message, id, raw label values)``.
+    """SD records (bytes) to ``(mol or reason, message, id, raw label values)`` each.
 
     ``message`` is RDKit's own complaint for a refused record (its line made absolute),
     else the title; ``id`` is the id tag's value (or the title for ``_Name``), ``None`` when
@@ -124,16 +125,30 @@ class SDRecordParser:
     def _supplier(self, data: bytes, sanitize: bool = True):
         return self.Chem.ForwardSDMolSupplier(io.BytesIO(data), sanitize=sanitize, removeHs=sanitize)
 
-    def __call__(self, text: str, first_line: int):
-        data = text.encode("latin-1")
+    def _read(self, data: bytes) -> list:
         try:
-            mol = next(iter(self._supplier(data)), None)
-        except Exception:  # noqa: BLE001 - RDKit raises on some malformed input: a refused record
-            mol = None
-        if mol is None:
-            reason, message = self._classify(data, first_line)
-            return reason, message, None, None
-        return mol, self._title(mol), self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]
+            return list(self._supplier(data))
+        except Exception:  # noqa: BLE001 - RDKit raises on some malformed input: refused records
+            return []
+
+    def parse(self, records: list[bytes], first_lines: list[int]) -> list[tuple]:
+        """Every record of a chunk. One supplier reads them all, and its molecules are taken
+        as the records' when there are as many as records: RDKit splits at the same $$$$
+        lines, and a record it misreads can only swallow the next one (an empty record
+        followed by another: it reads the next title as the empty one's counts line), never
+        split one, so equal counts mean aligned. Otherwise each record is read alone."""
+        mols = self._read(b"".join(records)) if records else []
+        if len(mols) != len(records):
+            mols = [next(iter(self._read(r)), None) for r in records]
+        out = []
+        for data, line, mol in zip(records, first_lines, mols):
+            if mol is None:
+                reason, message = self._classify(data, line)
+                out.append((reason, message, None, None))
+            else:
+                out.append((mol, self._title(mol), self._prop(mol, self.id_tag),
+                            [self._prop(mol, t) for t in self.label_tags]))
+        return out
 
     def _title(self, mol) -> str:
         return self._prop(mol, TITLE_TAG) or ""

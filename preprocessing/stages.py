@@ -137,6 +137,10 @@ class MapStage:
         rejected_before = sum(stats.rejected.values())
         accepted = []
         sdf = chunk.kind == "sdf"
+        if sdf:  # RDKit reads the chunk's records at once
+            readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
+            parsed_sd = dict(zip(readable, self._sd().parse([chunk.smiles[p] for p in readable],
+                                                            [chunk.rows[p] for p in readable])))
         for pos, row in enumerate(chunk.rows):
             source = f"{chunk.path}:{row} (record {chunk.records[pos]})" if sdf else f"{chunk.path}:{row}"
             stats.rows_in += 1
@@ -146,7 +150,7 @@ class MapStage:
                 continue
             cid, label_values = chunk.ids[pos], chunk.labels[pos]
             if sdf:
-                parsed, title, cid, label_values = self._read_sd(raw, row)
+                parsed, title, cid, label_values = parsed_sd[pos]
                 if isinstance(parsed, str):
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
                     continue
@@ -191,14 +195,14 @@ class MapStage:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
 
-    def _read_sd(self, text: str, first_line: int):
-        """An SD record through RDKit: (mol or reason, title or RDKit's message, id, label values)."""
+    def _sd(self):
+        """The SD record parser (RDKit), built at the first SD chunk."""
         if self._sd_parser is None:
             from .sdf import SDRecordParser
 
             columns = self.options.columns
             self._sd_parser = SDRecordParser(columns.id if columns else None, columns.labels if columns else ())
-        return self._sd_parser(text, first_line)
+        return self._sd_parser
 
     def _sd_raw(self, mol) -> str | None:
         """``raw_smiles`` of an SD row: RDKit's SMILES of the record as read, before

@@ -168,7 +168,10 @@ def hostile_sdf(tmp_path_factory):
                    ("empty molecule", EMPTY_MOLECULE, "empty_molecule"),
                    ("valence", _pentavalent(), "valence_error"),
                    ("bad label", sd_record("CCO", "bad-label", {"pIC50": "potent"}), "bad_label"),
-                   ("empty record", "\n\n$$$$\n", "empty_record")]
+                   ("empty record", "\n\n$$$$\n", "empty_record"),
+                   # three lines and a $$$$: read with the next record, RDKit takes that record's title
+                   # for this one's counts line and skips the next one entirely
+                   ("short garbage", "garbage\nmore\n\n$$$$\n", "sdf_parse_error")]
     for k, (_, text, reason) in enumerate(bad_records):
         at = 10 + 17 * k
         parts_a.insert(at, text)

@@ -121,12 +121,12 @@ def test_record_splitter_is_exact_at_every_block_boundary(hostile_sdf, monkeypat
     data = open(paths[0], "rb").read()
     whole = list(sdf.read_sd_records(io.BytesIO(data)))
     # the records put back together are the file, and each starts on the line it names
-    assert "".join(t if t is not None else "\n\n$$$$\n" for _, _, t, _ in whole) == data.decode()
+    assert b"".join(t if t is not None else b"\n\n$$$$\n" for _, _, t, _ in whole) == data
     assert [n for _, n, _, _ in whole] == list(range(1, len(whole) + 1))
-    lines = data.decode().split("\n")
+    lines = data.split(b"\n")
     for first, number, text, reason in whole:
         if text is not None:
-            assert "\n".join(lines[first - 1:]).startswith(text), number
+            assert b"\n".join(lines[first - 1:]).startswith(text), number
     monkeypatch.setattr(sdf, "_BLOCK", block)
     assert list(sdf.read_sd_records(io.BytesIO(data))) == whole
     crlf = data.replace(b"\n", b"\r\n")
