@@ -333,13 +333,15 @@ def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
     had is refused (a misspelt ``--id-column`` / ``--label-columns``), naming the tags seen."""
     from .sdf import TITLE_TAG, read_sd_records, resolve_tag, sd_tags
 
+    wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels)
     seen: set[str] = set()
+    missing = list(wanted)
     with _open_binary(path) as fh:
         for chunk in _chunked(file_index, path, read_sd_records(fh), chunk_rows, kind="sdf"):
-            seen |= sd_tags(chunk.smiles)
+            if missing:  # scanned only until every requested tag has been seen
+                seen |= sd_tags(chunk.smiles)
+                missing = [tag for tag in wanted if resolve_tag(tag, seen) is None]
             yield chunk
-    wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels)
-    missing = [tag for tag in wanted if resolve_tag(tag, seen) is None]
     if missing:
         shown = sorted(seen)[:40]
         raise InputError(f"{path}: no record has the SD tag(s) {missing}; its records have {shown}"

@@ -31,7 +31,7 @@ import re
 MAX_RECORD_BYTES = 8 << 20  # a larger record is refused (``record_too_large``) without being held
 TITLE_TAG = "_Name"  # --id-column _Name: the record's title line (RDKit's name for it)
 _BLOCK = 1 << 20
-_END = re.compile(rb"^\$\$\$\$[ \t\r]*$", re.M)  # the record separator line
+_END = re.compile(rb"^\$\$\$\$[ \t\r]*\n", re.M)  # the record separator line, with its line end
 _TAG = re.compile(rb"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
 _RDKIT_LINE = re.compile(r" on line (\d+)")
 
@@ -49,7 +49,8 @@ def read_sd_records(fh):
     # read1: one read of the decompressor at a time. A buffered read(n) gathers n bytes over
     # several, and a cut-short archive's EOFError then throws away everything it gathered.
     read = getattr(fh, "read1", fh.read)
-    while True:
+    ended = False
+    while not ended:
         try:
             block = read(_BLOCK)
         except EOFError:
@@ -57,31 +58,30 @@ def read_sd_records(fh):
                 yield (line if skipping is None else skipping), number + 1, None, "truncated_input"
             raise
         if not block:
-            break
+            ended = True
+            if not buf or buf.endswith(b"\n"):
+                break
+            block = b"\n"  # a last $$$$ line without its line end
         buf += block
         start = 0
-        for m in _END.finditer(buf):
-            newline = buf.find(b"\n", m.end())
-            if newline < 0:
-                break  # the separator line may go on in the next block
-            end = newline + 1
-            record = buf[start:end]
+        for m in _END.finditer(buf):  # the separator lines complete in this buffer, with their \n
+            end = m.end()
             number += 1
             if skipping is not None:
                 yield skipping, number, None, "record_too_large"
                 skipping = None
-            elif not record[:m.start() - start].strip():
+            elif m.start() - start < 64 and not buf[start:m.start()].strip():
                 yield line, number, None, "empty_record"
             else:
-                yield line, number, record, None
-            line += record.count(b"\n")
+                yield line, number, buf[start:end], None
+            line += buf.count(b"\n", start, end)
             start = end
         buf = buf[start:]
         if len(buf) > MAX_RECORD_BYTES:  # no separator in sight: drop the bytes, remember where it began
             if skipping is None:
                 skipping = line
             cut = buf.rfind(b"\n") + 1  # keep the last partial line: it may be the start of a $$$$ line,
-            line += buf[:cut].count(b"\n")  # unless it is too long for one ("x": not a line start)
+            line += buf.count(b"\n", 0, cut)  # unless it is too long for one ("x": not a line start)
             buf = buf[cut:] if len(buf) - cut <= 16 else b"x"
     if skipping is not None:
         yield skipping, number + 1, None, "record_too_large"
@@ -91,11 +91,8 @@ def read_sd_records(fh):
 
 def sd_tags(records: list) -> set[str]:
     """The SD tags that occur in these records (to refuse a tag that no record has)."""
-    tags: set[str] = set()
-    for data in records:
-        if data is not None:
-            tags.update(t.decode("latin-1").strip() for t in _TAG.findall(data))
-    return tags
+    found = _TAG.findall(b"\n".join(data for data in records if data is not None))
+    return {t.decode("latin-1").strip() for t in set(found)}
 
 
 def resolve_tag(wanted: str, present) -> str | None:
@@ -110,8 +107,8 @@ class SDRecordParser:
     """SD records (bytes) to ``(mol or reason, message, id, raw label values)`` each.
 
     ``message`` is RDKit's own complaint for a refused record (its line made absolute),
-    else the title; ``id`` is the id tag's value (or the title for ``_Name``), ``None`` when
-    absent or empty; label values are the tags' strings, ``None`` when the record lacks one
+    else None (``title`` gives the title line); ``id`` is the id tag's value (or the title
+    for ``_Name``), ``None`` when absent or empty; label values are the tags' strings, ``None`` when the record lacks one
     (missing, as in the CSV path).
     """
 
@@ -146,11 +143,11 @@ class SDRecordParser:
                 reason, message = self._classify(data, line)
                 out.append((reason, message, None, None))
             else:
-                out.append((mol, self._title(mol), self._prop(mol, self.id_tag),
-                            [self._prop(mol, t) for t in self.label_tags]))
+                out.append((mol, None, self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]))
         return out
 
-    def _title(self, mol) -> str:
+    def title(self, mol) -> str:
+        """The record's title line (for the report's examples of refused rows)."""
         return self._prop(mol, TITLE_TAG) or ""
 
     def _prop(self, mol, tag):

@@ -155,7 +155,7 @@ class MapStage:
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
                     continue
                 if cid is not None and not is_clean(cid):
-                    stats.reject("non_utf8", source, title)
+                    stats.reject("non_utf8", source, self._sd().title(parsed))
                     continue
             labels = None
             if opts.num_labels:
@@ -169,7 +169,7 @@ class MapStage:
             else:
                 mol = self.canonicalize(raw)
             if not isinstance(mol, Molecule):
-                stats.reject(mol, source, title if sdf else raw)
+                stats.reject(mol, source, self._sd().title(parsed) if sdf else raw)
                 continue
             text = None
             if self.represent is not None:
