@@ -35,6 +35,7 @@ NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
 _GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
+_SD_BATCH = 64  # SD records RDKit reads together (one supplier) before they are canonicalized
 SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
                  "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
 
@@ -137,10 +138,9 @@ class MapStage:
         rejected_before = sum(stats.rejected.values())
         accepted = []
         sdf = chunk.kind == "sdf"
-        if sdf:  # RDKit reads the chunk's records at once
+        if sdf:  # RDKit reads the records _SD_BATCH at a time, each batch used while it is in cache
             readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
-            parsed_sd = dict(zip(readable, self._sd().parse([chunk.smiles[p] for p in readable],
-                                                            [chunk.rows[p] for p in readable])))
+            next_batch, parsed_sd = 0, {}
         for pos, row in enumerate(chunk.rows):
             source = f"{chunk.path}:{row} (record {chunk.records[pos]})" if sdf else f"{chunk.path}:{row}"
             stats.rows_in += 1
@@ -150,6 +150,11 @@ class MapStage:
                 continue
             cid, label_values = chunk.ids[pos], chunk.labels[pos]
             if sdf:
+                if pos not in parsed_sd:
+                    batch = readable[next_batch:next_batch + _SD_BATCH]
+                    next_batch += len(batch)
+                    parsed_sd = dict(zip(batch, self._sd().parse([chunk.smiles[p] for p in batch],
+                                                                 [chunk.rows[p] for p in batch])))
                 parsed, title, cid, label_values = parsed_sd[pos]
                 if isinstance(parsed, str):
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
