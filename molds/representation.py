@@ -73,6 +73,7 @@ class Representation:
 
     name = "smiles"
     pattern = SMILES_PATTERN
+    notes: tuple | list = ()  # what encoding met that is no refusal, for the manifest's counts
 
     def encode(self, canonical: str) -> tuple[str | None, str | None]:
         """(text, None), or (None, reason) for a row the representation cannot hold."""
@@ -147,7 +148,9 @@ class Safe(Representation):
             return SAFEConverter(slicer=None).encoder(smiles, canonical=not randomize, randomize=randomize,
                                                       allow_empty=True, seed=seed)
         except Exception as exc:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
-            raise ValueError(f"SAFE cannot encode {smiles!r}: {exc}") from exc
+            from .errors import MoldsError
+
+            raise MoldsError(f"SAFE cannot encode {smiles!r} as a fragment: {exc}") from exc
 
     def decode(self, text):
         try:

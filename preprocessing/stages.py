@@ -221,9 +221,8 @@ class MapStage:
         """The row in the manifest's representation, decoded back and compared with its
         canonical SMILES: (text, None) or (None, reason)."""
         text, reason = self.represent.encode(canonical)
-        for note in getattr(self.represent, "notes", ()):
-            self.stats.notes[note] += 1
-        if getattr(self.represent, "notes", None):
+        if self.represent.notes:  # counts that are no refusal (conformers: mmff_unparameterized)
+            self.stats.notes.update(self.represent.notes)
             self.represent.notes.clear()
         if reason is not None:
             return None, reason

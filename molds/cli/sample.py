@@ -92,8 +92,9 @@ def run(argv: list[str]) -> int:
         write_text(args.out, lines)
         print(f"[molds] {args.num} samples from {loaded.checkpoint} -> {args.out}", file=sys.stderr)
     if design is not None:
-        from rdkit import Chem
+        from rdkit import Chem, RDLogger
 
+        RDLogger.DisableLog("rdApp.*")
         valid = sum(bool(s) and Chem.MolFromSmiles(s) is not None for s in smiles)
         kept = sum(keeps(s, design) for s in smiles)
         summary = {"constraint": design.task, "prefixes": len(design.prefixes), "samples": len(smiles),
