@@ -65,7 +65,8 @@ class Embedder:
 
     ``__call__(canonical)`` returns (unit, None, notes) or (None, reason, notes); reasons:
     ``conformer_error`` (ETKDG found no embedding), ``conformer_timeout`` (over the
-    per-molecule budget, ETKDG's own timeout included); notes: ``mmff_unparameterized``."""
+    per-molecule budget, ETKDG's own timeout included); notes (the ETKDG geometry kept
+    unrelaxed): ``mmff_unparameterized``, ``mmff_failed``."""
 
     def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
                  max_mmff_iters: int = 500):
@@ -92,10 +93,13 @@ class Embedder:
             over = time.perf_counter() - start >= self.timeout_s
             return ("conformer_timeout" if over else "conformer_error"), notes
         if self.mmff:
-            if self.AllChem.MMFFHasAllMoleculeParams(mol):
-                self.AllChem.MMFFOptimizeMolecule(mol, maxIters=self.max_mmff_iters)
-            else:
+            if not self.AllChem.MMFFHasAllMoleculeParams(mol):
                 notes.append("mmff_unparameterized")
+            else:
+                try:
+                    self.AllChem.MMFFOptimizeMolecule(mol, maxIters=self.max_mmff_iters)
+                except Exception:  # noqa: BLE001 - a force field RDKit cannot set up: the ETKDG geometry stays
+                    notes.append("mmff_failed")
         if time.perf_counter() - start > self.timeout_s:
             return "conformer_timeout", notes
         heavy = Chem.RemoveHs(mol)
