@@ -23,7 +23,8 @@
 
 One JSON line: every metric (validity counts empty and invalid samples; unique@10k over
 the first 10,000 valid; novelty against the training split and against every split, i.e.
-the whole MOSES training file), the wall time of each phase, the run's horizon (steps,
+the whole MOSES training file; for a SELFIES or SAFE manifest the samples are decoded
+SMILES, ``decodable`` the share that decode and ``finished`` the share that ended), the wall time of each phase, the run's horizon (steps,
 time spent) and precision, and the published CharRNN (Test and TestSF) and MolGPT
 figures beside them.
 """
@@ -50,6 +51,12 @@ def preprocess(source: str, manifest_dir: str) -> None:
     subprocess.run(["molds-preprocess", "--input", source, "--smiles-column", "SMILES", "--output", manifest_dir,
                     "--split", "scaffold", "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex",
                     "--workers", str(os.cpu_count() or 1)], check=True)
+
+
+def recipe_manifest_representation(manifest_dir: str) -> str:
+    from molds.data.manifest import Manifest
+
+    return (Manifest.load(manifest_dir).data.get("representation") or {}).get("name", "smiles")
 
 
 def main() -> int:
@@ -146,6 +153,15 @@ def main() -> int:
                     "--out", samples]):
         raise SystemExit("molds-sample failed")
     sample_s = time.perf_counter() - t0
+    # what the tokens spell, sampled again with the same seed (the same samples): the share that
+    # finished without a special token, and the share of all that decode to a SMILES (SELFIES, SAFE)
+    raw_path = os.path.join(out, "samples.raw")
+    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--seed", str(seed),
+                    "--raw", "true", "--out", raw_path]):
+        raise SystemExit("molds-sample --raw failed")
+    raw = open(raw_path).read().split("\n")[:-1]
+    decoded = open(samples).read().split("\n")[:-1]
+    finished, decodable = sum(map(bool, raw)) / len(raw), sum(map(bool, decoded)) / len(decoded)
     t0 = time.perf_counter()
     report = evaluate_samples(samples, manifest_dir, split=args.split, fcd=args.fcd, moses=args.moses)
     from molds.eval.evaluate import evaluate_checkpoint
@@ -171,6 +187,8 @@ def main() -> int:
         "etl_s": None if etl_s is None else round(etl_s, 1), "train_s": None if train_s is None else round(train_s, 1),
         "average_s": round(average_s, 1), "sample_s": round(sample_s, 1),
         "procedure_s": None if procedure_s is None else round(procedure_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
+        "representation": (recipe_manifest_representation(manifest_dir)), "finished": round(finished, 4),
+        "decodable": round(decodable, 4),
         "temperature": args.temperature, "reference_split": args.split, f"{args.split}_loss": round(loss, 4),
         **{k: m.get(k) for k in keys}, "against": against, "published": PUBLISHED}))
     return 0
