@@ -61,4 +61,5 @@ def test_gpt_moses_benchmark_scores_the_average_of_the_last_checkpoints(dataset,
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["averaged_steps"] == [2, 4] and line["steps"] == 4 and line["samples"] == 16
     assert 0 <= line["validity"] <= 1 and line["test_loss"] > 0
+    assert line["representation"] == "smiles" and line["decodable"] == line["finished"]  # SMILES decode as written
     assert os.path.isfile(os.path.join(out, "averaged-last2", "model.safetensors"))
