@@ -466,7 +466,8 @@ class CheckpointConfig:
 
     average_last: int = 0
     """At the end, write the mean of the last N checkpoints (the final one included) as
-    ``RUN/averaged``, the model to sample and export (``molds-average``'s average; 0: off)."""
+    ``RUN/averaged``, the model to sample and export: ``molds-sample RUN``, ``molds-eval`` and
+    ``molds-export`` take it from the run directory (``molds-average``'s average; 0: off)."""
 
     keep_last: int = 3
     """Keep this many checkpoints (0: all)."""

@@ -252,7 +252,9 @@ def setup(recipe, plan=None) -> Run:
     if plan.world_size != dist.world_size:
         raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
     batching = plan.batching
-    model = build_model(recipe.model, tokenizer, seed=recipe.run.seed)  # the same on every rank
+    # the same on every rank; for the pipeline only its structure (each rank materializes its own stages)
+    model = build_model(recipe.model, tokenizer, seed=recipe.run.seed,
+                        device="meta" if recipe.parallel.engine == "pipeline" else None)
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)

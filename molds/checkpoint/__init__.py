@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, MoldsError
 from .layout import (LATEST, LINEAGE, checkpoints_dir, complete_checkpoints, prune, read_lineage, resolve,
-                     step_name, write_complete_marker, write_latest)
+                     resolve_model, step_name, write_complete_marker, write_latest)
 from .state import read_json, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
-           "read_lineage", "resolve", "restore", "save_checkpoint"]
+           "read_lineage", "resolve", "resolve_model", "restore", "save_checkpoint"]
 
 DATA_STATE = "data_state.json"
 
@@ -161,19 +161,20 @@ class Loaded:
     tokenizer: object  # transformers tokenizer, loaded from the manifest's files
     specials: object  # molds.tokens.TokenizerInfo
     lineage: dict
-    checkpoint: str  # the checkpoint directory (a run directory resolves to its latest)
+    checkpoint: str  # the checkpoint directory (a run directory: its averaged model, else its latest)
 
 
 def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cpu", *,
                     with_tokenizer: bool = True) -> Loaded:
     """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
-    with the single model factory and loaded from the canonical weights (no pickle)."""
+    with the single model factory and loaded from the canonical weights (no pickle). A run
+    directory means the model the run made (``resolve_model``: RUN/averaged when current)."""
     from ..data.manifest import Manifest
     from ..models import build_model
     from ..tokens import tokenizer_info
     from .state import load_canonical, read_model
 
-    checkpoint = resolve(ref)
+    checkpoint = resolve_model(ref)
     lineage = read_lineage(checkpoint)
     recipe = lineage["recipe"]
     manifest = Manifest.load(manifest_dir or recipe["data"]["manifest"])

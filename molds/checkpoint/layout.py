@@ -16,6 +16,12 @@ has the size it lists. References accepted everywhere (``--checkpoint.resume``,
 directory or its ``checkpoints/`` directory (their latest complete checkpoint), or a
 ``latest`` pointer file. A missing or stale ``latest`` falls back to the newest
 complete checkpoint, and says so.
+
+What a run *made* (``resolve_model``, for ``molds-sample``, ``molds-eval`` and
+``molds-export``): a run directory's ``averaged/`` (``checkpoint.average_last``'s mean of
+its last checkpoints, ``RUN/averaged``) when it is complete and its newest source is the
+run's newest checkpoint; otherwise its latest checkpoint, with the reason said. Resume and
+averaging read training checkpoints only (``resolve``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import sys
 from ..errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
+AVERAGED = "averaged"  # RUN/averaged: the run's final model when checkpoint.average_last is set
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 LINEAGE = "lineage.json"
@@ -139,6 +146,37 @@ def resolve(ref: str, *, quiet: bool = False) -> str:
                 return found
     raise CheckpointError(f"{ref} holds no complete checkpoint (looked for {os.path.join(path, CHECKPOINTS)}/"
                           f"step-*/ with a COMPLETE marker, and a checkpoint directory itself)")
+
+
+def resolve_model(ref: str, *, quiet: bool = False) -> str:
+    """The model a reference means for sampling, scoring and export: a checkpoint as
+    ``resolve`` finds it, except that a run directory gives its ``averaged/`` model when
+    that is complete and made from the run's newest checkpoint (an older average, left
+    from before a resume, is passed over and named)."""
+    path = os.path.normpath(ref) if ref else ref
+    latest = resolve(ref, quiet=quiet)
+    if not path or not os.path.isdir(os.path.join(path, CHECKPOINTS)):
+        return latest  # not a run directory: what was named
+    averaged = os.path.join(path, AVERAGED)
+    if not os.path.isdir(averaged):
+        return latest
+    why = incomplete_reason(averaged)
+    if why is None:
+        try:
+            sources = read_lineage(averaged).get("averaged_from") or []
+            newest = int(sources[-1]["step"]) if sources else None
+        except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+            newest, why = None, f"its lineage is unreadable ({exc})"
+        step = int(read_lineage(latest)["step"])
+        if why is None and newest == step:
+            if not quiet:
+                print(f"[molds] {ref}: its averaged model {averaged} (the mean of checkpoints up to step {step})",
+                      file=sys.stderr)
+            return averaged
+        why = why or f"it averages checkpoints up to step {newest}, and the run's newest is step {step}"
+    if not quiet:
+        print(f"[molds] {ref}: {averaged} passed over ({why}); using {latest}", file=sys.stderr)
+    return latest
 
 
 def read_lineage(checkpoint: str) -> dict:

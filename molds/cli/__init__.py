@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from ..errors import MoldsError
 
-CHECKPOINT_HELP = ("a checkpoint reference: a checkpoint directory (RUN/checkpoints/step-N), a run directory "
-                   "or its checkpoints/ directory (their latest complete checkpoint), or a 'latest' file")
+CHECKPOINT_HELP = ("a checkpoint reference: a checkpoint directory (RUN/checkpoints/step-N or RUN/averaged), a run "
+                   "directory (the model it made: RUN/averaged when checkpoint.average_last wrote it from the run's "
+                   "newest checkpoint, else its latest complete checkpoint), its checkpoints/ directory, or a "
+                   "'latest' file")
 
 
 class UsageError(MoldsError):

@@ -60,6 +60,8 @@ def _layout(position_ids, document_ids):
 class EmbedPipe(nn.Module):
     """Stage entry: token ids -> hidden [B*S, H] (real tokens first, zeros after)."""
 
+    part = ("embed",)  # its key in the single-device model's initialization
+
     def __init__(self, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
@@ -74,9 +76,10 @@ class EmbedPipe(nn.Module):
 class BlockPipe(nn.Module):
     """One decoder block (dense or MoE) on the stage tuple."""
 
-    def __init__(self, block: nn.Module, head_dim: int, rope_theta: float):
+    def __init__(self, block: nn.Module, head_dim: int, rope_theta: float, index: int = 0):
         super().__init__()
         self.block, self.head_dim, self.rope_theta = block, head_dim, rope_theta
+        self.part = ("layer", index)  # block ``index`` of the single-device model
 
     def _open(self, inputs):
         """The real tokens' rows and what attention needs for them."""
@@ -150,6 +153,8 @@ class HeadPipe(nn.Module):
     """Last stage: hidden -> logits [B, S, vocab] in packed rows (what the loss takes), or
     with ``in_loss`` what a loss with the head fused into it takes."""
 
+    part = ("head",)
+
     def __init__(self, weight: nn.Parameter, in_loss: bool = False, linear=F.linear):
         super().__init__()
         self.weight, self.in_loss, self.linear = weight, in_loss, linear
@@ -173,6 +178,42 @@ def head_in_loss_forward(module, inputs):
     layout = _layout(position_ids, document_ids)
     t = layout.positions.numel()
     return {"hidden": hidden[:t], "token_index": layout.packed_source[:t], "lm_head_weight": module.weight}
+
+
+def materialize_stages(module: nn.Module, std: float, base: int, device="cpu") -> int:
+    """Storage and initial weights for the stage modules a pipeline rank built from a model
+    constructed on the meta device: each part drawn as the single-device model draws it
+    (``molds.models.decoder``: seeded by the run's seed and the part's key), so the
+    stages start from the same weights as a model built whole, and no rank ever holds more
+    than its own stages. Returns how many parameters were materialized."""
+    from ..models.decoder import materialize_part, materialize_weight
+
+    before = {id(p) for p in module.parameters() if not p.is_meta}
+    for m in module.modules():
+        if isinstance(m, BlockPipe):
+            materialize_part(m.block, std, base, *m.part, device=device)
+        elif isinstance(m, NormPipe):
+            materialize_part(m.norm, std, base, device=device)  # a norm: ones
+        elif isinstance(m, (EmbedPipe, HeadPipe)):
+            materialize_weight(m, std, base, *m.part, device=device)
+    left = [n for n, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"pipeline stage parameters without storage after materializing: {left[:5]}")
+    return sum(p.numel() for p in module.parameters() if id(p) not in before)
+
+
+def materializing(base_class, std: float, seed: int):
+    """``base_class`` (DeepSpeed's ``PipelineModule`` or ``DualPipeVModule``) whose build
+    materializes the local stages of a meta-device model right after DeepSpeed builds them,
+    before it moves them to the device and broadcasts tied weights."""
+
+    class Stages(base_class):
+        def _build(self):
+            super()._build()
+            self.molds_materialized = materialize_stages(self, std, seed)
+
+    Stages.__name__ = Stages.__qualname__ = base_class.__name__
+    return Stages
 
 
 def _rename(num_blocks: int, tied: bool):
@@ -274,7 +315,7 @@ class PipelineEngine(ScheduledEngine):
         tied = cfg.tie_word_embeddings
         specs = [TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight) if tied
                  else LayerSpec(EmbedPipe, body.embed_tokens.weight)]
-        specs += [LayerSpec(BlockPipe, block, cfg.head_dim, cfg.rope_theta) for block in body.layers]
+        specs += [LayerSpec(BlockPipe, block, cfg.head_dim, cfg.rope_theta, i) for i, block in enumerate(body.layers)]
         specs.append(LayerSpec(NormPipe, body.norm))
         in_loss = getattr(model, "head_in_loss", False)  # kernels.triton: the LM head runs in the loss
         linear = getattr(model.lm_head, "linear", F.linear)  # kernels.fp8_lm_head: its FP8 product
@@ -288,10 +329,13 @@ class PipelineEngine(ScheduledEngine):
             outputs = outputs if isinstance(outputs, dict) else {"logits": outputs}
             return loss_fn(outputs, {"labels": labels, "document_ids": document_ids})
 
+        # a model built on the meta device (train.setup does for this engine) gets storage for
+        # this rank's stages only, as DeepSpeed builds them
+        module_class = materializing(self.module_class(), cfg.initializer_range, getattr(model, "init_seed", 0))
         with quiet_on_other_ranks(dist), torch.no_grad():  # (its tied-weight broadcast is no training op)
-            self.module = self.module_class()(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
-                                              partition_method=p.partition_method,
-                                              activation_checkpoint_interval=p.activation_checkpoint_interval)
+            self.module = module_class(layers=specs, num_stages=self.pp, loss_fn=pipe_loss,
+                                       partition_method=p.partition_method,
+                                       activation_checkpoint_interval=p.activation_checkpoint_interval)
         self.moe_layers = moe_layers(self.module)
         expert_parallel = bool(num_experts and self.ep > 1)
         if expert_parallel:
@@ -558,11 +602,13 @@ def _shard_experts(layer, ep_size: int, ep_rank: int, group, group_name: str) ->
     from ..models.moe import Experts
 
     full = layer.mlp.experts
-    local = Experts(full.hidden, full.width, full.num_experts, ep_size, ep_rank)
-    with torch.no_grad():
-        sl = slice(local.offset, local.offset + local.num_local)
-        for name in ("gate", "up", "down"):
-            getattr(local, name).copy_(getattr(full, name)[sl])
+    with torch.device(full.gate.device):  # meta stays meta: the stage that holds it draws its experts
+        local = Experts(full.hidden, full.width, full.num_experts, ep_size, ep_rank)
+    if not full.gate.is_meta:
+        with torch.no_grad():
+            sl = slice(local.offset, local.offset + local.num_local)
+            for name in ("gate", "up", "down"):
+                getattr(local, name).copy_(getattr(full, name)[sl])
     local.act, local.grouped_mm = full.act, full.grouped_mm
     for p in local.parameters():
         p.allreduce = False

@@ -48,9 +48,13 @@ def family_config(model, tokenizer):
     raise ValueError(f"unknown model.family {m['family']!r}")
 
 
-def build_model(model, tokenizer, *, seed: int = 0):
+def build_model(model, tokenizer, *, seed: int = 0, device=None):
     """The network a recipe's ``model`` section describes, initialized from ``seed``
-    (the same on every rank: replicas start equal)."""
+    (the same on every rank: replicas start equal). ``device="meta"`` (decoders): the
+    structure without storage, for an engine that materializes only its own part of it
+    (the pipeline's stages, ``molds.models.decoder.materialize_part``)."""
+    import contextlib
+
     import torch
 
     cfg = family_config(model, tokenizer)
@@ -58,11 +62,14 @@ def build_model(model, tokenizer, *, seed: int = 0):
     if isinstance(cfg, _decoder_config()):
         from .decoder import CausalDecoder
 
-        if cfg.moe is not None:
-            from .moe import make_moe_layer
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            if cfg.moe is not None:
+                from .moe import make_moe_layer
 
-            return CausalDecoder(cfg, make_layer=make_moe_layer)
-        return CausalDecoder(cfg)
+                return CausalDecoder(cfg, make_layer=make_moe_layer)
+            return CausalDecoder(cfg)
+    if device is not None and str(device) != "cpu":
+        raise ValueError(f"the {cfg.__class__.__name__} is built on the CPU only (asked: {device})")
     from .encoder import MoleculeEncoder
 
     return MoleculeEncoder(cfg)

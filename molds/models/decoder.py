@@ -321,7 +321,52 @@ def init_part(module: nn.Module, std: float, base: int, *key) -> None:
                 nn.init.normal_(m.weight, std=std)
 
 
+def _to_empty(module: nn.Module, device) -> None:
+    """``module.to_empty(device)``, keeping what engines attached to its parameters (the
+    expert marks DeepSpeed reads: ``allreduce``, ``group_name``); ``to_empty`` makes new
+    Parameter objects without them."""
+    marks = {name: dict(p.__dict__) for name, p in module.named_parameters() if p.__dict__}
+    module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        p.__dict__.update(marks.get(name, {}))
+
+
+def materialize_part(module: nn.Module, std: float, base: int, *key, device="cpu") -> bool:
+    """Give a part built on the meta device (weights without storage) its storage on
+    ``device`` and the weights the whole model would have given it: norms at one, the rest
+    as ``init_part(module, std, base, *key)`` draws them (an empty ``key``: norms only).
+    So a pipeline rank materializes its own stages only, and starts from the same weights
+    as a model built whole. False (and nothing done) when nothing in it is on meta."""
+    if not any(t.is_meta for t in module.parameters()):
+        return False
+    _to_empty(module, device)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+    if key:
+        init_part(module, std, base, *key)
+    return True
+
+
+def materialize_weight(module: nn.Module, std: float, base: int, *key, device="cpu") -> bool:
+    """``materialize_part`` for a module holding one bare ``weight`` (a pipeline stage's
+    embedding or LM head): drawn as ``init_part`` draws the weight of the ``nn.Embedding``
+    or ``nn.Linear`` with that key."""
+    if not module.weight.is_meta:
+        return False
+    _to_empty(module, device)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(part_seed(base, *key))
+        nn.init.normal_(module.weight, std=std)
+    return True
+
+
 class CausalDecoder(nn.Module):
+    """The decoder. Built under ``torch.device("meta")`` (``build_model(device="meta")``)
+    it holds no storage and draws nothing: each part is initialized when it is given
+    storage (``materialize_part`` with its ``parts()`` key)."""
+
     def __init__(self, cfg: DecoderConfig, make_layer=None):
         super().__init__()
         if cfg.vocab_size <= 0:
@@ -329,14 +374,22 @@ class CausalDecoder(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, make_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        base, std = torch.initial_seed(), cfg.initializer_range
-        init_part(self.model.embed_tokens, std, base, "embed")
-        for i, layer in enumerate(self.model.layers):
-            init_part(layer, std, base, "layer", i)
+        self.init_seed = base = torch.initial_seed()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            init_part(self.lm_head, std, base, "head")
+        if self.lm_head.weight.is_meta:
+            return  # nothing to draw: the parts are initialized as they are materialized
+        for module, key in self.parts():
+            init_part(module, cfg.initializer_range, base, *key)
+
+    def parts(self):
+        """(module, key) of every part with weights to draw, in the order they are drawn:
+        the embeddings, each block, the LM head when it is not tied (the final norm is one)."""
+        yield self.model.embed_tokens, ("embed",)
+        for i, layer in enumerate(self.model.layers):
+            yield layer, ("layer", i)
+        if not self.config.tie_word_embeddings:
+            yield self.lm_head, ("head",)
 
     def forward(self, input_ids, position_ids=None, document_ids=None, **_):
         """Logits [B, S, vocab]. Packed rows (``document_ids`` given) run on their real

@@ -256,7 +256,7 @@ class MoEDecoderLayer(nn.Module):
     def reset_stats(self) -> None:
         e = self.cfg.moe.num_experts
         self.stats = {"aux_loss": 0.0, "z_loss": 0.0, "micro_batches": 0, "dropped": 0, "pairs": 0,
-                      "tokens_per_expert": torch.zeros(e, dtype=torch.float64)}
+                      "tokens_per_expert": torch.zeros(e, dtype=torch.float64, device="cpu")}  # (a meta-built model too)
 
     def active_expert_params(self) -> int:
         """Expert parameters a token passes through: its top-k experts and the shared one."""

@@ -164,3 +164,28 @@ def test_sources_that_are_not_one_model_are_refused(run_dir, tmp_path):
     assert not os.path.exists(str(tmp_path / "out2"))
     # every refusal left the earlier average whole
     assert sorted(os.listdir(out)) == ["COMPLETE", "lineage.json", "model.safetensors"]
+
+
+def test_a_run_directory_means_its_averaged_model_while_it_is_current(run_dir, tmp_path, capsys):
+    """molds-sample / molds-eval / molds-export RUN take RUN/averaged (what
+    checkpoint.average_last writes) when it was made from the run's newest checkpoint; a
+    stale or broken one is passed over, named; resume and averaging never take it."""
+    from molds.checkpoint import open_checkpoint, resolve, resolve_model
+    from molds.checkpoint.average import average_checkpoints
+
+    run = str(tmp_path / "run")
+    shutil.copytree(run_dir, run)
+    assert resolve_model(run) == resolve(run) == _step(run, 6)  # no average: the latest checkpoint, quietly
+    assert capsys.readouterr().err == ""
+    avg = average_checkpoints([_step(run, 4), _step(run, 6)], os.path.join(run, "averaged"))
+    assert resolve_model(run) == avg and resolve(run) == _step(run, 6)
+    assert "its averaged model" in capsys.readouterr().err
+    assert open_checkpoint(run).checkpoint == avg
+    assert resolve_model(_step(run, 6)) == _step(run, 6)  # a named checkpoint is what was named
+
+    stale = average_checkpoints([_step(run, 2), _step(run, 4)], os.path.join(run, "averaged"))
+    assert resolve_model(run) == _step(run, 6)
+    assert "averages checkpoints up to step 4, and the run's newest is step 6" in capsys.readouterr().err
+    os.remove(os.path.join(stale, "COMPLETE"))
+    assert resolve_model(run) == _step(run, 6)
+    assert "no COMPLETE marker" in capsys.readouterr().err

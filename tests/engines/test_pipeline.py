@@ -52,9 +52,11 @@ def _grads_by_name(named_grads, slots):
     return out
 
 
-def _run(rank, world, argv, dataset, reference, staged=False):
+def _run(rank, world, argv, dataset, reference, staged=False, whole=False):
     """One engine's steps; ``reference``: the single-process engine, running the MoE blocks'
-    ``reference_forward`` unless ``staged`` (then the same five stages as the pipeline)."""
+    ``reference_forward`` unless ``staged`` (then the same five stages as the pipeline). The
+    pipeline's model is built on the meta device as train.py builds it (each rank
+    materializes its own stages), or with ``whole`` on every rank as before that."""
     import torch
 
     from molds.checkpoint.state import canonical_state, slots
@@ -69,7 +71,8 @@ def _run(rank, world, argv, dataset, reference, staged=False):
 
     recipe = parse_recipe(argv)
     dist = init_distributed(need_group=not reference)
-    model = build_model(recipe.model, tokenizer(dataset), seed=0)
+    meta = recipe.parallel.engine == "pipeline" and not whole
+    model = build_model(recipe.model, tokenizer(dataset), seed=0, device="meta" if meta else None)
     loss = build_loss(recipe.model)
     apply_kernels(model, recipe.kernels, loss)  # as train.py does
     if reference and not staged:
@@ -187,3 +190,85 @@ def test_fp8_and_triton_kernels_on_the_pipeline_match_one_process(dataset):
     # Adam turns those into under a hundredth of a learning-rate step (3e-3): seen 1.3e-5
     for name, want in one["weights"].items():
         assert float((weights[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 3e-5, name
+
+
+def _materialized(rank, world, argv, dataset, whole):
+    """What a pipeline rank holds after its engine is built, and the losses of its steps:
+    ``whole``: the model built with storage on every rank (the path before meta-device
+    construction), else on the meta device as train.py builds it."""
+    import resource
+
+    import torch
+
+    from molds.checkpoint.state import canonical_state
+    from molds.distributed import init_distributed
+    from molds.engines import build_engine
+    from molds.models import build_model, count_parameters
+    from molds.models.loss import build_loss
+    from molds.recipe import parse_recipe
+    from tests.engines.test_equivalence import tokenizer
+
+    import deepspeed  # noqa: F401  (its import and process groups are not the model's memory)
+
+    import molds.engines.pipeline  # noqa: F401
+
+    recipe = parse_recipe(argv)
+    dist = init_distributed(need_group=True)
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    tok = tokenizer(dataset)
+    build_model(recipe.model, tok, seed=0, device="meta")  # the modules it imports are no parameters either
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = build_model(recipe.model, tok, seed=0, device=None if whole else "meta")
+    whole_params = count_parameters(model)
+    engine = build_engine(recipe, model, build_loss(recipe.model), dist)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    held = {id(p): p for p in engine.module.parameters() if not p.is_meta}
+    held = sum(p.numel() for n, p in engine.module.named_parameters()
+               if id(p) in held and not n.startswith("molds_expert_parallel"))
+    start = {k: v.clone() for k, v in canonical_state(engine.module, engine.rename).items()}
+    data = _micro_batches(dataset, 4)
+    losses = [engine.train_step(data[i:i + 2]).loss for i in (0, 2)]
+    return {"whole": whole_params, "held": held, "peak_mb": peak_kb / 1024, "start": start, "losses": losses,
+            "stage": engine.topology.pp_rank, "meta_left": any(p.is_meta for p in model.parameters())}
+
+
+def test_each_pipeline_rank_materializes_only_its_stages(dataset):
+    """A pp=2 pipeline built from a meta-device model: each rank allocates its own stages'
+    parameters only (within 10 % of half the model; its peak resident growth while the
+    engine is built stays below the whole model's size, where building the whole model
+    costs every rank all of it), starts from exactly the single-device initialization, and trains to exactly
+    the losses of the pipeline built from the whole model."""
+    import torch
+
+    from molds.checkpoint.state import canonical_state
+    from molds.models import build_model
+    from molds.recipe import parse_recipe
+    from tests.engines.test_equivalence import tokenizer
+
+    # wide enough that the parameters (~35M, 135 MB in fp32) dwarf the allocator's noise
+    big = ["--model.hidden_size", "768", "--model.num_heads", "8", "--model.num_kv_heads", "4",
+           "--model.moe_expert_size", "768", "--parallel.partition_method", "parameters"]
+    argv = _argv(dataset, "pipeline", 2, 1, accum=2, extra=big)
+    meta = run_ranks(_materialized, 2, argv, dataset, False)
+    whole = run_ranks(_materialized, 2, argv, dataset, True)
+    n = meta[0]["whole"]
+    mb = 4 * n / 2**20
+    for r in whole:
+        print(f"built whole, stage {r['stage']}: peak RSS growth {r['peak_mb']:.0f} MB")
+        assert r["peak_mb"] > 0.9 * mb  # the measure sees a whole model when there is one (seen 148-157 MB)
+    for r, w in zip(meta, whole):
+        assert abs(r["held"] - n / 2) <= 0.1 * n / 2, (r["held"], n)
+        assert r["meta_left"], "the single-device model was materialized"
+        print(f"stage {r['stage']}: {r['held']:,} of {n:,} parameters; peak RSS growth {r['peak_mb']:.0f} MB "
+              f"(whole model {mb:.0f} MB)")
+        # (seen 85-103 MB: half the model and the allocator's own): below the whole model, and
+        # below the rank that built it whole by more than a quarter of it
+        assert r["peak_mb"] < mb and r["peak_mb"] < w["peak_mb"] - 0.25 * mb
+    # the stages' weights at the start are the single-device model's, exactly
+    want = canonical_state(build_model(parse_recipe(argv).model, tokenizer(dataset), seed=0))
+    start = {**meta[0]["start"], **meta[1]["start"]}
+    assert start.keys() == want.keys()
+    differ = [k for k, v in want.items() if not torch.equal(start[k], v)]
+    assert not differ, differ
+    last = lambda rs: next(r["losses"] for r in rs if r["stage"] == 1)  # noqa: E731
+    assert last(meta) == last(whole)
