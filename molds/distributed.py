@@ -5,7 +5,7 @@ Without CUDA it picks gloo and DeepSpeed's CPU accelerator by itself. One timeou
 creates (the default group, DeepSpeed's data/expert/pipeline groups: they are created
 with torch's default timeout, which is set here), so a hung or dead peer ends the job
 instead of hanging it; ``collective(op)`` turns such a failure into a one-line error
-naming the rank and the operation. A single ``python`` process that needs a process
+naming the rank, the operation and the rank that was lost (``molds.heartbeat``). A single ``python`` process that needs a process
 group (DeepSpeed engines) gets a one-rank gloo group on a free local port.
 """
 
@@ -32,6 +32,7 @@ class DistInfo:
     device: torch.device
     backend: str | None
     timeout_s: float = 600.0
+    heartbeat: object = None  # molds.heartbeat.Heartbeat: names a lost rank when a collective fails
 
     @property
     def is_main(self) -> bool:
@@ -89,7 +90,12 @@ def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> D
         backend = torch.distributed.get_backend()
     if not cuda:  # DeepSpeed maps one for a single rank too
         atexit.register(release_deepspeed_shm, rank)
-    return DistInfo(rank, world, local_rank, device, backend, timeout_s)
+    heartbeat = None
+    if world > 1:
+        from .heartbeat import start_heartbeat
+
+        heartbeat = start_heartbeat(rank, world)
+    return DistInfo(rank, world, local_rank, device, backend, timeout_s, heartbeat)
 
 
 def deepspeed_shm_path(rank: int) -> str:
@@ -129,9 +135,10 @@ def collective(op: str, dist: DistInfo):
         if not dist.distributed or not any(m in text for m in _TIMEOUT_MARKS):
             raise
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        who = dist.heartbeat.lost_ranks() if dist.heartbeat is not None else "another rank is hung or has died"
         raise CollectiveTimeout(
-            f"rank {dist.rank}: {op} did not complete (parallel.collective_timeout_s={dist.timeout_s:g}): another "
-            f"rank is hung or has died ({first})") from exc
+            f"rank {dist.rank}: {op} did not complete (parallel.collective_timeout_s={dist.timeout_s:g}): {who} "
+            f"({first})") from exc
 
 
 @contextlib.contextmanager

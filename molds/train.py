@@ -72,6 +72,32 @@ def main(argv: list[str] | None = None) -> dict:
         teardown(run)
 
 
+def _after_elastic_restart(recipe, dist):
+    """Under ``torchrun --max-restarts N`` a failed attempt is started again with the same
+    command line: the run continues from its newest complete checkpoint by itself
+    (``checkpoint.resume`` becomes ``auto``, said on stderr), so the restarted job sees
+    each molecule once and ends as an uninterrupted one would. The ranks agree on it: the
+    node whose rank failed counts a restart (``TORCHELASTIC_RESTART_COUNT``), the others
+    only re-join the rendezvous with their count unchanged. Before its first checkpoint the
+    attempt starts over as the recipe says. ``run.output_dir`` must be on a filesystem
+    every node sees."""
+    from molds.distributed import all_reduce_max
+
+    restart = int(all_reduce_max(float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), dist))
+    if not restart or recipe.checkpoint.resume == "auto" and not recipe.checkpoint.fork:
+        return recipe
+    from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
+
+    if not complete_checkpoints(checkpoints_dir(recipe.run.output_dir)):
+        return recipe
+    if dist.is_main:
+        print(f"[molds] torchrun restart {restart} (of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): "
+              f"continuing {recipe.run.output_dir} from its newest checkpoint (checkpoint.resume "
+              f"{recipe.checkpoint.resume!r} -> 'auto'{', fork off' if recipe.checkpoint.fork else ''})",
+              file=sys.stderr)
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, resume="auto", fork=False))
+
+
 def train(run: Run) -> None:
     """The loop: take micro-batches, step, log, evaluate, checkpoint."""
     from molds.data.loader import batch_tensors
@@ -209,14 +235,16 @@ def teardown(run: Run) -> None:
     gloo's threads can still be calling into Python while the interpreter shuts down."""
     run.log.close()
     run.engine = run.evaluator = run.loader = None
-    _leave_process_group()
+    _leave_process_group(run.dist)
 
 
-def _leave_process_group() -> None:
+def _leave_process_group(dist=None) -> None:
     import gc
 
     import torch
 
+    if dist is not None and dist.heartbeat is not None:
+        dist.heartbeat.stop()
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -244,6 +272,7 @@ def setup(recipe, plan=None) -> Run:
     allocator = retain_freed_memory()  # before the first large allocation
     dist = init_distributed(recipe.parallel.collective_timeout_s,
                             need_group=recipe.parallel.engine in ("zero", "pipeline"))
+    recipe = _after_elastic_restart(recipe, dist)
     manifest = Manifest.load(recipe.data.manifest)
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
@@ -550,11 +579,25 @@ def _start_summary(run: Run, parameters: int) -> None:
     warning = run.plan.precision.warning()
     if warning:
         notes.append(warning)
+    notes.append(_elastic_store_warning())
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)
+
+
+def _elastic_store_warning() -> str | None:
+    """torchrun with restarts and its shared rendezvous store (torch 2.13's default): the
+    store keeps the failed attempt's keys and the restarted ranks read them without a new
+    namespace, so their process group connects to dead addresses ("connectFullMesh
+    failed"). Torch's own per-round store avoids it."""
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("0", "") or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("torchrun --max-restarts with its shared rendezvous store: a restarted attempt reads the failed one's "
+            "addresses and cannot connect (torch 2.13); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun "
+            "so that restarts work")
 
 
 def _machine(device) -> str:
