@@ -82,14 +82,24 @@ class BlockPipe(nn.Module):
         self.part = ("layer", index)  # block ``index`` of the single-device model
 
     def _open(self, inputs):
-        """The real tokens' rows and what attention needs for them."""
-        from ..models.decoder import rope_cos_sin
+        """The real tokens' rows (and filler rows up to a multiple of 64 for a dense block on
+        a CPU in bf16, as the single-device decoder rounds them: oneDNN's GEMM shapes then
+        repeat) and what attention needs for them."""
+        from ..models.decoder import CausalDecoder, PackedLayout, rope_cos_sin
+        from ..models.moe import MoEDecoderLayer
 
         hidden, position_ids, document_ids = inputs
-        layout = _layout(position_ids, document_ids)
-        t = layout.positions.numel()
+        multiple = 1
+        if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16) \
+                and not isinstance(self.block, MoEDecoderLayer):  # MoE routing must see real tokens only
+            multiple = CausalDecoder.CPU_BF16_ROW_MULTIPLE
+        layout = PackedLayout.of(document_ids, position_ids, multiple)
+        rows = min(layout.rows, hidden.shape[0])
+        if rows != layout.rows:  # the stage tuple has fewer rows than the rounding wants: exact rows
+            layout = PackedLayout.of(document_ids, position_ids, 1)
+            rows = layout.rows
         cos, sin = rope_cos_sin(layout.positions, self.head_dim, self.rope_theta, hidden.dtype)
-        return hidden[:t], cos, sin, layout
+        return hidden[:rows], cos, sin, layout
 
     def forward(self, inputs):
         hidden, position_ids, document_ids = inputs
@@ -341,7 +351,7 @@ class PipelineEngine(ScheduledEngine):
         if expert_parallel:
             self.module.molds_expert_parallel = _ExpertParallelMarker(num_experts, self.ep,
                                                                       placeholder=not self.moe_layers)
-        self.model = None  # no rank holds the whole single-device model (sampling needs molds-sample)
+        self.model = None  # no rank holds the whole single-device model (sampling gathers it: gather_weights)
         set_aux_loss_scale(self.module, 1.0 / plan.micro_batches)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
         if expert_parallel:
@@ -522,6 +532,24 @@ class PipelineEngine(ScheduledEngine):
         write_model(directory, all_weights)
         write_optimizer(directory, all_moments, {"optimizer_step": max(s for _, _, s in parts),
                                                  "scheduler_step": self.scheduler.last_epoch})
+
+    def gather_weights(self) -> dict:
+        """Every stage's weights by canonical name, on every rank (a collective): what
+        sampling during training builds a whole single-device model from."""
+        from .zero import full_state
+
+        local = [s for s in self._slots() if not s.name.startswith("molds_expert_parallel")]
+        weights, _ = full_state(self.engine, local, keep=True)
+        parts = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(parts, weights)
+        merged = {}
+        for part in parts:
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        missing = self.expected_keys - merged.keys()
+        if missing:
+            raise RuntimeError(f"the pipeline's gathered weights miss {sorted(missing)[:5]}")
+        return merged
 
     def load(self, directory: str, *, optimizer: bool = True) -> None:
         from ..checkpoint.state import read_model, read_optimizer

@@ -82,7 +82,7 @@ class TrainingEvaluator:
                 values["eval/loss"] = total / count
                 values["eval/perplexity"] = math.exp(min(total / count, 50.0))
             samples = predictions = None
-            if self.family == "decoder" and model is not None:
+            if self.family == "decoder" and (model is not None or hasattr(self.engine, "gather_weights")):
                 samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step)
                 samples = [s for part in gather_objects(samples, dist) for s in part]
             elif kind == "full" and self.recipe.model.num_tasks:
@@ -124,8 +124,9 @@ class TrainingEvaluator:
             self.tokenizer = AutoTokenizer.from_pretrained(self.specials.path, local_files_only=True)
         ev, dist = self.recipe.eval, self.dist
         per_rank = max(1, -(-total // dist.world_size))
+        model = self.engine.model if self.engine.model is not None else self._gathered_model()
         with self.engine.autocast():
-            ids = sample_ids(self.engine.model, per_rank, bos=self.specials.bos, eos=self.specials.eos,
+            ids = sample_ids(model, per_rank, bos=self.specials.bos, eos=self.specials.eos,
                              max_tokens=default_max_tokens(self.manifest, self.recipe.model.max_position_embeddings),
                              temperature=ev.temperature, top_k=ev.top_k, batch_size=min(per_rank, 1024),
                              seed=self.recipe.run.seed * 1000003 + step * 101 + dist.rank, device=dist.device,
@@ -133,6 +134,19 @@ class TrainingEvaluator:
                              forbid=forbidden_tokens(dataclasses.asdict(self.recipe), self.specials))
         texts = ids_to_texts(self.tokenizer, ids)
         return list(zip(texts, texts_to_smiles(texts, of_manifest(self.manifest))))
+
+    def _gathered_model(self):
+        """An engine whose ranks each hold a part of the model (the pipeline's stages):
+        the whole single-device model, built on every rank from the gathered weights for
+        this evaluation's samples and dropped after it (so each rank holds the whole model
+        while it samples)."""
+        from molds.checkpoint.state import load_canonical
+        from molds.models import build_model
+
+        weights = self.engine.gather_weights()
+        model = build_model(self.recipe.model, self.specials, seed=self.recipe.run.seed)
+        load_canonical(model, weights, "the pipeline's gathered stages")
+        return model.to(self.dist.device).eval()
 
     def _score(self, samples: list, step: int, kind: str) -> dict:
         from molds.metrics.generation import generation_metrics, parse_samples, unique_at

@@ -1,5 +1,6 @@
 """The MoE pipeline as a user runs it: ``deepspeed --num_gpus 4 molds/train.py`` with
-pp = 2, ep = 2 on CPU ranks logs the moe/* and pipeline/* tags and checkpoints; the run
+pp = 2, ep = 2 on CPU ranks logs the moe/* and pipeline/* tags, samples molecules during
+training from the model gathered from its stages, and checkpoints; the run
 resumes with pp = 1, ep = 1 on one process; the checkpoint exports to
 ``Qwen3MoeForCausalLM`` with the same logits, and molds-sample / molds-eval take it."""
 
@@ -27,7 +28,7 @@ def _args(dataset, out, steps, *extra):
             "--parallel.partition_method", "uniform", "--trainer.max_steps", str(steps),
             "--trainer.precision", "fp32", "--logging.interval_steps", "2", "--logging.progress", "false",
             "--checkpoint.interval_steps", "3", "--eval.interval_steps", "3", "--eval.max_batches", "2",
-            "--run.output_dir", out, *extra]
+            "--eval.samples", "16", "--eval.full_samples", "64", "--run.output_dir", out, *extra]
 
 
 def exports_as_qwen3_moe(run: str, out: str) -> None:
@@ -65,6 +66,9 @@ def test_moe_pipeline_runs_resumes_exports(dataset, tmp_path):
         assert tag in train[-1], tag
     assert 0 < train[-1]["pipeline/bubble_fraction"] < 1  # 1F1B on 2 stages: the warm-up and drain idle
     assert any("eval/loss" in r for r in rows)
+    # samples during training: drawn from the whole model gathered from the stages
+    sampled = [r for r in rows if "eval/validity" in r]
+    assert [r["step"] for r in sampled] == [3, 6] and all(0 <= r["eval/validity"] <= 1 for r in sampled)
     acc = EventAccumulator(os.path.join(out, "tensorboard")).Reload()
     assert "moe/tokens_per_expert/layer01" in acc.Tags()["histograms"]
     lineage = json.load(open(os.path.join(out, "checkpoints", "step-00000006", "lineage.json")))

@@ -272,3 +272,44 @@ def test_each_pipeline_rank_materializes_only_its_stages(dataset):
     assert not differ, differ
     last = lambda rs: next(r["losses"] for r in rs if r["stage"] == 1)  # noqa: E731
     assert last(meta) == last(whole)
+
+
+def test_a_dense_stage_on_a_cpu_in_bf16_rounds_its_rows_as_the_decoder_does(dataset):
+    """On a CPU in bf16, a dense block on a pipeline stage runs its GEMMs on the real tokens
+    plus filler rows up to a multiple of 64 (the single-device decoder's rule, so oneDNN's
+    shapes repeat); the real tokens' outputs are those of the exact rows; fp32 keeps the
+    exact rows (and so do MoE blocks, whose routing must see real tokens only)."""
+    import torch
+
+    from molds.engines.pipeline import BlockPipe
+    from molds.models import build_model
+    from molds.models.decoder import PackedLayout, rope_cos_sin
+    from molds.recipe import parse_recipe
+    from tests.engines.test_equivalence import tokenizer
+
+    recipe = parse_recipe(["--recipe", "recipes/smoke/dense_ddp.json", "--data.manifest", dataset])
+    model = build_model(recipe.model, tokenizer(dataset), seed=0)
+    cfg = model.config
+
+    def row(lengths, width=128):  # packed molecules of these lengths, then padding (document id -1)
+        doc = sum(([i] * n for i, n in enumerate(lengths)), []) + [-1] * (width - sum(lengths))
+        pos = sum((list(range(n)) for n in lengths), []) + [0] * (width - sum(lengths))
+        return doc, pos
+
+    rows = [row([30, 41]), row([53])]
+    doc = torch.tensor([r[0] for r in rows])
+    pos = torch.tensor([r[1] for r in rows])
+    exact = PackedLayout.of(doc, pos, 1)
+    assert exact.tokens == 124
+    for dtype in (torch.bfloat16, torch.float32):
+        block = model.model.layers[0].to(dtype)
+        seen = []
+        hook = block.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+        hidden = torch.randn(doc.numel(), cfg.hidden_size, dtype=dtype)
+        out = BlockPipe(block, cfg.head_dim, cfg.rope_theta)((hidden, pos, doc))[0]
+        hook.remove()
+        want_rows = -(-exact.tokens // 64) * 64 if dtype == torch.bfloat16 else exact.tokens
+        assert seen == [want_rows], (dtype, seen, exact.tokens)
+        cos, sin = rope_cos_sin(exact.positions, cfg.head_dim, cfg.rope_theta, dtype)
+        ref = block(hidden[:exact.tokens], cos, sin, exact)
+        torch.testing.assert_close(out[:exact.tokens], ref, rtol=2e-2, atol=2e-2)
