@@ -28,30 +28,48 @@ from .stages import MapStage, Stats
 _BATCH_CHUNKS = 2  # raw chunks per canonicalize batch (= per spill file)
 
 
+_READ_ERROR = "read-error"  # the kind of the one row a reader emits when its file cannot be read to its end
+
+
 def _read_file_batches(batch):
-    """One input file in, its records out as Arrow tables (generator UDF)."""
+    """One input file in, its records out as Arrow tables (generator UDF). A file that
+    cannot be read to its end (a cut-short archive under ``--on_truncated fail``, a
+    malformed file) yields the records read before the fault and then one ``read-error``
+    row naming it, so the rows read are still canonicalized and counted, and the driver
+    reports them as the local engine does (``PartialReadError``, the failure report)."""
     import pyarrow as pa
 
-    from .readers import Columns
+    from .readers import Columns, InputError
+
+    def table(file_index, path, rows, smiles, ids, labels, reasons, kind, records):
+        return pa.table({
+            "file_index": pa.array([file_index] * len(rows), pa.int64()),
+            "path": pa.array([path] * len(rows), pa.string()),
+            "row": pa.array(rows, pa.int64()),
+            "smiles": pa.array([s.decode("latin-1") if isinstance(s, bytes) else s for s in smiles],
+                               pa.string()),  # SD records: their bytes as latin-1 text, lossless
+            "id": pa.array(ids, pa.string()),
+            "labels": pa.array([None if v is None else json.dumps(v) for v in labels], pa.string()),
+            "reason": pa.array(reasons, pa.string()),
+            "kind": pa.array([kind] * len(rows), pa.string()),
+            "record": pa.array(records, pa.int64()),
+        })
 
     rows = zip(*(batch.column(c).to_pylist() for c in ("file_index", "path", "format", "options")))
     for file_index, path, fmt, opts in rows:
         o = json.loads(opts)
         cols = Columns(o["smiles"], o["id"], tuple(o["labels"]))
-        for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
-                                                 o["delimiter"], o["smi_header"]), o["on_truncated"]):
-            yield pa.table({
-                "file_index": pa.array([chunk.file_index] * len(chunk), pa.int64()),
-                "path": pa.array([chunk.path] * len(chunk), pa.string()),
-                "row": pa.array(chunk.rows, pa.int64()),
-                "smiles": pa.array([s.decode("latin-1") if isinstance(s, bytes) else s for s in chunk.smiles],
-                                   pa.string()),  # SD records: their bytes as latin-1 text, lossless
-                "id": pa.array(chunk.ids, pa.string()),
-                "labels": pa.array([None if v is None else json.dumps(v) for v in chunk.labels], pa.string()),
-                "reason": pa.array([chunk.reasons.get(i) for i in range(len(chunk))], pa.string()),
-                "kind": pa.array([chunk.kind] * len(chunk), pa.string()),
-                "record": pa.array(chunk.records or [None] * len(chunk), pa.int64()),
-            })
+        last = None
+        try:
+            for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
+                                                     o["delimiter"], o["smi_header"]), o["on_truncated"]):
+                yield table(chunk.file_index, chunk.path, chunk.rows, chunk.smiles, chunk.ids, chunk.labels,
+                            [chunk.reasons.get(i) for i in range(len(chunk))], chunk.kind,
+                            chunk.records or [None] * len(chunk))
+                last = chunk.rows[-1]
+        except InputError as exc:
+            yield table(int(file_index), str(path), [-1 if last is None else last], [str(exc)], [None], [None],
+                        [None], _READ_ERROR, [None])
 
 
 def _kept_until_cut(chunks, on_truncated: str):
@@ -97,9 +115,13 @@ class _Canonicalize:
     def __call__(self, table):
         import pyarrow as pa
 
+        import pyarrow.compute as pc
+
         stage = self.stage
         stage.stats, stage.tokens, stage.spills = Stats(), type(stage.tokens)(), []
-        for chunk in _chunks_of(table):
+        faulty = pc.equal(table.column("kind"), _READ_ERROR)
+        errors = table.filter(faulty)
+        for chunk in _chunks_of(table.filter(pc.invert(faulty))):
             stage.process(chunk)
         stage.flush()
         # plain JSON between the actors and the driver: nothing the driver reads can run code
@@ -108,6 +130,8 @@ class _Canonicalize:
             "stats": [json.dumps({"rows_in": stage.stats.rows_in, "rejected": dict(stage.stats.rejected),
                                   "examples": stage.stats.examples, "truncated": stage.stats.truncated})],
             "tokens": [json.dumps(dict(stage.tokens))],
+            "errors": [json.dumps(list(zip(*(errors.column(c).to_pylist()
+                                             for c in ("file_index", "path", "row", "smiles")))))],
         })
 
 
@@ -147,8 +171,9 @@ class RayEngine:
         ds = ds.map_batches(_Canonicalize, fn_constructor_args=(options, work_dir),
                             batch_size=_BATCH_CHUNKS * cfg.chunk_rows,
                             batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=self.workers))
-        spills, stats, tokens = [], Stats(), None
+        spills, stats, tokens, errors = [], Stats(), None, []
         for row in ds.iter_rows():
+            errors.extend(json.loads(row["errors"]))
             spills.extend((path, np.asarray(offsets, np.int64)) for path, offsets in json.loads(row["spills"]))
             body = json.loads(row["stats"])
             part = Stats(body["rows_in"], Counter(body["rejected"]),
@@ -158,6 +183,13 @@ class RayEngine:
             t = Counter(json.loads(row["tokens"]))
             tokens = t if tokens is None else tokens + t
         spills.sort(key=lambda spill: spill[0])
+        if errors:  # the first file (in input order) that could not be read to its end
+            from .local_engine import PartialReadError
+
+            _, path, row, message = min(errors, key=lambda e: e[0])
+            where = f"{path} line/row {row}" if row >= 0 else f"{path}: its first record"
+            raise PartialReadError(f"{message}; {stats.rows_in:,} rows were read (up to {where}) and are "
+                                   f"accounted in the failure report", stats, where)
         return spills, stats, tokens
 
     def run_tasks(self, fn, arg_tuples):

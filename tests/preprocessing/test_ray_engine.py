@@ -53,3 +53,40 @@ def test_ray_engine_reads_sd_files_as_the_local_one_does(local_ray, hostile_sdf,
     examples = [json.load(open(tmp_path / name / "report.json"))["rejected_examples"] for name in ("local", "ray")]
     assert {k: sorted(map(tuple, v)) for k, v in examples[0].items()} == {
         k: sorted(map(tuple, v)) for k, v in examples[1].items()}
+
+
+def test_ray_engine_reports_a_cut_short_input_as_the_local_one_does(local_ray, tmp_path):
+    """A gzip cut short (``--on_truncated fail``): the Ray engine, like the local one,
+    writes nothing but ``OUT.failed-report.*``, accounting for every row it read (the whole
+    good file and the readable part of the cut one), and names the file; a file without
+    the SMILES column is refused by name."""
+    import gzip
+    import json
+
+    from molds.preprocessing.readers import InputError
+
+    from .conftest import sample_smiles
+
+    smiles = sample_smiles(300, offset=7000)
+    good = tmp_path / "a.csv"
+    good.write_text("smiles\n" + "\n".join(smiles) + "\n")
+    bad = tmp_path / "b.csv.gz"
+    blob = gzip.compress(("smiles\n" + "\n".join(smiles) + "\n").encode())
+    bad.write_bytes(blob[: len(blob) // 2])
+    reports = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        with pytest.raises(InputError, match=r"b.csv.gz.*rows were read \(up to .*b.csv.gz line/row \d+\)"):
+            run_etl(str(out), [str(good), str(bad)], engine=engine)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(engine)) == [
+            f"{engine}.failed-report.json", f"{engine}.failed-report.md"]
+        reports[engine] = json.load(open(tmp_path / f"{engine}.failed-report.json"))
+    for key in ("rows_in", "canonicalized", "rejected", "read_up_to"):
+        assert reports["ray"][key] == reports["local"][key], key
+    rep = reports["ray"]
+    assert len(smiles) < rep["rows_in"] < 2 * len(smiles)
+    assert rep["rows_in"] == rep["canonicalized"] + sum(rep["rejected"].values())
+    wrong = tmp_path / "c.csv"
+    wrong.write_text("SMILE,id\nCCO,1\n")
+    with pytest.raises(InputError, match=r"c.csv.*\['SMILE', 'id'\]"):
+        run_etl(str(tmp_path / "cols"), [str(wrong)], engine="ray")
