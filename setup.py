@@ -65,6 +65,7 @@ setup(
             "molds-schedule=molds.cli.schedule:main",
             "molds-sample=molds.cli.sample:main",
             "molds-eval=molds.cli.evaluate:main",
+            "molds-score=molds.cli.score:main",
         ]
     },
 )

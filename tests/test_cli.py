@@ -33,6 +33,7 @@ def _run(args, **kw):
     ("molds.preprocessing.cli", ["--smiles_column", "default: smiles)", "--max_heavy_atoms"]),
     ("molds.cli.schedule", ["--schedule", "default: dualpipev)", "--micro-batches", "default: 16)", "--costs",
                             "--out"]),
+    ("molds.cli.score", ["--oracle", "a PMO oracle by name", "--scoring", "--smiles_column", "default: smiles)"]),
 ])
 def test_help_shows_every_option_with_default_and_description(module, needles):
     proc = _run([sys.executable, "-m", module, "--help"])
@@ -108,7 +109,7 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
                            text=True, env=env)
     assert str(venv) in check.stdout, check.stdout + check.stderr  # the install, not the source tree
     for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export", "molds-average",
-                   "molds-schedule"):
+                   "molds-schedule", "molds-score"):
         proc = subprocess.run([str(venv / "bin" / script), "--help"], cwd=here, capture_output=True, text=True,
                               env=env, timeout=300)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (script, proc.stderr[-2000:])
