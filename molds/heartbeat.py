@@ -28,15 +28,12 @@ import time
 
 class Heartbeat:
     def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
-        import torch.distributed as td
-
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
         self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         run = os.environ.get("TORCHELASTIC_RUN_ID", "") + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"molds/heartbeat/{run}"
         # its own client connection: the process group's store is busy inside collectives
-        self.store = td.TCPStore(self.host, self.port, is_master=False,
-                                 timeout=datetime.timedelta(seconds=max(5.0, 3 * interval_s)))
+        self.store = self._client()
         self.store.set(f"{self.prefix}/who/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         self.failed: str | None = None
         self._stop = threading.Event()
@@ -45,6 +42,13 @@ class Heartbeat:
         import atexit
 
         atexit.register(self.stop)
+
+    def _client(self, timeout_s: float = 30.0):
+        """A client connection of its own (a loaded machine can take seconds to accept one)."""
+        import torch.distributed as td
+
+        return td.TCPStore(self.host, self.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=max(timeout_s, 3 * self.interval_s)))
 
     def _beat(self) -> None:
         key = f"{self.prefix}/beat/{self.rank}"
@@ -68,7 +72,11 @@ class Heartbeat:
         saying that every peer is alive (one is hung), or that the store is unreachable."""
         where = f"{self.host}:{self.port}"
         try:
-            first = [self.store.add(f"{self.prefix}/beat/{r}", 0) for r in range(self.world_size)]
+            try:
+                first = [self.store.add(f"{self.prefix}/beat/{r}", 0) for r in range(self.world_size)]
+            except Exception:  # this client's connection may be what broke: one fresh connection
+                self.store = self._client(timeout_s=5.0)
+                first = [self.store.add(f"{self.prefix}/beat/{r}", 0) for r in range(self.world_size)]
             time.sleep(periods * self.interval_s)
             second = [self.store.add(f"{self.prefix}/beat/{r}", 0) for r in range(self.world_size)]
             stopped = [r for r in range(self.world_size) if r != self.rank and second[r] == first[r]]

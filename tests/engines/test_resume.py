@@ -11,6 +11,8 @@ import pytest
 
 from tests.dist.spawn import run_ranks
 
+SLOW = pytest.mark.slow  # also in the default suite: the other cases of the same test
+
 
 def _argv(dataset, out, engine, steps, extra=(), stage=2):
     from tests.faults.common import argv
@@ -39,7 +41,8 @@ def copy_checkpoint(src_run, step, dst_run):
         fh.write(name)
 
 
-@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)], ids=["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), pytest.param("zero", 3, marks=pytest.mark.slow)],
+                         ids=["ddp", "zero2", "zero3"])
 def test_resume_matches_uninterrupted(dataset, tmp_path, engine, stage):
     full = str(tmp_path / "full")
     run_ranks(_main, 2, _argv(dataset, full, engine, 7, stage=stage))
@@ -80,7 +83,8 @@ def _reload_and_save(rank, world, argv, source, target):
     run.log.close()
 
 
-@pytest.mark.parametrize("engine,stage,world", [("zero", 2, 1), ("zero", 3, 1), ("ddp", 0, 1), ("zero", 1, 2)],
+@pytest.mark.parametrize("engine,stage,world", [("zero", 2, 1), ("zero", 3, 1), pytest.param("ddp", 0, 1, marks=SLOW),
+                                                 pytest.param("zero", 1, 2, marks=SLOW)],
                          ids=["zero2-to-1rank", "zero3-to-1rank", "zero2-to-ddp", "zero2-to-zero1"])
 def test_canonical_state_moves_between_engines_and_world_sizes(dataset, tmp_path, engine, stage, world):
     """A ZeRO-2 checkpoint of 2 ranks, loaded on another engine / stage / world size and

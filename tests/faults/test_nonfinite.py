@@ -35,7 +35,7 @@ def test_stop_saves_nothing_non_finite(dataset, tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-00000002"
 
 
-@pytest.mark.parametrize("engine,world", [("ddp", 1), ("zero", 2)])
+@pytest.mark.parametrize("engine,world", [("ddp", 1), pytest.param("zero", 2, marks=pytest.mark.slow)])
 def test_skip_drops_the_step_and_counts_it(dataset, tmp_path, engine, world):
     out = str(tmp_path / "run")
     run_ranks(train_with, world, argv(dataset, out, engine, 6, "--trainer.on_nonfinite", "skip"), "nan", 3)

@@ -24,7 +24,7 @@ REFUSED = {"selfies": {"*c1ccccc1": "selfies_encode_error", "O=I(=O)c1ccccc1": "
            "safe": {"*c1ccccc1": "safe_roundtrip"}}
 
 
-@pytest.fixture(scope="module", params=["selfies", "safe"])
+@pytest.fixture(scope="module", params=["selfies", pytest.param("safe", marks=pytest.mark.slow)])
 def sample_run(request, tmp_path_factory):
     """The whole bundled sample (20,000 MOSES molecules) and the refused rows, preprocessed."""
     rep = request.param

@@ -106,7 +106,8 @@ def test_a_component_from_an_installed_package(tmp_path, monkeypatch):
         "def ring_count(scale=1.0):\n"
         "    from rdkit import Chem\n"
         "    def score(smiles):\n"
-        "        return [scale * Chem.MolFromSmiles(s).GetRingInfo().NumRings() for s in smiles]\n"
+        "        mols = [Chem.MolFromSmiles(s) for s in smiles]  # kept alive: RingInfo is a view\n"
+        "        return [scale * m.GetRingInfo().NumRings() for m in mols]\n"
         "    return score\n")
     info = pkg / "myscores-1.0.dist-info"
     info.mkdir()
