@@ -504,3 +504,77 @@ class LoggingConfig:
 
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device for MFU (None: known GPUs are looked up; CPU: no MFU)."""
+
+
+@dataclass
+class GoalConfig:
+    """Goal-directed fine-tuning (REINVENT's augmented-likelihood RL): with ``prior`` set,
+    ``molds/train.py`` steers an agent, initialised from the prior, toward ``scoring``
+    (see README: Steering a model toward a goal). The model and manifest are the prior's;
+    ``trainer.max_steps`` bounds the steps, ``optim`` trains the agent, ``checkpoint``
+    saves and resumes it (the call ledger, memory and filter with it)."""
+
+    RANGES: ClassVar[dict] = {
+        "sigma": (0.0, 1e6), "batch_size": (1, 1 << 20), "temperature": (1e-3, 100.0), "max_tokens": (0, 1 << 16),
+        "max_oracle_calls": (0, _BIG), "replay_size": (0, 1 << 20), "replay_samples": (0, 1 << 20),
+        "bucket_size": (1, _BIG), "min_score": (0.0, 1.0), "penalty": (0.0, 1.0), "top_k": (1, 1 << 20),
+    }
+
+    prior: Optional[str] = None
+    """The prior: a decoder checkpoint, or a run directory (its averaged model when current,
+    else its latest checkpoint). Unset: an ordinary training run."""
+
+    scoring: Optional[dict] = None
+    """The objective: a scoring definition (``{"components": [...], "aggregate": ...}``) or
+    ``{"oracle": "celecoxib_rediscovery"}`` (molds.scoring; check one with molds-score).
+    Or give ``stages`` instead."""
+
+    stages: Optional[list] = None
+    """Staged objectives, in order: each ``{"scoring": ..., "min_steps": 0, "max_steps": N,
+    "threshold": 1.0}``. A stage ends after ``max_steps`` of its steps, or once its batch's mean
+    score reaches ``threshold`` after ``min_steps``; the run ends with the last stage. Each stage
+    starts with an empty memory, filter and score cache (its scores are its own); the budget
+    is shared."""
+
+    sigma: float = 128.0
+    """The augmented likelihood's weight of the score: the agent is pulled toward
+    log P_prior + sigma * score (REINVENT's default 128; 0 keeps the agent on the prior)."""
+
+    batch_size: int = 64
+    """Molecules sampled per step, all ranks together (a multiple of the world size)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the agent."""
+
+    max_tokens: int = 0
+    """Tokens per sample at most (0: 1.5 x the prior's longest training molecule + 8)."""
+
+    max_oracle_calls: int = 0
+    """The budget: unique valid molecules scored (invalid and repeated ones cost nothing);
+    the run ends when it is spent (0: no budget, ``trainer.max_steps`` ends the run)."""
+
+    replay_size: int = 100
+    """The memory: the best molecules seen (by filtered score), replayed into the loss (0: off)."""
+
+    replay_samples: int = 10
+    """Molecules drawn from the memory into each step's loss, all ranks together."""
+
+    replay_randomized: bool = True
+    """Replay a molecule as a random SMILES spelling of it, new each time (Augmented Memory)."""
+
+    diversity_filter: Literal["none", "identical_murcko"] = "identical_murcko"
+    """``identical_murcko``: molecules scoring at least ``min_score`` fill a bucket per Murcko
+    scaffold; once a scaffold's bucket holds ``bucket_size``, its further molecules' scores are
+    multiplied by ``penalty``."""
+
+    bucket_size: int = 25
+    """Molecules per scaffold before the filter penalizes."""
+
+    min_score: float = 0.4
+    """Scores below this neither fill a bucket nor enter the memory."""
+
+    penalty: float = 0.0
+    """What the filter multiplies the score of a molecule in a full bucket by."""
+
+    top_k: int = 100
+    """The best molecules written to ``topk.csv`` at the end."""

@@ -15,11 +15,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .config import (CheckpointConfig, DataConfig, EvalConfig, KernelsConfig, LoggingConfig, ModelConfig,
-                     OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
+from .config import (CheckpointConfig, DataConfig, EvalConfig, GoalConfig, KernelsConfig, LoggingConfig,
+                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
 from .errors import RecipeError
 
-SECTIONS = ("run", "data", "model", "parallel", "kernels", "optim", "trainer", "eval", "checkpoint", "logging")
+SECTIONS = ("run", "data", "model", "parallel", "kernels", "optim", "trainer", "eval", "checkpoint", "logging",
+            "goal")
 SHORT_FORMS = {"--resume": "--checkpoint.resume", "--fork": "--checkpoint.fork"}
 
 
@@ -35,6 +36,7 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    goal: GoalConfig = field(default_factory=GoalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -25,6 +25,8 @@ if __name__ == "__main__":  # `python molds/train.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from molds.errors import MoldsError, NonFiniteError  # noqa: E402
+from molds.runtime import (code_version as _code_version, leave_process_group as _leave_process_group,  # noqa: E402
+                           machine as _machine, quiet_third_party as _quiet_third_party, seed_rank as _seed_rank)
 
 
 @dataclass
@@ -59,6 +61,15 @@ def main(argv: list[str] | None = None) -> dict:
     argv = [a for a in argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     recipe = parse_recipe(argv)
     check_machine(recipe, argv)  # a recipe sized for GPUs on a machine without them: its twin
+    if not recipe.goal.prior and (recipe.goal.scoring is not None or recipe.goal.stages is not None):
+        from molds.errors import RecipeError
+
+        raise RecipeError("goal.scoring / goal.stages are set but goal.prior is not: a goal run steers a prior "
+                          "decoder checkpoint (set goal.prior), a training run has no objective to score")
+    if recipe.goal.prior:  # goal-directed fine-tuning of a prior (molds.goal)
+        from molds.goal.loop import run_goal
+
+        return run_goal(recipe)
     plan = resolve_plan(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # checked before any process group starts
     try:
         run = setup(recipe, plan)
@@ -236,18 +247,6 @@ def teardown(run: Run) -> None:
     run.log.close()
     run.engine = run.evaluator = run.loader = None
     _leave_process_group(run.dist)
-
-
-def _leave_process_group(dist=None) -> None:
-    import gc
-
-    import torch
-
-    if dist is not None and dist.heartbeat is not None:
-        dist.heartbeat.stop()
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------- setup
@@ -483,53 +482,6 @@ def _check_manifest_unchanged(run: Run) -> None:
 
 # ---------------------------------------------------------------- small helpers
 
-def _seed_rank(seed: int, rank: int) -> None:
-    """Initialization is the same on every rank; what comes after (dropout, sampling)
-    must not be: each rank's generators are seeded from (seed, rank)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    s = (seed * 1_000_003 + rank * 7_919 + 1) % 2**31
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s)
-
-
-def _code_version() -> str:
-    import subprocess
-
-    from molds import __version__
-
-    if os.environ.get("MOLDS_NO_GIT"):
-        return __version__
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
-                             capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return f"{__version__}+{rev}" if rev else __version__
-
-
-def _quiet_third_party() -> None:
-    """Known-harmless warnings of DeepSpeed and torch on CPU, filtered once per process."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated.*")
-    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated.*")
-    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else os.environ.get("DS_ACCELERATOR", "cuda"))
-    if int(os.environ.get("RANK", "0")) != 0:
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
 
 def _progress_bar(run: Run):
     if not (run.dist.is_main and run.recipe.logging.progress):
@@ -598,17 +550,6 @@ def _elastic_store_warning() -> str | None:
     return ("torchrun --max-restarts with its shared rendezvous store: a restarted attempt reads the failed one's "
             "addresses and cannot connect (torch 2.13); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun "
             "so that restarts work")
-
-
-def _machine(device) -> str:
-    """What the run ran on, named in the lineage (a figure that does not name its CPU class
-    cannot be re-run)."""
-    import torch
-
-    from molds.precision import cpu_description
-
-    gpu = f"{torch.cuda.get_device_name(device)}; " if device.type == "cuda" else ""
-    return f"{gpu}{cpu_description()}; torch {torch.__version__}"
 
 
 def _hparams(recipe) -> dict:

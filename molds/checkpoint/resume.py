@@ -37,6 +37,7 @@ RESUME_MUTABLE = (
     "trainer.grad_accum", "trainer.global_batch_size", "trainer.on_nonfinite", "trainer.max_nonfinite_steps",
     "data.manifest", "data.verify", "data.on_bad_shard", "data.max_skipped_fraction", "data.num_workers",
     "kernels.compile_regions", "kernels.triton",  # the same math as the PyTorch paths (not kernels.fp8*)
+    "goal.max_oracle_calls", "goal.top_k",  # the budget of a goal run, and what it writes at the end
 )
 
 
@@ -50,8 +51,11 @@ def flatten(recipe: dict) -> dict:
 
 
 def recipe_changes(saved: dict, current: dict) -> dict:
-    """key -> [saved value, current value] for every key that differs."""
-    a, b = flatten(saved), flatten(current)
+    """key -> [saved value, current value] for every key that differs. A key the saved
+    recipe does not hold (added to molds after it was written) counts as its default."""
+    from ..recipe import Recipe
+
+    a, b = {**flatten(Recipe().to_dict()), **flatten(saved)}, flatten(current)
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 

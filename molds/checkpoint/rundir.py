@@ -28,7 +28,7 @@ def prepare_output_dir(recipe, dist, *, resuming: bool) -> None:
                         f"Continue it with --checkpoint.resume auto, start over with --run.overwrite true (deletes "
                         f"its checkpoints, metrics and TensorBoard events), or choose another --run.output_dir")
             if not resuming:  # an earlier run allowed to go (overwrite), or one that died before any checkpoint
-                for name in ("checkpoints", "tensorboard", "metrics.jsonl"):
+                for name in ("checkpoints", "tensorboard", "metrics.jsonl", "scored.csv", "topk.csv"):
                     path = os.path.join(out, name)
                     if os.path.isdir(path):
                         shutil.rmtree(path)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..tokens import IGNORE_INDEX
 
 #: batch keys that are targets (the loss reads them), not model inputs
-TARGET_KEYS = ("labels", "mlm_labels", "label_mask")
+TARGET_KEYS = ("labels", "mlm_labels", "label_mask", "prior_logp", "score", "weight", "norm")
 
 
 def has_targets(batch: dict) -> bool:
@@ -107,6 +107,49 @@ class EncoderLoss:
         if not losses:
             raise ValueError("the batch has no target this model can be trained on")
         return sum(losses)
+
+
+def sequence_log_likelihood(outputs: dict, batch: dict) -> torch.Tensor:
+    """[B]: each row's log-likelihood, the sum over its molecule's tokens of log P(token |
+    the tokens before it) (rows as ``molds.goal`` lays them out: bos, the molecule's tokens,
+    eos, then padding that ``document_ids`` marks -1), from logits or from the hidden
+    states and head weight a fused-head decoder hands over."""
+    labels = batch["labels"]
+    targets = next_token_targets(labels, batch.get("document_ids"))
+    if "logits" in outputs:
+        logits = upcast(outputs["logits"])
+        flat = logits.reshape(-1, logits.shape[-1])
+        picked = targets.reshape(-1)
+    else:  # the real tokens' hidden states and where they sit in the [B x S] positions
+        flat = upcast(F.linear(outputs["hidden"], outputs["lm_head_weight"]))
+        picked = targets.reshape(-1).index_select(0, outputs["token_index"])
+    nll = F.cross_entropy(flat, picked, ignore_index=IGNORE_INDEX, reduction="none")
+    if "logits" in outputs:
+        return -nll.view(labels.shape).sum(dim=1)
+    per_row = torch.zeros(labels.numel(), dtype=nll.dtype, device=nll.device)
+    per_row.index_add_(0, outputs["token_index"], nll)
+    return -per_row.view(labels.shape).sum(dim=1)
+
+
+class AugmentedLikelihoodLoss:
+    """REINVENT's objective for goal-directed fine-tuning: the agent's log-likelihood of
+    each sampled (or replayed) molecule is pulled toward the prior's plus ``sigma`` times
+    its score, ``(log P_prior + sigma * score - log P_agent)^2``. The batch carries
+    ``prior_logp`` and ``score`` per row, and ``norm``: the rows of the whole step over the
+    ranks (a rank's loss is its rows' sum over ``norm / world``, so that the data-parallel
+    mean of the ranks' gradients is the gradient of the mean over every row, whatever
+    each rank holds)."""
+
+    def __init__(self, sigma: float):
+        self.sigma = float(sigma)
+
+    def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
+        agent = sequence_log_likelihood(outputs, batch)
+        target = batch["prior_logp"].to(agent.dtype) + self.sigma * batch["score"].to(agent.dtype)
+        per_row = (target - agent) ** 2
+        if batch.get("weight") is not None:  # rows that only keep the ranks in step weigh 0
+            per_row = per_row * batch["weight"].to(agent.dtype)
+        return per_row.sum() / batch["norm"].to(agent.dtype)
 
 
 def build_loss(model_section) -> object:

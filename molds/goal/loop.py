@@ -1,0 +1,594 @@
+"""The goal run: an agent, initialised from a prior decoder, steered toward a scoring
+function by REINVENT's augmented-likelihood loss (``molds.models.loss.AugmentedLikelihoodLoss``).
+
+    deepspeed --num_gpus 2 molds/train.py --recipe recipes/goal_qed_lead.json
+    python molds/train.py --recipe recipes/goal_pmo.json --goal.scoring '{"oracle": "qed"}'
+
+One step, on every rank at once (``GoalRun.step``):
+
+1. each rank samples its share of ``goal.batch_size`` molecules from the agent, seeded by
+   (run.seed, step, rank), so a resumed run samples what the uninterrupted one did;
+2. the ranks gather the canonical SMILES; the ledger (``molds.goal.ledger``, the same on
+   every rank) says which are new, which repeat and which no longer fit the budget;
+3. the new molecules are scored by the ranks in turn and the scores gathered; the ledger
+   counts the calls, applies the diversity filter and updates the memory;
+4. each rank trains on its own samples (invalid ones with score 0, repeated ones with the
+   score they got when first seen) plus its share of molecules replayed from the memory,
+   each spelled as a new random SMILES: the prior's log-likelihood of each row is taken
+   here, the agent's inside the engine's step (ddp or ZeRO, as a training run).
+
+Rank 0 appends every scored molecule to ``RUN/scored.csv`` once (call, step, stage,
+SMILES, score, the filtered score, scaffold, each component); at the end it writes the best
+``goal.top_k`` to ``RUN/topk.csv``. A checkpoint holds the agent, its optimizer, the
+generators and the ledger; a resume cuts ``scored.csv`` back to the checkpoint's calls and
+goes on, so the molecules logged are those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import os
+import sys
+import time
+
+from ..errors import CheckpointError, MoldsError, RecipeError
+from .ledger import INVALID, NEW, OVER_BUDGET, Ledger, murcko_scaffold, pmo_auc
+
+SCORED_CSV = "scored.csv"
+TOPK_CSV = "topk.csv"
+GOAL_STATE = "goal"  # the ledger's key in the checkpoint's data_state.json
+
+
+# ---------------------------------------------------------------- the recipe
+
+def stages_of(goal) -> list[dict]:
+    """The run's stages, checked: each {scoring, min_steps, max_steps, threshold}; a
+    recipe with ``scoring`` alone is one stage without an end of its own."""
+    if (goal.scoring is None) == (goal.stages is None):
+        raise RecipeError("goal: give goal.scoring (one objective) or goal.stages (a list of them), not "
+                          + ("both" if goal.scoring is not None else "neither"))
+    if goal.scoring is not None:
+        return [{"scoring": goal.scoring, "min_steps": 0, "max_steps": 0, "threshold": None}]
+    if not isinstance(goal.stages, list) or not goal.stages:
+        raise RecipeError("goal.stages: a non-empty list of {scoring, min_steps, max_steps, threshold}")
+    out = []
+    for i, st in enumerate(goal.stages):
+        where = f"goal.stages[{i}]"
+        if not isinstance(st, dict):
+            raise RecipeError(f"{where}: an object with scoring, min_steps, max_steps, threshold")
+        unknown = set(st) - {"scoring", "min_steps", "max_steps", "threshold"}
+        if unknown:
+            raise RecipeError(f"{where}: unknown keys {sorted(unknown)} (a stage has scoring, min_steps, max_steps, "
+                              f"threshold)")
+        if "scoring" not in st:
+            raise RecipeError(f"{where}.scoring: missing")
+        lo, hi = st.get("min_steps", 0), st.get("max_steps", 0)
+        for key, v in (("min_steps", lo), ("max_steps", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RecipeError(f"{where}.{key}: an integer >= 0, got {v!r}")
+        if hi and lo > hi:
+            raise RecipeError(f"{where}: min_steps {lo} > max_steps {hi}")
+        th = st.get("threshold")
+        if th is not None and (not isinstance(th, (int, float)) or isinstance(th, bool) or not 0 <= th <= 1):
+            raise RecipeError(f"{where}.threshold: a score in [0, 1], got {th!r}")
+        if not hi and th is None and i < len(goal.stages) - 1:
+            raise RecipeError(f"{where}: a stage before the last needs max_steps or a threshold to end")
+        out.append({"scoring": st["scoring"], "min_steps": lo, "max_steps": hi, "threshold": th})
+    return out
+
+
+def build_scorers(goal) -> list:
+    """One ``molds.scoring.Scorer`` per stage (a bad definition is refused naming its key)."""
+    from ..scoring import Scorer
+
+    stages = stages_of(goal)
+    many = goal.stages is not None
+    return [Scorer(st["scoring"], f"goal.stages[{i}].scoring" if many else "goal.scoring")
+            for i, st in enumerate(stages)]
+
+
+def check_goal(recipe, world_size: int) -> None:
+    """What a goal run refuses before any process starts its group."""
+    g = recipe.goal
+    if recipe.parallel.engine not in ("ddp", "zero"):
+        raise RecipeError(f"parallel.engine={recipe.parallel.engine}: a goal run trains its agent with ddp or zero "
+                          f"(the pipeline engine does not sample)")
+    if g.batch_size % world_size:
+        raise RecipeError(f"goal.batch_size={g.batch_size} is not a multiple of the {world_size} ranks: each rank "
+                          f"samples the same share")
+    if recipe.trainer.max_time:
+        raise RecipeError("trainer.max_time: a goal run is bounded by trainer.max_steps and goal.max_oracle_calls")
+    if recipe.checkpoint.fork:
+        raise RecipeError("checkpoint.fork: a goal run starts from goal.prior; to continue one, "
+                          "--checkpoint.resume auto")
+    if g.replay_samples and not g.replay_size:
+        print("[molds] warning: goal.replay_samples is set but goal.replay_size=0: nothing is replayed",
+              file=sys.stderr)
+
+
+def goal_recipe(recipe, prior, world_size: int):
+    """The recipe the agent trains under: the prior's model and manifest (said when the
+    recipe's own differ), one micro-batch of the step's rows per rank."""
+    from ..config import DataConfig, ModelConfig
+
+    notes = []
+    model = ModelConfig(**prior.recipe["model"])
+    if recipe.model != ModelConfig() and recipe.model != model:
+        notes.append("the recipe's model section is replaced by the prior's (the agent is the prior's model)")
+    manifest = prior.manifest.path
+    if recipe.data != DataConfig():
+        notes.append(f"the recipe's data section is replaced by the prior's (manifest {manifest}: its tokenizer); a "
+                     f"goal run samples its own molecules")
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in prior.recipe["data"].items() if k in known})
+    data = dataclasses.replace(data, manifest=manifest, micro_batch_size=recipe.goal.batch_size // world_size)
+    trainer = dataclasses.replace(recipe.trainer, grad_accum=1, global_batch_size=0)
+    return dataclasses.replace(recipe, model=model, data=data, trainer=trainer), notes
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclasses.dataclass
+class GoalRun:
+    recipe: object
+    dist: object
+    prior: object  # molds.checkpoint.Loaded: the frozen prior (model, tokenizer, manifest)
+    engine: object
+    scorers: list
+    stages: list
+    ledger: Ledger
+    plan: object
+    lineage: dict
+    log: object = None
+    representation: object = None
+    max_tokens: int = 0
+    forbid: tuple = ()
+    step: int = 0
+    start_step: int = 0
+    unfinished: int = 0
+    ended: str | None = None
+
+
+def run_goal(recipe, plan_world: int | None = None) -> dict:
+    """Set up, run and finish a goal run (``molds/train.py`` with ``goal.prior``)."""
+    world = plan_world or int(os.environ.get("WORLD_SIZE", "1"))
+    check_goal(recipe, world)
+    scorers = build_scorers(recipe.goal)  # refused before any process group
+    run = setup_goal(recipe, scorers)
+    from ..runtime import leave_process_group
+
+    try:
+        loop(run)
+        return finish_goal(run)
+    finally:
+        if run.log is not None:
+            run.log.close()
+        run.engine = None
+        leave_process_group(run.dist)
+
+
+def setup_goal(recipe, scorers) -> GoalRun:
+    from ..checkpoint import open_checkpoint
+    from ..checkpoint.rundir import plan_resume, prepare_output_dir
+    from ..checkpoint.state import load_canonical, read_model
+    from ..distributed import init_distributed
+    from ..engines import build_engine
+    from ..eval.sampling import default_max_tokens, forbidden_tokens
+    from ..kernels import apply_kernels, kernel_summary
+    from ..models import build_model, count_parameters
+    from ..models.loss import AugmentedLikelihoodLoss
+    from ..plan import resolve_plan
+    from ..representation import of_manifest
+    from ..runtime import code_version, machine, quiet_third_party, seed_rank
+
+    quiet_third_party()
+    dist = init_distributed(recipe.parallel.collective_timeout_s, need_group=recipe.parallel.engine == "zero")
+    try:
+        prior = open_checkpoint(recipe.goal.prior, device=str(dist.device))
+    except MoldsError:
+        raise
+    except Exception as exc:  # a path that is no checkpoint at all
+        raise CheckpointError(f"goal.prior={recipe.goal.prior}: not a molds checkpoint ({exc})") from None
+    if prior.family != "decoder":
+        raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} holds an encoder; the agent samples, so "
+                          f"its prior must be a decoder")
+    for p in prior.model.parameters():
+        p.requires_grad_(False)
+    recipe, notes = goal_recipe(recipe, prior, dist.world_size)
+    resume_from = plan_resume(recipe)
+    prepare_output_dir(recipe, dist, resuming=resume_from is not None)
+    plan = resolve_plan(recipe, dist.world_size).on_device(recipe, dist)
+    model = build_model(recipe.model, prior.specials, seed=recipe.run.seed)
+    load_canonical(model, read_model(prior.checkpoint), prior.checkpoint)  # the agent starts as the prior
+    parameters = count_parameters(model)
+    loss = AugmentedLikelihoodLoss(recipe.goal.sigma)
+    apply_kernels(model, recipe.kernels, loss)
+    kernels = kernel_summary(model, dist.device)
+    engine = build_engine(recipe, model, loss, dist, plan)
+    seed_rank(recipe.run.seed, dist.rank)
+    lineage = {
+        "recipe": recipe.to_dict(), "manifest_hash": prior.manifest.hash, "manifest": prior.manifest.path,
+        "vocab_hash": prior.specials.vocab_hash,
+        "canonicalization_hash": prior.manifest.data["canonicalization"].get("hash"),
+        "code_version": code_version(), "engine": engine.name, "world_topology": engine.topology.as_dict(),
+        "world_size": dist.world_size, "global_batch_sequences": recipe.goal.batch_size, "grad_accum": 1,
+        "parameters": parameters, "kernels": kernels, "plan": plan.summary(), "precision": plan.precision.describe(),
+        "machine": machine(dist.device),
+        "goal": {"prior": os.path.abspath(prior.checkpoint), "prior_step": prior.lineage.get("step")},
+    }
+    stages = stages_of(recipe.goal)
+    run = GoalRun(recipe, dist, prior, engine, scorers, stages, Ledger(recipe.goal), plan, lineage)
+    run.representation = of_manifest(prior.manifest)
+    run.max_tokens = recipe.goal.max_tokens or default_max_tokens(prior.manifest,
+                                                                  recipe.model.max_position_embeddings)
+    run.forbid = forbidden_tokens(prior.recipe, prior.specials)
+    if resume_from is not None:
+        _resume(run, resume_from)
+    elif dist.is_main:
+        _write_scored_header(run)
+    if dist.is_main:
+        from ..atomic import write_json
+
+        write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
+    from ..metrics.logger import MetricsLogger
+
+    run.log = MetricsLogger(recipe.run.output_dir, dist.is_main, recipe.logging.tensorboard,
+                            start_step=run.step if run.start_step else None)
+    if dist.is_main:
+        for note in notes:
+            print(f"[molds] note: {note}", file=sys.stderr)
+        g = recipe.goal
+        budget = f"{g.max_oracle_calls:,} oracle calls" if g.max_oracle_calls else "no call budget"
+        print(f"[molds] goal run: agent of {parameters:,} parameters from {prior.checkpoint} on {engine.name} "
+              f"(world {dist.world_size}); {len(stages)} stage(s); {g.batch_size} samples per step"
+              f" + {g.replay_samples if g.replay_size else 0} replayed; sigma {g.sigma:g}; {budget}; "
+              f"at most {plan.horizon.describe()}; {plan.precision.describe()}", file=sys.stderr)
+        run.log.text("run/recipe", "```\n" + __import__("json").dumps(recipe.to_dict(), indent=2) + "\n```")
+    return run
+
+
+def _resume(run: GoalRun, path: str) -> None:
+    from ..checkpoint import read_lineage, restore
+    from ..checkpoint.resume import check_resume
+
+    saved = read_lineage(path)
+    if "goal" not in saved:
+        raise CheckpointError(f"{path} is a training checkpoint, not a goal run's: to steer it, name it as goal.prior "
+                              f"in a new run.output_dir")
+    check_resume(path, saved, run.lineage, False)
+    run.plan.horizon.start(int(saved["step"]), 0.0)
+    step, data_state = restore(path, run.engine, run.dist, seed=run.recipe.run.seed)
+    if GOAL_STATE not in data_state:
+        raise CheckpointError(f"{path}: data_state.json holds no goal ledger")
+    run.ledger.load_state_dict(data_state[GOAL_STATE], path)
+    run.step = run.start_step = step
+    run.lineage["resumed_from"] = os.path.abspath(path)
+    if run.dist.is_main:
+        kept = _cut_scored(run, run.ledger.calls)
+        print(f"[molds] resumed the goal run from {path} at step {step}: {run.ledger.calls:,} calls spent, "
+              f"stage {run.ledger.stage + 1}; {SCORED_CSV} kept its first {kept:,} rows", file=sys.stderr)
+
+
+def loop(run: GoalRun) -> None:
+    from ..distributed import collective
+
+    recipe, horizon = run.recipe, run.plan.horizon
+    horizon.start(run.step, horizon.elapsed_s)
+    while run.ended is None:
+        if horizon.done:
+            run.ended = "trainer.max_steps"
+            break
+        if run.ledger.spent:
+            run.ended = "goal.max_oracle_calls"
+            break
+        with collective(f"goal step {run.step + 1}", run.dist):
+            values = step(run)
+        run.step += 1
+        run.ledger.stage_steps += 1
+        horizon.advance(run.step)
+        stage = run.stages[run.ledger.stage]
+        ends_stage = (stage["max_steps"] and run.ledger.stage_steps >= stage["max_steps"]) or (
+            stage["threshold"] is not None and run.ledger.stage_steps >= stage["min_steps"]
+            and values["goal/score_mean"] >= stage["threshold"])
+        if run.step % recipe.logging.interval_steps == 0 or ends_stage or run.ledger.spent or horizon.done:
+            run.log.scalars(run.step, values)
+            if run.dist.is_main and recipe.logging.progress:
+                print(f"[molds] goal step {run.step}: stage {run.ledger.stage + 1}, calls {run.ledger.calls:,}, "
+                      f"score mean {values['goal/score_mean']:.3f}, top-10 {values['goal/top10_mean']:.3f}, "
+                      f"valid {values['goal/validity']:.2f}, loss {values['train/loss']:.3f}", file=sys.stderr)
+        if ends_stage:
+            if run.ledger.stage + 1 < len(run.stages):
+                if run.dist.is_main:
+                    print(f"[molds] stage {run.ledger.stage + 1} ends at step {run.step} "
+                          f"({run.ledger.stage_steps} steps); stage {run.ledger.stage + 2} begins", file=sys.stderr)
+                run.ledger.next_stage()
+            else:
+                run.ended = "the last stage's " + ("threshold" if stage["threshold"] is not None and
+                                                   values["goal/score_mean"] >= stage["threshold"] else "max_steps")
+        cp = recipe.checkpoint
+        if run.ended is None and cp.interval_steps and run.step % cp.interval_steps == 0:
+            save_goal(run)
+
+
+def step(run: GoalRun) -> dict:
+    """One step (a collective: every rank calls it)."""
+    import numpy as np
+    import torch
+
+    from ..distributed import all_reduce_sum, gather_objects
+    from ..eval.sampling import ids_to_texts, sample_ids, texts_to_smiles
+    from ..models.loss import sequence_log_likelihood
+
+    recipe, dist, g, ledger = run.recipe, run.dist, run.recipe.goal, run.ledger
+    world, rank = dist.world_size, dist.rank
+    per_rank = g.batch_size // world
+    t0 = time.perf_counter()
+    agent = run.engine.model
+    agent.eval()
+    seed = (recipe.run.seed * 1_000_003 + (run.step + 1) * 7_919 + rank * 104_729) % 2**63
+    with run.engine.autocast():
+        ids = sample_ids(agent, per_rank, bos=run.prior.specials.bos, eos=run.prior.specials.eos,
+                         max_tokens=run.max_tokens, temperature=g.temperature, batch_size=per_rank, seed=seed,
+                         device=dist.device, stop_together=_agreement(run), forbid=run.forbid)
+    agent.train()
+    texts = ids_to_texts(run.prior.tokenizer, ids)
+    canonical = [_canonical(s) for s in texts_to_smiles(texts, run.representation)]
+    gathered = [c for part in gather_objects(canonical, dist) for c in part]  # rank order
+    status = ledger.classify(gathered)
+    new = [c for c, st in zip(gathered, status) if st == NEW]
+    scorer = run.scorers[ledger.stage]
+    mine = new[rank::world]
+    scored = scorer(mine) if mine else None
+    names = [name for name, *_ in scorer.parts]
+    part = [(float(scored.total[i]), {n: [float(scored.raw[n][i]), float(scored.components[n][i])] for n in names},
+             murcko_scaffold(s)) for i, s in enumerate(mine)] if scored is not None else []
+    parts = gather_objects(part, dist)
+    results = [parts[i % world][i // world] for i in range(len(new))]  # back in the order of ``new``
+    call0 = ledger.calls
+    filtered = ledger.record(new, [r[0] for r in results], [r[2] for r in results], run.step + 1)
+    if dist.is_main and new:
+        _append_scored(run, call0, new, results, filtered, names)
+    # this rank's rows: its samples, then its share of the replayed memory
+    start = rank * per_rank
+    rows, scores, weights = [], [], []
+    for i, sample in enumerate(ids):
+        if sample is None:  # never ended: not a molecule, nothing to train on
+            continue
+        st, c = status[start + i], gathered[start + i]
+        score = 0.0 if st == INVALID else (ledger.cache[c][1] if st != OVER_BUDGET else 0.0)
+        rows.append(sample)
+        scores.append(score)
+        weights.append(0.0 if st == OVER_BUDGET else 1.0)
+    replayed = ledger.replay(recipe.run.seed, run.step + 1)
+    for j, (smi, score) in enumerate(replayed[rank::world]):
+        spelled = _replay_ids(run, smi, seed=(recipe.run.seed * 7_919 + (run.step + 1) * 131 + rank * 17 + j))
+        if spelled is not None:
+            rows.append(spelled)
+            scores.append(score)
+            weights.append(1.0)
+    n_rows = sum(weights)
+    total_rows = all_reduce_sum([n_rows], dist)[0]
+    unfinished = sum(s is None for s in ids)
+    run.unfinished += int(all_reduce_sum([unfinished], dist)[0])
+    if not rows:  # nothing at all on this rank: one empty molecule of weight 0 keeps the ranks in step
+        rows, scores, weights = [[]], [0.0], [0.0]
+    batch = _batch(run, rows, scores, weights, max(total_rows, 1.0) / world)
+    with torch.no_grad():
+        batch["prior_logp"] = sequence_log_likelihood(run.prior.model(**_inputs(batch)), batch).float()
+    if total_rows == 0:
+        result = None
+    else:
+        result = run.engine.train_step([batch])
+    if result is not None and (result.skipped or not math.isfinite(result.loss)):
+        raise MoldsError(f"goal step {run.step + 1}: the loss ({result.loss:.4g}) or its gradient norm "
+                         f"({result.grad_norm:.4g}) is not finite; lower optim.lr or goal.sigma")
+    # figures of the step (the same on every rank: from gathered values)
+    sampled_scores = [0.0 if st == INVALID else ledger.cache[c][1] for c, st in zip(gathered, status)
+                      if st != OVER_BUDGET]
+    valid = [c for c in gathered if c is not None]
+    values = {
+        "goal/score_mean": float(np.mean(sampled_scores)) if sampled_scores else 0.0,
+        "goal/score_max": float(np.max(sampled_scores)) if sampled_scores else 0.0,
+        "goal/top10_mean": ledger.top_mean(10), "goal/oracle_calls": ledger.calls,
+        "goal/validity": len(valid) / max(1, len(gathered)),
+        "goal/uniqueness": len(set(valid)) / max(1, len(valid)),
+        "goal/new_molecules": len(new), "goal/scaffolds": ledger.scaffolds_found(),
+        "goal/stage": ledger.stage + 1, "goal/memory": len(ledger.memory), "goal/unfinished": run.unfinished,
+        "goal/replayed": len(replayed),
+        "train/loss": 0.0 if result is None else all_reduce_sum([result.loss], dist)[0] / world,
+        "train/lr": None if result is None else result.lr,
+        "train/grad_norm": None if result is None else result.grad_norm,
+        "goal/step_s": time.perf_counter() - t0,
+    }
+    if g.max_oracle_calls:
+        values["goal/auc_top10"] = pmo_auc(ledger.history, g.max_oracle_calls)
+    for n in names:
+        vals = [r[1][n][1] for r in results]
+        if vals:
+            values[f"goal/component/{n}"] = float(np.mean(vals))
+    return values
+
+
+def _agreement(run: GoalRun):
+    """ZeRO-3 gathers parameters in every forward: its ranks finish a batch together."""
+    if run.recipe.parallel.engine == "zero" and run.recipe.parallel.zero_stage == 3 and run.dist.distributed:
+        from ..distributed import all_have
+
+        return lambda finished: all_have(finished, run.dist)
+    return None
+
+
+def _canonical(smiles: str | None) -> str | None:
+    if not smiles:
+        return None
+    from rdkit import Chem
+
+    mol = Chem.MolFromSmiles(smiles)
+    if mol is None or mol.GetNumAtoms() == 0:
+        return None
+    return Chem.MolToSmiles(mol)
+
+
+def _replay_ids(run: GoalRun, smiles: str, seed: int) -> list[int] | None:
+    """The tokens of a remembered molecule, spelled anew as a random SMILES (or its
+    canonical one), in the prior's representation, behind the marker a prior trained with
+    ``data.randomized_marker: sep`` read random spellings behind; None when the tokenizer
+    cannot spell it or it does not fit."""
+    from rdkit import Chem
+
+    text, randomized = smiles, False
+    if run.recipe.goal.replay_randomized:
+        mol = Chem.MolFromSmiles(smiles)
+        if mol is not None:
+            text = Chem.MolToRandomSmilesVect(mol, 1, randomSeed=seed % (2**31 - 1))[0]
+            randomized = text != smiles
+    if run.representation is not None and run.representation.name != "smiles":
+        text, _ = run.representation.encode(text)
+        if text is None:
+            return None
+    ids = run.prior.tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk = run.prior.tokenizer.unk_token_id
+    if randomized and run.forbid:  # a prior that learned random spellings behind its marker: the same here
+        ids = [*run.forbid, *ids]
+    if (unk is not None and unk in ids) or len(ids) + 2 > run.recipe.model.max_position_embeddings:
+        return None
+    return ids
+
+
+def _batch(run: GoalRun, rows: list, scores: list, weights: list, norm: float) -> dict:
+    """Rows bos + tokens + eos, padded; document ids 0 on the molecule, -1 on padding."""
+    import torch
+
+    from ..tokens import IGNORE_INDEX
+
+    sp = run.prior.specials
+    seqs = [[sp.bos, *r, sp.eos] for r in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), sp.pad, dtype=torch.long)
+    doc = torch.full((len(seqs), width), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        doc[i, :len(s)] = 0
+    pos = torch.arange(width).expand(len(seqs), width).contiguous()
+    labels = ids.masked_fill(doc < 0, IGNORE_INDEX)
+    dev = run.dist.device
+    return {"input_ids": ids.to(dev), "position_ids": pos.to(dev), "document_ids": doc.to(dev),
+            "labels": labels.to(dev), "score": torch.tensor(scores, dtype=torch.float32, device=dev) *
+            torch.tensor(weights, dtype=torch.float32, device=dev),
+            "weight": torch.tensor(weights, dtype=torch.float32, device=dev),
+            "norm": torch.tensor(norm, dtype=torch.float32, device=dev)}
+
+
+def _inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("input_ids", "position_ids", "document_ids")}
+
+
+# ---------------------------------------------------------------- files
+
+def _scored_path(run: GoalRun) -> str:
+    return os.path.join(run.recipe.run.output_dir, SCORED_CSV)
+
+
+def _columns(run: GoalRun) -> list[str]:
+    names = []
+    for scorer in run.scorers:
+        for name, *_ in scorer.parts:
+            if name not in names:
+                names.append(name)
+    return ["call", "step", "stage", "smiles", "score", "filtered_score", "scaffold"] + \
+        [c for n in names for c in (f"{n}_raw", n)]
+
+
+def _write_scored_header(run: GoalRun) -> None:
+    from ..atomic import write_text
+
+    buf = io.StringIO()
+    csv.writer(buf).writerow(_columns(run))
+    write_text(_scored_path(run), buf.getvalue())
+
+
+def _append_scored(run: GoalRun, call0: int, new: list, results: list, filtered: list, names: list) -> None:
+    cols = _columns(run)
+    with open(_scored_path(run), "a", newline="") as fh:
+        w = csv.writer(fh)
+        for i, (smi, (total, comps, scaffold), f) in enumerate(zip(new, results, filtered)):
+            row = {"call": call0 + i + 1, "step": run.step + 1, "stage": run.ledger.stage + 1, "smiles": smi,
+                   "score": repr(total), "filtered_score": repr(f), "scaffold": scaffold}
+            for n in names:
+                row[f"{n}_raw"], row[n] = repr(comps[n][0]), repr(comps[n][1])
+            w.writerow([row.get(c, "") for c in cols])
+        fh.flush()
+
+
+def _cut_scored(run: GoalRun, calls: int) -> int:
+    """Keep the header and the first ``calls`` rows of scored.csv (what the checkpoint
+    counted); rows a killed run wrote after its checkpoint go, and are scored again."""
+    from ..atomic import write_text
+
+    path = _scored_path(run)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the goal run's log of scored molecules cannot continue (its "
+                              f"checkpoint counts {calls:,} calls)")
+    with open(path, newline="") as fh:
+        lines = fh.read().splitlines(keepends=True)
+    if len(lines) - 1 < calls:
+        raise CheckpointError(f"{path} holds {len(lines) - 1:,} scored molecules, fewer than the {calls:,} calls its "
+                              f"checkpoint counts")
+    write_text(path, "".join(lines[:calls + 1]))
+    return calls
+
+
+def save_goal(run: GoalRun) -> str:
+    from ..checkpoint import save_checkpoint
+    from ..distributed import collective
+
+    with collective(f"goal step {run.step}: saving a checkpoint", run.dist):
+        lineage = dict(run.lineage, horizon=run.plan.horizon.state(),
+                       goal=dict(run.lineage["goal"], calls=run.ledger.calls, stage=run.ledger.stage + 1))
+        return save_checkpoint(run.recipe.run.output_dir, run.engine, run.dist, run.step,
+                               {GOAL_STATE: run.ledger.state_dict()}, lineage,
+                               keep_last=run.recipe.checkpoint.keep_last,
+                               needed_bytes=12 * run.lineage["parameters"] + (1 << 20))
+
+
+def finish_goal(run: GoalRun) -> dict:
+    ledger, g = run.ledger, run.recipe.goal
+    final = save_goal(run) if run.step > run.start_step else run.lineage.get("resumed_from")
+    summary = {"steps": run.step, "oracle_calls": ledger.calls, "ended_by": run.ended, "checkpoint": final,
+               "top10_mean": ledger.top_mean(10), "top1": ledger.best[0][1] if ledger.best else 0.0,
+               "unfinished_samples": run.unfinished}
+    if g.max_oracle_calls:
+        summary["auc_top10"] = pmo_auc(ledger.history, g.max_oracle_calls)
+    if run.dist.is_main:
+        from ..atomic import write_text
+
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["rank", "smiles", "score", "step", "stage"])
+        for i, (smi, score, st, stage) in enumerate(ledger.best, 1):
+            w.writerow([i, smi, repr(score), st, stage + 1])
+        write_text(os.path.join(run.recipe.run.output_dir, TOPK_CSV), buf.getvalue())
+        _grid(run)
+        print(f"[molds] goal run ended by {run.ended} at step {run.step}: {ledger.calls:,} oracle calls, top-10 mean "
+              f"{summary['top10_mean']:.4f}" + (f", AUC top-10 {summary['auc_top10']:.4f}" if "auc_top10" in summary
+                                                else "") + f"; checkpoint {final}; {TOPK_CSV} and {SCORED_CSV} in "
+              f"{run.recipe.run.output_dir}", file=sys.stderr)
+    return {"step": run.step, "checkpoint": final, "summary": summary}
+
+
+def _grid(run: GoalRun) -> None:
+    """The best molecules as a TensorBoard image."""
+    import numpy as np
+    from rdkit import Chem
+    from rdkit.Chem import Draw
+
+    best = run.ledger.best[:max(1, run.recipe.eval.grid)]
+    mols = [Chem.MolFromSmiles(s) for s, *_ in best]
+    keep = [(m, f"{v:.3f}") for m, (_, v, *_) in zip(mols, best) if m is not None]
+    if keep:
+        img = Draw.MolsToGridImage([m for m, _ in keep], molsPerRow=4, subImgSize=(250, 250),
+                                   legends=[t for _, t in keep])
+        run.log.image("goal/best_molecules", np.asarray(img.convert("RGB")), run.step)

@@ -1,0 +1,78 @@
+"""What every kind of run does at its start and end, whatever it trains: the process's
+seeds per rank, library chatter filtered, the code version and machine for the lineage,
+and leaving the process group cleanly (``molds/train.py`` and ``molds.goal`` share them)."""
+
+from __future__ import annotations
+
+import os
+
+
+def leave_process_group(dist=None) -> None:
+    import gc
+
+    import torch
+
+    if dist is not None and dist.heartbeat is not None:
+        dist.heartbeat.stop()
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Initialization is the same on every rank; what comes after (dropout, sampling)
+    must not be: each rank's generators are seeded from (seed, rank)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    s = (seed * 1_000_003 + rank * 7_919 + 1) % 2**31
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s)
+
+
+def code_version() -> str:
+    import subprocess
+
+    from molds import __version__
+
+    if os.environ.get("MOLDS_NO_GIT"):
+        return __version__
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"{__version__}+{rev}" if rev else __version__
+
+
+def quiet_third_party() -> None:
+    """Known-harmless warnings of DeepSpeed and torch on CPU, filtered once per process."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not cuda() else os.environ.get("DS_ACCELERATOR", "cuda"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def machine(device) -> str:
+    """What the run ran on, named in the lineage (a figure that does not name its CPU class
+    cannot be re-run)."""
+    import torch
+
+    from molds.precision import cpu_description
+
+    gpu = f"{torch.cuda.get_device_name(device)}; " if device.type == "cuda" else ""
+    return f"{gpu}{cpu_description()}; torch {torch.__version__}"

@@ -1,0 +1,116 @@
+"""The goal run's pieces without a model: the augmented-likelihood loss against a hand
+computation, the ledger's budget, cache, filter and memory, and PMO's AUC against hand
+sums."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from molds.goal.ledger import INVALID, NEW, OVER_BUDGET, REPEAT, Ledger, pmo_auc
+from molds.models.loss import AugmentedLikelihoodLoss, sequence_log_likelihood
+from molds.tokens import IGNORE_INDEX
+
+
+def _cfg(**kw):
+    base = dict(max_oracle_calls=0, diversity_filter="identical_murcko", bucket_size=2, min_score=0.4, penalty=0.0,
+                replay_size=3, replay_samples=2, top_k=4)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_augmented_likelihood_loss_equals_a_hand_computation():
+    torch.manual_seed(0)
+    vocab = 5
+    logits = torch.randn(2, 4, vocab, dtype=torch.float64)
+    ids = torch.tensor([[0, 3, 2, 1], [0, 4, 1, 0]])  # row 1: bos, 4, eos, then one padding slot
+    doc = torch.tensor([[0, 0, 0, 0], [0, 0, 0, -1]])
+    labels = ids.masked_fill(doc < 0, IGNORE_INDEX)
+    prior = torch.tensor([-3.0, -2.5], dtype=torch.float64)
+    score = torch.tensor([0.7, 0.2], dtype=torch.float64)
+    weight = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    batch = {"labels": labels, "document_ids": doc, "prior_logp": prior, "score": score, "weight": weight,
+             "norm": torch.tensor(1.5, dtype=torch.float64)}
+
+    def logp(row, length):  # sum over the molecule's tokens after bos of log softmax
+        total = 0.0
+        for t in range(length - 1):
+            z = logits[row, t].tolist()
+            m = max(z)
+            lse = m + math.log(sum(math.exp(v - m) for v in z))
+            total += z[int(ids[row, t + 1])] - lse
+        return total
+
+    want_lp = [logp(0, 4), logp(1, 3)]
+    got_lp = sequence_log_likelihood({"logits": logits}, batch)
+    assert got_lp.tolist() == pytest.approx(want_lp, abs=1e-12)
+    sigma = 10.0
+    want = sum(w * (p + sigma * s - a) ** 2 for w, p, s, a in zip([1, 0], [-3.0, -2.5], [0.7, 0.2], want_lp)) / 1.5
+    got = AugmentedLikelihoodLoss(sigma)({"logits": logits}, batch)
+    assert float(got) == pytest.approx(want, rel=1e-12)
+    # the fused-head form (hidden states of the real tokens and the head's weight) gives the same
+    hidden = torch.randn(2, 4, 3, dtype=torch.float64)
+    head = torch.randn(vocab, 3, dtype=torch.float64)
+    real = torch.nonzero(doc.reshape(-1) >= 0).squeeze(1)
+    fused = {"hidden": hidden.reshape(-1, 3)[real], "token_index": real, "lm_head_weight": head}
+    torch.testing.assert_close(sequence_log_likelihood(fused, batch),
+                               sequence_log_likelihood({"logits": hidden @ head.T}, batch), rtol=1e-12, atol=1e-12)
+
+
+def test_the_ledger_counts_each_new_molecule_once_and_stops_at_the_budget():
+    led = Ledger(_cfg(max_oracle_calls=3))
+    st = led.classify(["CCO", None, "CCO", "c1ccccc1", "CCN", "CCC"])
+    assert st == [NEW, INVALID, REPEAT, NEW, NEW, OVER_BUDGET]
+    led.record(["CCO", "c1ccccc1", "CCN"], [0.5, 0.9, 0.1], ["", "c1ccccc1", ""], step=1)
+    assert led.calls == 3 and led.spent
+    assert led.classify(["CCO", "CCCC"]) == [REPEAT, OVER_BUDGET]
+    assert led.history == [0.5, 0.9, 0.1]
+    assert led.top_mean(2) == pytest.approx(0.7)
+
+
+def test_the_diversity_filter_penalizes_a_full_scaffold_bucket_and_the_memory_keeps_the_best():
+    led = Ledger(_cfg(bucket_size=2, penalty=0.25))
+    new = ["c1ccccc1C", "c1ccccc1CC", "c1ccccc1CCC", "C1CCCCC1", "CCO"]
+    scaf = ["c1ccccc1", "c1ccccc1", "c1ccccc1", "C1CCCCC1", ""]
+    filtered = led.record(new, [0.8, 0.9, 1.0, 0.3, 0.5], scaf, step=1)
+    # the third benzene fills a full bucket: 1.0 x 0.25; 0.3 is below min_score: no bucket
+    assert filtered == [0.8, 0.9, 0.25, 0.3, 0.5]
+    assert led.buckets == {"c1ccccc1": 2, "": 1}
+    assert led.memory == [["c1ccccc1CC", 0.9], ["c1ccccc1C", 0.8], ["CCO", 0.5]]  # replay_size 3
+    assert [b[0] for b in led.best] == ["c1ccccc1CCC", "c1ccccc1CC", "c1ccccc1C", "CCO"]  # raw scores, top 4
+    # replay: the same draw for the same (seed, step), from the memory
+    assert led.replay(0, 5) == led.replay(0, 5) and len(led.replay(0, 5)) == 2
+    state = led.state_dict()
+    again = Ledger(_cfg(bucket_size=2, penalty=0.25))
+    again.load_state_dict(__import__("json").loads(__import__("json").dumps(state)), "test")
+    assert again.state_dict() == state
+    led.next_stage()
+    assert led.cache == {} and led.memory == [] and led.buckets == {} and led.calls == 5 and len(led.best) == 4
+
+
+def test_a_malformed_ledger_is_refused_naming_the_checkpoint():
+    from molds.errors import CheckpointError
+
+    led = Ledger(_cfg())
+    state = led.state_dict()
+    state["calls"] = 7
+    with pytest.raises(CheckpointError, match="ckpt-x.*7 calls but 0 scores"):
+        led.load_state_dict(state, "ckpt-x")
+
+
+def test_pmo_auc_equals_hand_sums():
+    # k=2, read every 2 calls; budget 6; five calls made
+    h = [0.2, 0.4, 0.1, 0.9, 0.5]
+    # n=2: top2 of [.2,.4] = .3; n=4: top2 of [.2,.4,.1,.9] = .65; n=5 (end): top2 = (.9+.5)/2 = .7
+    area = 2 * (0.3 + 0) / 2 + 2 * (0.65 + 0.3) / 2 + 1 * (0.7 + 0.65) / 2 + (6 - 5) * 0.7
+    assert pmo_auc(h, 6, k=2, freq=2) == pytest.approx(area / 6)
+    # a run that spends its budget exactly on a multiple of freq
+    h = [0.5, 0.5, 1.0, 1.0]
+    area = 2 * (0.5 + 0) / 2 + 2 * (1.0 + 0.5) / 2
+    assert pmo_auc(h, 4, k=2, freq=2) == pytest.approx(area / 4)
+    # fewer than k calls: the mean of those there are
+    assert pmo_auc([0.6], 1, k=10, freq=100) == pytest.approx(0.3)
+    assert pmo_auc([], 100) == 0.0
