@@ -42,6 +42,7 @@ class Ledger:
         self.memory: list[list] = []  # [SMILES, filtered score], best first (this stage)
         self.history: list[float] = []  # every call's raw total, in call order (all stages)
         self.best: list[list] = []  # [SMILES, raw total, step, stage], best first, top_k kept (all stages)
+        self.unfinished = 0  # samples that never ended (not molecules, not trained on)
 
     # ------------------------------------------------------------ one step
     def classify(self, canonical: list) -> list[str]:
@@ -118,7 +119,8 @@ class Ledger:
 
     def state_dict(self) -> dict:
         return {"calls": self.calls, "stage": self.stage, "stage_steps": self.stage_steps, "cache": self.cache,
-                "buckets": self.buckets, "memory": self.memory, "history": self.history, "best": self.best}
+                "buckets": self.buckets, "memory": self.memory, "history": self.history, "best": self.best,
+                "unfinished": self.unfinished}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         from ..errors import CheckpointError
@@ -133,6 +135,7 @@ class Ledger:
             self.buckets = {str(k): int(v) for k, v in state["buckets"].items()}
             self.memory = [[str(s), float(v)] for s, v in state["memory"]]
             self.best = [[str(s), float(v), int(t), int(g)] for s, v, t, g in state["best"]]
+            self.unfinished = int(state.get("unfinished", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{where}: the goal run's ledger is malformed ({exc})") from None
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
 import math
 import os
 import sys
@@ -148,7 +149,6 @@ class GoalRun:
     forbid: tuple = ()
     step: int = 0
     start_step: int = 0
-    unfinished: int = 0
     ended: str | None = None
 
 
@@ -157,9 +157,13 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
     world = plan_world or int(os.environ.get("WORLD_SIZE", "1"))
     check_goal(recipe, world)
     scorers = build_scorers(recipe.goal)  # refused before any process group
-    run = setup_goal(recipe, scorers)
     from ..runtime import leave_process_group
 
+    try:
+        run = setup_goal(recipe, scorers)
+    except BaseException:
+        leave_process_group()
+        raise
     try:
         loop(run)
         return finish_goal(run)
@@ -246,7 +250,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
               f"(world {dist.world_size}); {len(stages)} stage(s); {g.batch_size} samples per step"
               f" + {g.replay_samples if g.replay_size else 0} replayed; sigma {g.sigma:g}; {budget}; "
               f"at most {plan.horizon.describe()}; {plan.precision.describe()}", file=sys.stderr)
-        run.log.text("run/recipe", "```\n" + __import__("json").dumps(recipe.to_dict(), indent=2) + "\n```")
+        run.log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
     return run
 
 
@@ -372,7 +376,7 @@ def step(run: GoalRun) -> dict:
     n_rows = sum(weights)
     total_rows = all_reduce_sum([n_rows], dist)[0]
     unfinished = sum(s is None for s in ids)
-    run.unfinished += int(all_reduce_sum([unfinished], dist)[0])
+    ledger.unfinished += int(all_reduce_sum([unfinished], dist)[0])
     if not rows:  # nothing at all on this rank: one empty molecule of weight 0 keeps the ranks in step
         rows, scores, weights = [[]], [0.0], [0.0]
     batch = _batch(run, rows, scores, weights, max(total_rows, 1.0) / world)
@@ -396,7 +400,7 @@ def step(run: GoalRun) -> dict:
         "goal/validity": len(valid) / max(1, len(gathered)),
         "goal/uniqueness": len(set(valid)) / max(1, len(valid)),
         "goal/new_molecules": len(new), "goal/scaffolds": ledger.scaffolds_found(),
-        "goal/stage": ledger.stage + 1, "goal/memory": len(ledger.memory), "goal/unfinished": run.unfinished,
+        "goal/stage": ledger.stage + 1, "goal/memory": len(ledger.memory), "goal/unfinished": ledger.unfinished,
         "goal/replayed": len(replayed),
         "train/loss": 0.0 if result is None else all_reduce_sum([result.loss], dist)[0] / world,
         "train/lr": None if result is None else result.lr,
@@ -559,7 +563,7 @@ def finish_goal(run: GoalRun) -> dict:
     final = save_goal(run) if run.step > run.start_step else run.lineage.get("resumed_from")
     summary = {"steps": run.step, "oracle_calls": ledger.calls, "ended_by": run.ended, "checkpoint": final,
                "top10_mean": ledger.top_mean(10), "top1": ledger.best[0][1] if ledger.best else 0.0,
-               "unfinished_samples": run.unfinished}
+               "unfinished_samples": ledger.unfinished}
     if g.max_oracle_calls:
         summary["auc_top10"] = pmo_auc(ledger.history, g.max_oracle_calls)
     if run.dist.is_main:

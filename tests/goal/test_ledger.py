@@ -114,3 +114,19 @@ def test_pmo_auc_equals_hand_sums():
     # fewer than k calls: the mean of those there are
     assert pmo_auc([0.6], 1, k=10, freq=100) == pytest.approx(0.3)
     assert pmo_auc([], 100) == 0.0
+
+
+def test_a_recipe_saved_before_the_goal_section_existed_resumes_unchanged():
+    """A checkpoint's recipe from before a section was added: its keys count as their
+    defaults, so a resume sees no change, and a set value is still a change."""
+    import os
+
+    from molds.checkpoint.resume import recipe_changes
+    from molds.recipe import parse_recipe
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "smoke", "dense_ddp.json")
+    now = parse_recipe(["--recipe", path]).to_dict()
+    old = {k: v for k, v in now.items() if k != "goal"}
+    assert recipe_changes(old, now) == {}
+    changed = parse_recipe(["--recipe", path, "--goal.sigma", "5"]).to_dict()
+    assert recipe_changes(old, changed) == {"goal.sigma": [128.0, 5.0]}
