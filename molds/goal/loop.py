@@ -299,6 +299,8 @@ def loop(run: GoalRun) -> None:
             and values["goal/score_mean"] >= stage["threshold"])
         if run.step % recipe.logging.interval_steps == 0 or ends_stage or run.ledger.spent or horizon.done:
             run.log.scalars(run.step, values)
+            # PMO's curve: the top-10 mean against the oracle calls spent
+            run.log.series("goal/top10_mean_by_calls", values["goal/top10_mean"], run.ledger.calls)
             if run.dist.is_main and recipe.logging.progress:
                 print(f"[molds] goal step {run.step}: stage {run.ledger.stage + 1}, calls {run.ledger.calls:,}, "
                       f"score mean {values['goal/score_mean']:.3f}, top-10 {values['goal/top10_mean']:.3f}, "

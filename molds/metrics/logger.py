@@ -87,6 +87,11 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
+    def series(self, tag: str, value: float, x: int) -> None:
+        """A TensorBoard scalar whose x-axis is not the step (a goal run's oracle calls)."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, x)
+
     def image(self, tag: str, hwc, step: int) -> None:
         """An HxWx3 uint8 image (e.g. RDKit's grid of molecules)."""
         if self.writer is not None:

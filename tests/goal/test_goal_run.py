@@ -105,6 +105,13 @@ def test_the_budget_is_spent_exactly_and_no_molecule_is_scored_twice(prior, tmp_
     assert [float(r["score"]) for r in rows] == pytest.approx(again.tolist(), abs=1e-12)
     top = list(csv.DictReader(open(os.path.join(out, "topk.csv"))))
     assert float(top[0]["score"]) == max(float(r["score"]) for r in rows)
+    # TensorBoard: the top-10 curve against the calls, ending at the budget
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(out, "tensorboard")).Reload()
+    curve = events.Scalars("goal/top10_mean_by_calls")
+    assert curve[-1].step == 60 and [e.step for e in curve] == sorted(e.step for e in curve)
+    assert "goal/oracle_calls" in events.Tags()["scalars"]
 
 
 def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_molecules(prior, tmp_path):
