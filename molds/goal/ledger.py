@@ -145,23 +145,26 @@ def pmo_auc(history: list[float], budget: int, k: int = 10, freq: int = 100) -> 
     ``finish``): the curve starts at 0, is read every ``freq`` calls (the mean of the best
     ``k`` of the first n calls, or of all of them while fewer) and at the last call, is
     joined by trapezoids, held at its last value to ``budget`` when the run stopped early,
-    and the area is divided by ``budget``."""
+    and the area is divided by ``budget``. One pass with a heap of the best k."""
+    import heapq
+
     n = min(len(history), budget)
     if n == 0:
         return 0.0
+    heap: list[float] = []
+    total = 0.0  # the sum of the heap
     area, prev, called = 0.0, 0.0, 0
-    for idx in range(freq, n, freq):
-        now = _top_mean(history[:idx], k)
-        area += freq * (now + prev) / 2
-        prev, called = now, idx
-    now = _top_mean(history[:n], k)
+    for i, v in enumerate(history[:n], 1):
+        if len(heap) < k:
+            heapq.heappush(heap, v)
+            total += v
+        elif v > heap[0]:
+            total += v - heapq.heapreplace(heap, v)
+        if i % freq == 0 and i < n:
+            now = total / len(heap)
+            area += freq * (now + prev) / 2
+            prev, called = now, i
+    now = total / len(heap)
     area += (n - called) * (now + prev) / 2
     area += (budget - n) * now
     return area / budget
-
-
-def _top_mean(values: list[float], k: int) -> float:
-    import heapq
-
-    top = heapq.nlargest(k, values)
-    return sum(top) / len(top)

@@ -324,7 +324,7 @@ def step(run: GoalRun) -> dict:
     import numpy as np
     import torch
 
-    from ..distributed import all_reduce_sum, gather_objects
+    from ..distributed import all_have, all_reduce_sum, gather_objects
     from ..eval.sampling import ids_to_texts, sample_ids, texts_to_smiles
     from ..models.loss import sequence_log_likelihood
 
@@ -388,9 +388,12 @@ def step(run: GoalRun) -> dict:
         result = None
     else:
         result = run.engine.train_step([batch])
-    if result is not None and (result.skipped or not math.isfinite(result.loss)):
-        raise MoldsError(f"goal step {run.step + 1}: the loss ({result.loss:.4g}) or its gradient norm "
-                         f"({result.grad_norm:.4g}) is not finite; lower optim.lr or goal.sigma")
+    finite = result is None or (not result.skipped and math.isfinite(result.loss))
+    if not all_have(finite, dist):  # the ranks agree, so none is left waiting in a collective
+        what = (f"loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g} on this rank" if result is not None
+                else "no step")
+        raise MoldsError(f"goal step {run.step + 1}: not finite on some rank ({what}); nothing of it was applied "
+                         f"or saved; lower optim.lr or goal.sigma")
     # figures of the step (the same on every rank: from gathered values)
     sampled_scores = [0.0 if st == INVALID else ledger.cache[c][1] for c, st in zip(gathered, status)
                       if st != OVER_BUDGET]

@@ -218,3 +218,17 @@ def test_stages_run_in_turn_each_scoring_afresh(prior, tmp_path):
         want = Scorer(definition)([r["smiles"] for r in mine]).total
         assert [float(r["score"]) for r in mine] == pytest.approx(want.tolist(), abs=1e-12)
     assert res["summary"]["oracle_calls"] == len(rows)
+
+
+def test_a_non_finite_step_stops_the_run_and_saves_nothing(prior, tmp_path, monkeypatch):
+    from molds.errors import MoldsError
+    from molds.models import loss as loss_mod
+    from molds.train import main
+
+    real = loss_mod.AugmentedLikelihoodLoss.__call__
+    monkeypatch.setattr(loss_mod.AugmentedLikelihoodLoss, "__call__",
+                        lambda self, outputs, batch: real(self, outputs, batch) * float("nan"))
+    out = str(tmp_path / "nan")
+    with pytest.raises(MoldsError, match="not finite"):
+        main(goal_argv(prior, out, 3, "--checkpoint.interval_steps", "1"))
+    assert not [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step-")]

@@ -130,3 +130,27 @@ def test_a_recipe_saved_before_the_goal_section_existed_resumes_unchanged():
     assert recipe_changes(old, now) == {}
     changed = parse_recipe(["--recipe", path, "--goal.sigma", "5"]).to_dict()
     assert recipe_changes(old, changed) == {"goal.sigma": [128.0, 5.0]}
+
+
+def test_pmo_auc_equals_mol_opts_prefix_by_prefix_reading():
+    """Against the definition read literally (each prefix sorted anew, as mol_opt's top_auc
+    does), on random histories that stop early, end on a multiple of freq, or run over."""
+    import random
+
+    def literal(history, budget, k=10, freq=100):
+        n = min(len(history), budget)
+        area, prev, called = 0.0, 0.0, 0
+        for idx in range(freq, n, freq):
+            top = sorted(history[:idx], reverse=True)[:k]
+            now = sum(top) / len(top)
+            area += freq * (now + prev) / 2
+            prev, called = now, idx
+        top = sorted(history[:n], reverse=True)[:k]
+        now = sum(top) / len(top)
+        area += (n - called) * (now + prev) / 2 + (budget - n) * now
+        return area / budget
+
+    rng = random.Random(0)
+    for n, budget in ((57, 1000), (1000, 1000), (2345, 2000), (5, 10), (300, 300)):
+        h = [rng.random() ** 3 for _ in range(n)]
+        assert pmo_auc(h, budget) == pytest.approx(literal(h, budget), rel=1e-12)
