@@ -232,3 +232,35 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing(prior, tmp_path, monk
     with pytest.raises(MoldsError, match="not finite"):
         main(goal_argv(prior, out, 3, "--checkpoint.interval_steps", "1"))
     assert not [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step-")]
+
+
+def test_replayed_molecules_are_spelled_anew_and_behind_the_priors_marker(prior):
+    """Augmented Memory's replay: each replay is a random SMILES of the remembered molecule
+    (the same molecule, other spellings); a prior that learned random spellings behind its
+    <sep> marker gets them behind it, the canonical spelling never."""
+    from types import SimpleNamespace
+
+    from rdkit import Chem
+
+    from molds.checkpoint import open_checkpoint
+    from molds.goal.loop import _replay_ids
+
+    loaded = open_checkpoint(prior)
+    goal = SimpleNamespace(replay_randomized=True)
+    run = SimpleNamespace(recipe=SimpleNamespace(goal=goal, model=SimpleNamespace(max_position_embeddings=256)),
+                          representation=None, prior=loaded, forbid=())
+    smi = Chem.MolToSmiles(Chem.MolFromSmiles("CC(=O)Nc1ccc(O)cc1"))
+    spellings = {tuple(_replay_ids(run, smi, seed=s)) for s in range(20)}
+    assert len(spellings) > 3
+    for ids in spellings:
+        text = loaded.tokenizer.decode(list(ids)).replace(" ", "")
+        assert Chem.MolToSmiles(Chem.MolFromSmiles(text)) == smi
+    sep = loaded.specials.sep
+    assert sep is not None
+    run.forbid = (sep,)
+    marked = [_replay_ids(run, smi, seed=s) for s in range(20)]
+    canonical_ids = loaded.tokenizer(smi, add_special_tokens=False)["input_ids"]
+    assert any(ids != canonical_ids for ids in marked)
+    assert all(ids[0] == sep and ids[1:] != canonical_ids for ids in marked if ids != canonical_ids)
+    goal.replay_randomized = False
+    assert _replay_ids(run, smi, seed=0) == canonical_ids  # the canonical spelling: no marker
