@@ -564,7 +564,7 @@ class GoalConfig:
 
     diversity_filter: Literal["none", "identical_murcko"] = "identical_murcko"
     """``identical_murcko``: molecules scoring at least ``min_score`` fill a bucket per Murcko
-    scaffold; once a scaffold's bucket holds ``bucket_size``, its further molecules' scores are
+    scaffold (as the prior's manifest computes scaffolds: its ETL's ``scaffold`` option); once a scaffold's bucket holds ``bucket_size``, its further molecules' scores are
     multiplied by ``penalty``."""
 
     bucket_size: int = 25

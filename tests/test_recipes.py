@@ -23,7 +23,7 @@ SMOKE = os.path.join(ROOT, "recipes", "smoke", "dense_ddp.json")
 def test_shipped_recipe_parses_and_validates(path):
     recipe = parse_recipe(["--recipe", path])
     if recipe.goal.prior:  # a goal run: its model and data are its prior's; its objective is checked here
-        from molds.goal.loop import build_scorers, check_goal
+        from molds.goal.plan import build_scorers, check_goal
 
         check_goal(recipe, 2)
         assert len(build_scorers(recipe.goal)) >= 1

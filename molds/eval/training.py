@@ -168,21 +168,8 @@ class TrainingEvaluator:
     def _pictures(self, texts: list, smiles: list, step: int) -> None:
         import numpy as np
         import pyarrow.parquet as pq
-        from rdkit import Chem
-        from rdkit.Chem import Draw
 
-        ev = self.recipe.eval
-        mols, legends = [], []
-        for s in smiles:
-            mol = Chem.MolFromSmiles(s) if s else None
-            if mol is not None:
-                mols.append(mol)
-                legends.append(s if len(s) <= 40 else s[:37] + "...")
-            if len(mols) == ev.grid:
-                break
-        if mols:
-            img = Draw.MolsToGridImage(mols, molsPerRow=4, subImgSize=(250, 250), legends=legends)
-            self.log.image("eval/samples_grid", np.asarray(img.convert("RGB")), step)
+        self.log.molecules("eval/samples_grid", smiles, step, self.recipe.eval.grid)
         shown = "\n".join(f"    {s if s else '(unfinished, or holds a special token)'}" for s in smiles[:64])
         self.log.text("eval/samples", shown, step)
         lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts if t]

@@ -37,97 +37,11 @@ import time
 
 from ..errors import CheckpointError, MoldsError, RecipeError
 from .ledger import INVALID, NEW, OVER_BUDGET, Ledger, murcko_scaffold, pmo_auc
+from .plan import build_scorers, check_goal, goal_recipe, stages_of
 
 SCORED_CSV = "scored.csv"
 TOPK_CSV = "topk.csv"
 GOAL_STATE = "goal"  # the ledger's key in the checkpoint's data_state.json
-
-
-# ---------------------------------------------------------------- the recipe
-
-def stages_of(goal) -> list[dict]:
-    """The run's stages, checked: each {scoring, min_steps, max_steps, threshold}; a
-    recipe with ``scoring`` alone is one stage without an end of its own."""
-    if (goal.scoring is None) == (goal.stages is None):
-        raise RecipeError("goal: give goal.scoring (one objective) or goal.stages (a list of them), not "
-                          + ("both" if goal.scoring is not None else "neither"))
-    if goal.scoring is not None:
-        return [{"scoring": goal.scoring, "min_steps": 0, "max_steps": 0, "threshold": None}]
-    if not isinstance(goal.stages, list) or not goal.stages:
-        raise RecipeError("goal.stages: a non-empty list of {scoring, min_steps, max_steps, threshold}")
-    out = []
-    for i, st in enumerate(goal.stages):
-        where = f"goal.stages[{i}]"
-        if not isinstance(st, dict):
-            raise RecipeError(f"{where}: an object with scoring, min_steps, max_steps, threshold")
-        unknown = set(st) - {"scoring", "min_steps", "max_steps", "threshold"}
-        if unknown:
-            raise RecipeError(f"{where}: unknown keys {sorted(unknown)} (a stage has scoring, min_steps, max_steps, "
-                              f"threshold)")
-        if "scoring" not in st:
-            raise RecipeError(f"{where}.scoring: missing")
-        lo, hi = st.get("min_steps", 0), st.get("max_steps", 0)
-        for key, v in (("min_steps", lo), ("max_steps", hi)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise RecipeError(f"{where}.{key}: an integer >= 0, got {v!r}")
-        if hi and lo > hi:
-            raise RecipeError(f"{where}: min_steps {lo} > max_steps {hi}")
-        th = st.get("threshold")
-        if th is not None and (not isinstance(th, (int, float)) or isinstance(th, bool) or not 0 <= th <= 1):
-            raise RecipeError(f"{where}.threshold: a score in [0, 1], got {th!r}")
-        if not hi and th is None and i < len(goal.stages) - 1:
-            raise RecipeError(f"{where}: a stage before the last needs max_steps or a threshold to end")
-        out.append({"scoring": st["scoring"], "min_steps": lo, "max_steps": hi, "threshold": th})
-    return out
-
-
-def build_scorers(goal) -> list:
-    """One ``molds.scoring.Scorer`` per stage (a bad definition is refused naming its key)."""
-    from ..scoring import Scorer
-
-    stages = stages_of(goal)
-    many = goal.stages is not None
-    return [Scorer(st["scoring"], f"goal.stages[{i}].scoring" if many else "goal.scoring")
-            for i, st in enumerate(stages)]
-
-
-def check_goal(recipe, world_size: int) -> None:
-    """What a goal run refuses before any process starts its group."""
-    g = recipe.goal
-    if recipe.parallel.engine not in ("ddp", "zero"):
-        raise RecipeError(f"parallel.engine={recipe.parallel.engine}: a goal run trains its agent with ddp or zero "
-                          f"(the pipeline engine does not sample)")
-    if g.batch_size % world_size:
-        raise RecipeError(f"goal.batch_size={g.batch_size} is not a multiple of the {world_size} ranks: each rank "
-                          f"samples the same share")
-    if recipe.trainer.max_time:
-        raise RecipeError("trainer.max_time: a goal run is bounded by trainer.max_steps and goal.max_oracle_calls")
-    if recipe.checkpoint.fork:
-        raise RecipeError("checkpoint.fork: a goal run starts from goal.prior; to continue one, "
-                          "--checkpoint.resume auto")
-    if g.replay_samples and not g.replay_size:
-        print("[molds] warning: goal.replay_samples is set but goal.replay_size=0: nothing is replayed",
-              file=sys.stderr)
-
-
-def goal_recipe(recipe, prior, world_size: int):
-    """The recipe the agent trains under: the prior's model and manifest (said when the
-    recipe's own differ), one micro-batch of the step's rows per rank."""
-    from ..config import DataConfig, ModelConfig
-
-    notes = []
-    model = ModelConfig(**prior.recipe["model"])
-    if recipe.model != ModelConfig() and recipe.model != model:
-        notes.append("the recipe's model section is replaced by the prior's (the agent is the prior's model)")
-    manifest = prior.manifest.path
-    if recipe.data != DataConfig():
-        notes.append(f"the recipe's data section is replaced by the prior's (manifest {manifest}: its tokenizer); a "
-                     f"goal run samples its own molecules")
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    data = DataConfig(**{k: v for k, v in prior.recipe["data"].items() if k in known})
-    data = dataclasses.replace(data, manifest=manifest, micro_batch_size=recipe.goal.batch_size // world_size)
-    trainer = dataclasses.replace(recipe.trainer, grad_accum=1, global_batch_size=0)
-    return dataclasses.replace(recipe, model=model, data=data, trainer=trainer), notes
 
 
 # ---------------------------------------------------------------- the run
@@ -326,6 +240,7 @@ def step(run: GoalRun) -> dict:
 
     from ..distributed import all_have, all_reduce_sum, gather_objects
     from ..eval.sampling import ids_to_texts, sample_ids, texts_to_smiles
+    from ..metrics.generation import parse_samples
     from ..models.loss import sequence_log_likelihood
 
     recipe, dist, g, ledger = run.recipe, run.dist, run.recipe.goal, run.ledger
@@ -341,8 +256,12 @@ def step(run: GoalRun) -> dict:
                          device=dist.device, stop_together=_agreement(run), forbid=run.forbid)
     agent.train()
     texts = ids_to_texts(run.prior.tokenizer, ids)
-    canonical = [_canonical(s) for s in texts_to_smiles(texts, run.representation)]
-    gathered = [c for part in gather_objects(canonical, dist) for c in part]  # rank order
+    # canonical as the prior's manifest canonicalizes (the ETL's options), with its scaffold
+    parsed = parse_samples(texts_to_smiles(texts, run.representation), run.prior.manifest)
+    mols = [None if p is None else (p["canonical"], p["scaffold"]) for p in parsed]
+    gathered_mols = [m for part in gather_objects(mols, dist) for m in part]  # rank order
+    gathered = [None if m is None else m[0] for m in gathered_mols]
+    scaffold_of = {m[0]: m[1] for m in gathered_mols if m is not None}
     status = ledger.classify(gathered)
     new = [c for c, st in zip(gathered, status) if st == NEW]
     scorer = run.scorers[ledger.stage]
@@ -350,7 +269,8 @@ def step(run: GoalRun) -> dict:
     scored = scorer(mine) if mine else None
     names = [name for name, *_ in scorer.parts]
     part = [(float(scored.total[i]), {n: [float(scored.raw[n][i]), float(scored.components[n][i])] for n in names},
-             murcko_scaffold(s)) for i, s in enumerate(mine)] if scored is not None else []
+             scaffold_of[s] if scaffold_of[s] is not None else murcko_scaffold(s))
+            for i, s in enumerate(mine)] if scored is not None else []
     parts = gather_objects(part, dist)
     results = [parts[i % world][i // world] for i in range(len(new))]  # back in the order of ``new``
     call0 = ledger.calls
@@ -428,17 +348,6 @@ def _agreement(run: GoalRun):
 
         return lambda finished: all_have(finished, run.dist)
     return None
-
-
-def _canonical(smiles: str | None) -> str | None:
-    if not smiles:
-        return None
-    from rdkit import Chem
-
-    mol = Chem.MolFromSmiles(smiles)
-    if mol is None or mol.GetNumAtoms() == 0:
-        return None
-    return Chem.MolToSmiles(mol)
 
 
 def _replay_ids(run: GoalRun, smiles: str, seed: int) -> list[int] | None:
@@ -589,15 +498,7 @@ def finish_goal(run: GoalRun) -> dict:
 
 
 def _grid(run: GoalRun) -> None:
-    """The best molecules as a TensorBoard image."""
-    import numpy as np
-    from rdkit import Chem
-    from rdkit.Chem import Draw
-
-    best = run.ledger.best[:max(1, run.recipe.eval.grid)]
-    mols = [Chem.MolFromSmiles(s) for s, *_ in best]
-    keep = [(m, f"{v:.3f}") for m, (_, v, *_) in zip(mols, best) if m is not None]
-    if keep:
-        img = Draw.MolsToGridImage([m for m, _ in keep], molsPerRow=4, subImgSize=(250, 250),
-                                   legends=[t for _, t in keep])
-        run.log.image("goal/best_molecules", np.asarray(img.convert("RGB")), run.step)
+    """The best molecules as a TensorBoard image, each with its score."""
+    best = run.ledger.best
+    run.log.molecules("goal/best_molecules", [s for s, *_ in best], run.step, run.recipe.eval.grid,
+                      legends=[f"{v:.3f}" for _, v, *_ in best])

@@ -97,6 +97,27 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_image(tag, hwc, step, dataformats="HWC")
 
+    def molecules(self, tag: str, smiles: list, step: int, n: int, legends: list | None = None) -> None:
+        """The first ``n`` molecules RDKit reads, drawn as a grid (legend: the SMILES, or
+        ``legends``)."""
+        if self.writer is None or n <= 0:
+            return
+        import numpy as np
+        from rdkit import Chem
+        from rdkit.Chem import Draw
+
+        mols, names = [], []
+        for i, s in enumerate(smiles):
+            mol = Chem.MolFromSmiles(s) if s else None
+            if mol is not None:
+                mols.append(mol)
+                names.append(legends[i] if legends is not None else (s if len(s) <= 40 else s[:37] + "..."))
+            if len(mols) == n:
+                break
+        if mols:
+            img = Draw.MolsToGridImage(mols, molsPerRow=4, subImgSize=(250, 250), legends=names)
+            self.image(tag, np.asarray(img.convert("RGB")), step)
+
     def histogram(self, tag: str, values, step: int) -> None:
         if self.writer is not None and len(values):
             import numpy as np

@@ -103,11 +103,14 @@ class Component:
                               f"[0, 1]; give it a transform (sigmoid, double_sigmoid, step, gaussian, ...)")
         self.spec = spec
 
-    def raw(self, mols: list) -> np.ndarray:
-        return np.array([self.one(m) for m in mols], dtype=np.float64)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.raw is Component.raw and not callable(getattr(cls, "one", None)):
+            raise TypeError(f"{cls.__name__}: a scoring component defines raw(mols) or one(mol)")
 
-    def one(self, mol) -> float:  # pragma: no cover - each kind defines raw or one
-        raise NotImplementedError
+    def raw(self, mols: list) -> np.ndarray:
+        """Raw values of the molecules (NaN: not measurable); by default ``one`` per molecule."""
+        return np.array([self.one(m) for m in mols], dtype=np.float64)
 
 
 class QED(Component):

@@ -156,7 +156,7 @@ def test_misused_goal_recipes_are_refused_naming_the_key(prior, tmp_path, extra,
     args = goal_argv(prior, str(tmp_path / "g"), 2) + extra
     with pytest.raises(RecipeError, match=message):
         if "--goal.batch_size" in extra:  # 15 is fine on one rank; on 2 it is refused
-            from molds.goal.loop import check_goal
+            from molds.goal.plan import check_goal
             from molds.recipe import parse_recipe
 
             check_goal(parse_recipe(args), 2)
