@@ -85,6 +85,12 @@ class DataConfig:
     sep token after BOS (unused otherwise by causal LMs), and sampling forbids that token, so a
     decoder samples canonical SMILES while it learns from both forms; ``none``: untagged."""
 
+    randomized_from: Literal["auto", "manifest", "rdkit"] = "auto"
+    """With ``randomized_smiles``: where the randomized spellings come from. ``manifest``: the
+    variants ``molds-preprocess --randomized-variants K`` stored in the shards (no RDKit work
+    in the training process; molecule m reads variant (offset_m + epoch) mod K); ``rdkit``:
+    written with RDKit as row groups load; ``auto``: the manifest's when it has them."""
+
     with_labels: bool = False
     """Bucketed: return the manifest's ``labels`` with a missing-value mask."""
 

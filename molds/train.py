@@ -398,6 +398,7 @@ def _log(run: Run, window: dict, result, bar) -> None:
     flops = run.flops[0] * real + run.flops[1] * sq
     values = {"train/loss": loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
               "train/tokens_per_sec": real / elapsed, "train/padding_ratio": 1 - real / max(1.0, tokens),
+              "train/step_s": elapsed / max(1, window["steps"]),
               "train/mfu": flops / elapsed / (peak * 1e12 * dist.world_size) if peak else None,
               "train/nonfinite_steps": run.counters["nonfinite_steps"], "train/rollbacks": run.counters["rollbacks"],
               "data/wait_s_per_step": wait / dist.world_size / max(1, window["steps"]),
@@ -534,6 +535,8 @@ def _start_summary(run: Run, parameters: int) -> None:
     notes.append(_elastic_store_warning())
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
+    if run.loader.randomized_note:
+        print(f"[molds] {run.loader.randomized_note}", file=sys.stderr)
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)

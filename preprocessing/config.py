@@ -98,6 +98,14 @@ class PreprocessConfig:
     conformer_decimals: int = 2
     """Digits after the point of each coordinate in Å (0 to 4; 2: within 0.005 Å)."""
 
+    randomized_variants: int = 0
+    """Also write K randomized SMILES of every training molecule (Arus-Pous et al. 2019's
+    restricted form: atoms renumbered at random, RDKit's non-canonical writer), tokenized, as
+    the shards' ``randomized_token_ids`` column (0 to 64; 0: none). A recipe with
+    ``data.randomized_smiles`` then reads them instead of running RDKit in the training
+    process. Needs ``representation smiles`` without conformers. Spellings the vocabulary
+    cannot cover are stored empty and counted (``randomized_failed``)."""
+
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory."""
 

@@ -61,6 +61,11 @@ def _validate(cfg: PreprocessConfig) -> None:
         raise ValueError("--shard_size_mb, --chunk_rows, --partition_rows and --row_group_rows must be positive")
     if cfg.tokenizer == "bpe" and not 16 < cfg.bpe_vocab_size <= 65535:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
+    if not 0 <= cfg.randomized_variants <= 64:
+        raise ValueError(f"--randomized_variants must be in [0, 64], got {cfg.randomized_variants}")
+    if cfg.randomized_variants and (cfg.representation != "smiles" or cfg.conformers != "none"):
+        raise ValueError("--randomized_variants writes randomized SMILES: it needs --representation smiles and "
+                         "--conformers none")
     _chem_options(cfg)  # the chemistry caps, checked before anything is created
     _representation(cfg)  # the representation's package, asked for by name when it is missing
 
@@ -248,7 +253,8 @@ def run(cfg: PreprocessConfig) -> str:
         tok_dir = os.path.join(tmp_dir, "tokenizer")
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
-                                                        cfg.vocab_from, work_dir, spelled) for p in parts])
+                                                        cfg.vocab_from, work_dir, spelled,
+                                                        (cfg.randomized_variants, cfg.seed)) for p in parts])
         for f in finals:
             stats.merge(f["stats"])
         timings["tokenize_s"] = time.time() - t

@@ -84,6 +84,17 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         manifest["representation"] = representation
         manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
         manifest["columns"].insert(manifest["columns"].index("canonical_smiles") + 1, "text")
+    if cfg.randomized_variants:
+        from rdkit import rdBase
+
+        manifest["randomized"] = {
+            "variants": cfg.randomized_variants, "splits": ["train"], "column": "randomized_token_ids",
+            "form": "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)",
+            "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,
+            "failed": int(stats.notes.get("randomized_failed", 0)),
+            "rule": "a spelling RDKit or the vocabulary cannot take is stored as an empty list and read canonical",
+        }
+        manifest["columns"].insert(manifest["columns"].index("token_length") + 1, "randomized_token_ids")
     if stats.truncated:  # --on_truncated keep: where each cut-short input was cut
         manifest["stats"]["truncated_inputs"] = list(stats.truncated)
     accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())

@@ -37,7 +37,7 @@ _GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
 _SD_BATCH = 64  # SD records RDKit reads together (one supplier) before they are canonicalized
 SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
-                 "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
+                 "randomized_token_ids", "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
 
 
 @dataclass(frozen=True)
@@ -381,9 +381,40 @@ def length_bucket_of(lengths: np.ndarray, boundaries) -> np.ndarray:
     return np.searchsorted(np.asarray(boundaries), lengths, side="left").astype(np.int16)
 
 
+_VARIANT_SALT = 0x7A2D_5EED
+
+
+def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.ndarray, count: int, seed: int,
+                        encoder) -> tuple[pa.ListArray, int]:
+    """``count`` tokenized restricted randomized SMILES of each molecule in ``rows`` (the
+    others get an empty list), as list<list<uint16>>, and how many spellings were stored
+    empty because RDKit or the vocabulary could not take them. Each molecule's atom orders
+    come from (seed, its row hash), so any engine and partitioning writes the same ones."""
+    from molds.data.randomize import restricted_variants
+
+    n = len(canonical)
+    texts = []
+    for i in rows.tolist():
+        rng = np.random.default_rng([_VARIANT_SALT, seed, int(row_hash[i])])
+        texts += [t or "" for t in restricted_variants(canonical[i], rng=rng, count=count)]
+    flat, lengths = encoder.encode_batch(texts) if texts else (np.zeros(0, np.uint16), np.zeros(0, np.int32))
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    good = encoder.roundtrip_ok(flat, lengths, texts) if texts else np.zeros(0, bool)
+    unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
+    good &= (unk_cum[bounds[1:]] - unk_cum[bounds[:-1]] == 0) & (np.asarray(lengths) > 0)
+    keep = np.repeat(good, lengths)
+    inner = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(np.where(good, lengths, 0))])
+                                              .astype(np.int32)), pa.array(flat[keep], pa.uint16()))
+    per_row = np.zeros(n, np.int32)
+    per_row[rows] = count
+    outer = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)), inner)
+    return outer, int(len(texts) - good.sum())
+
+
 def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
-                       work_dir: str, representation: str = "smiles") -> dict:
-    """Tokenize, check the round trip, bucket by length and order a reduced partition."""
+                       work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0)) -> dict:
+    """Tokenize, check the round trip, bucket by length and order a reduced partition
+    (``randomized``: (K, seed), K randomized spellings of each training molecule too)."""
     encoder = make_encoder(encoder_spec)
     table = read_ipc(result["staged"])
     n = len(table)
@@ -404,6 +435,12 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         for i in np.flatnonzero(~ok).tolist():
             stats.reject("tokenizer_roundtrip", sources[i], raws[i])
     token_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint16()))
+    variants = None
+    if randomized[0]:
+        variants, failed = randomized_variants(table.column("canonical_smiles").to_pylist(),
+                                               table.column("row_hash").to_numpy(), np.flatnonzero(ok & (split == 0)),
+                                               randomized[0], randomized[1], encoder)
+        stats.notes["randomized_failed"] += failed
     lbucket = length_bucket_of(lengths, boundaries)
     out = pa.table({
         "compound_id": table.column("compound_id"),
@@ -413,6 +450,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "scaffold": table.column("scaffold"),
         "token_ids": token_ids,
         "token_length": pa.array(lengths, pa.int32()),
+        **({"randomized_token_ids": variants} if variants is not None else {}),
         **({"labels": table.column("labels")} if "labels" in table.column_names else {}),
         "source": table.column("source"),
         "_split": pa.array(split),
@@ -447,7 +485,9 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "segments": segments,
         "segment_start": seg_start,
         "stats": stats,
-        "bytes": int(text_bytes + 2 * int(tl.sum()) + out.num_rows * (16 + 4 * _num_labels(out))),
+        "bytes": int(text_bytes + 2 * int(tl.sum()) + out.num_rows * (16 + 4 * _num_labels(out))
+                     + (2 * len(out.column("randomized_token_ids").combine_chunks().flatten().flatten())
+                        if "randomized_token_ids" in out.column_names else 0)),
         "length_hist": {k: np.bincount(tl[s == k]).tolist() for k in range(3)},
         "unknown_rows": {k: int(np.count_nonzero(out.column("_unk").to_numpy(zero_copy_only=False) & (s == k)))
                          for k in range(3)},

@@ -192,7 +192,7 @@ class MoleculeLoader:
                                 f"has none")
         self._check(cfg)
         sp = self.specials
-        randomizer = None
+        randomizer, self.randomized_note = None, None
         if cfg.randomized_smiles > 0:
             from ..errors import RecipeError
             from .randomize import Randomizer
@@ -204,8 +204,15 @@ class MoleculeLoader:
             if cfg.randomized_marker == "sep" and sp.sep is None:
                 raise RecipeError(f"data.randomized_marker=sep: the tokenizer of {self.manifest.path} has no sep "
                                   f"token; set data.randomized_marker to none")
+            stored = self._stored_variants(cfg)
             randomizer = Randomizer(cfg.randomized_smiles, cfg.seed, sp.path, bos_id=sp.bos, eos_id=sp.eos,
-                                    unk_id=sp.unk, marker_id=sp.sep if cfg.randomized_marker == "sep" else None)
+                                    unk_id=sp.unk, marker_id=sp.sep if cfg.randomized_marker == "sep" else None,
+                                    stored=stored, vocab_size=sp.vocab_size)
+            self.randomized_note = (
+                f"data.randomized_smiles={cfg.randomized_smiles}: spellings read from the {stored} randomized "
+                f"variants per molecule that {self.manifest.path} stores" if stored else
+                f"data.randomized_smiles={cfg.randomized_smiles}: spellings written with RDKit as row groups load, in "
+                f"the training process (molds-preprocess --randomized-variants K writes them offline)")
         self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
                                   bos_id=sp.bos, eos_id=sp.eos, pad_id=sp.pad,
                                   with_labels=cfg.mode == "bucketed" and cfg.with_labels,
@@ -219,6 +226,27 @@ class MoleculeLoader:
         self.states: dict[int, dict] = {}
         self.rotation = 0  # logical worker that yields next
         self.batches = 0
+
+    def _stored_variants(self, cfg: DataConfig) -> int:
+        """How many stored randomized spellings per molecule this run reads (0: none,
+        RDKit writes them at load), from the manifest's ``randomized`` entry and
+        ``data.randomized_from``."""
+        from ..errors import RecipeError
+
+        info = self.manifest.data.get("randomized")
+        k = 0
+        if info is not None:
+            k = info.get("variants") if isinstance(info, dict) else None
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
+                raise ManifestError(f"{self.manifest.path}: key randomized.variants must be an integer in [1, 64], "
+                                    f"got {k!r}")
+            if cfg.split not in (info.get("splits") or []):
+                k = 0
+        if cfg.randomized_from == "manifest" and not k:
+            raise RecipeError(f"data.randomized_from=manifest: {self.manifest.path} stores no randomized variants "
+                              f"for split {cfg.split!r} (molds-preprocess --randomized-variants K writes them); set "
+                              f"data.randomized_from to auto or rdkit")
+        return 0 if cfg.randomized_from == "rdkit" else k
 
     def _check(self, cfg: DataConfig) -> None:
         from ..errors import RecipeError

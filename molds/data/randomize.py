@@ -14,6 +14,14 @@ resume reads exactly the batches an uninterrupted run reads.
 
 RDKit writes and the tokenizers library encodes; what is done here is only the choice and
 the splice into the loaded unit's flat token array.
+
+Written at load, a randomized molecule costs the training process ~0.2 ms of RDKit and
+tokenizer time; on a 2-core CPU recipe that is several per cent of every step, spent on
+the cores that train. ``molds-preprocess --randomized-variants K`` writes K randomized
+spellings of every training molecule once, tokenized, into the shards
+(``randomized_token_ids``); the loader then only picks one (``data.randomized_from``):
+molecule m in epoch e reads variant (offset_m + e) mod K, offset_m drawn from (seed, shard,
+row group, row), so a molecule meets K different spellings before any repeats.
 """
 
 from __future__ import annotations
@@ -26,37 +34,82 @@ from ..errors import ManifestError
 from .plan import Unit, _rng
 
 _SALT = 0x5A11E5
+_VARIANT_SALT = 0x5A11E6
+#: the column ``molds-preprocess --randomized-variants`` writes: per molecule, K token lists
+VARIANTS_COLUMN = "randomized_token_ids"
 #: a manifest whose molecules the randomizer mostly cannot rewrite (RDKit or the vocabulary
 #: refuses them) is refused rather than trained on canonically without anyone noticing:
 #: more than this many fallbacks in one process, and more than this fraction of its choices
 MAX_FALLBACKS, MAX_FALLBACK_FRACTION = 100, 0.01
 
 
-def randomized_smiles(smiles: str, seed: int) -> str | None:
-    """A restricted randomized SMILES of ``smiles`` (None if RDKit cannot read it)."""
+def _parse(smiles: str):
+    """``smiles`` as an RDKit molecule ready to write, or None. The input is a canonical
+    SMILES (RDKit's own output), so full sanitization would only recompute what the string
+    states: without stereo marks, the ring and valence caches are enough for the writer and
+    give the same strings at ~4x the speed of ``MolFromSmiles`` (checked against it in
+    tests/data/test_randomized_smiles.py). With stereo marks (``@ / \\``), RDKit's stereo
+    perception needs the sanitized molecule, so those take the full path."""
     from rdkit import Chem
 
-    mol = Chem.MolFromSmiles(smiles)
+    if "@" in smiles or "/" in smiles or "\\" in smiles:
+        mol = Chem.MolFromSmiles(smiles)
+    else:
+        mol = Chem.MolFromSmiles(smiles, sanitize=False)
+        if mol is not None:
+            try:
+                mol.UpdatePropertyCache(strict=True)
+                Chem.FastFindRings(mol)
+            except Exception:  # RDKit's valence errors: let the full parser decide
+                mol = Chem.MolFromSmiles(smiles)
     if mol is None or mol.GetNumAtoms() == 0:
         return None
-    order = np.random.default_rng(seed).permutation(mol.GetNumAtoms()).tolist()
-    return Chem.MolToSmiles(Chem.RenumberAtoms(mol, order), canonical=False)
+    return mol
+
+
+def restricted_variants(smiles: str, seeds=None, *, rng=None, count: int = 0) -> list[str | None]:
+    """Restricted randomized SMILES of ``smiles`` (atoms renumbered by a random permutation,
+    then RDKit's non-canonical writer): one per seed in ``seeds`` (the permutation drawn from
+    that seed), or ``count`` drawn from ``rng``; all None if RDKit cannot read it. The
+    molecule is parsed once for all of them."""
+    from rdkit import Chem
+
+    n_out = len(seeds) if seeds is not None else count
+    mol = _parse(smiles)
+    if mol is None:
+        return [None] * n_out
+    n = mol.GetNumAtoms()
+    orders = ([np.random.default_rng(int(s)).permutation(n) for s in seeds] if seeds is not None
+              else [rng.permutation(n) for _ in range(count)])
+    return [Chem.MolToSmiles(Chem.RenumberAtoms(mol, o.tolist()), canonical=False) for o in orders]
+
+
+def randomized_smiles(smiles: str, seed: int) -> str | None:
+    """A restricted randomized SMILES of ``smiles`` (None if RDKit cannot read it)."""
+    return restricted_variants(smiles, [seed])[0]
 
 
 class Randomizer:
     """Rewrites a fraction of a loaded unit's molecules as randomized SMILES."""
 
     def __init__(self, probability: float, seed: int, tokenizer_path: str, *, bos_id: int, eos_id: int,
-                 unk_id: int | None, marker_id: int | None):
+                 unk_id: int | None, marker_id: int | None, stored: int = 0, vocab_size: int | None = None):
         if not 0.0 < probability <= 1.0:
             raise ValueError(f"randomized SMILES probability must be in (0, 1], got {probability}")
         self.probability, self.seed = float(probability), int(seed)
         self.tokenizer_file = tokenizer_path.rstrip("/") + "/tokenizer.json"  # local path or fsspec URI
         self.bos_id, self.eos_id, self.unk_id, self.marker_id = bos_id, eos_id, unk_id, marker_id
+        self.stored = int(stored)  # K variants per molecule in the shards (0: written here with RDKit)
+        self.vocab_size = vocab_size
         self._tokenizer = None
         self.rewritten = 0  # molecules read in a randomized form (loads of this process)
         self.fallbacks = 0  # chosen molecules kept canonical: RDKit or the vocabulary could not take them
         self._last_fallback = ""  # where the latest of them was, for the error past the bound
+
+    @property
+    def column(self) -> str:
+        """The shard column a unit's rewrite reads."""
+        return VARIANTS_COLUMN if self.stored else "canonical_smiles"
 
     def __getstate__(self):  # DataLoader workers open their own tokenizer
         state = dict(self.__dict__)
@@ -80,13 +133,31 @@ class Randomizer:
         rows = np.flatnonzero(draw < self.probability)
         return rows, seeds[rows]
 
-    def rewrite(self, unit: Unit, epoch: int, tokens: np.ndarray, offsets: np.ndarray, canonical: list[str]):
+    def rewrite(self, unit: Unit, epoch: int, tokens: np.ndarray, offsets: np.ndarray, column, where: str = ""):
         """``tokens``/``offsets`` (BOS .. EOS per molecule, back to back) with the chosen
-        molecules replaced by BOS [marker] randomized tokens EOS."""
+        molecules replaced by BOS [marker] randomized tokens EOS. ``column`` is the unit's
+        ``self.column``: canonical SMILES (a list of str) or the stored variants (a pyarrow
+        list<list<int>> array); ``where`` names the shard in errors."""
         n = len(offsets) - 1
         rows, seeds = self.choose(unit, epoch, n)
         if len(rows) == 0:
             return tokens, offsets
+        if self.stored:
+            pieces = self._stored_pieces(unit, epoch, rows, column, where)
+        else:
+            pieces = self._written_pieces(unit, rows, seeds, column)
+        self.rewritten += len(pieces)
+        self._check_bound()
+        if not pieces:
+            return tokens, offsets
+        parts = [pieces[i] if i in pieces else tokens[offsets[i]:offsets[i + 1]] for i in range(n)]
+        lengths = np.fromiter((len(p) for p in parts), np.int64, n)
+        return np.concatenate(parts).astype(np.int32, copy=False), np.concatenate([[0], np.cumsum(lengths)])
+
+    def _head(self) -> list[int]:
+        return [self.bos_id] + ([self.marker_id] if self.marker_id is not None else [])
+
+    def _written_pieces(self, unit: Unit, rows: np.ndarray, seeds: np.ndarray, canonical: list) -> dict:
         texts, kept = [], []
         for row, seed in zip(rows.tolist(), seeds.tolist()):
             text = randomized_smiles(canonical[row], seed) if canonical[row] else None
@@ -95,7 +166,7 @@ class Randomizer:
                 continue
             texts.append(text)
             kept.append(row)
-        head = [self.bos_id] + ([self.marker_id] if self.marker_id is not None else [])
+        head = self._head()
         pieces = {}
         for row, text, ids in zip(kept, texts, self._encode(texts)):
             if not ids or (self.unk_id is not None and self.unk_id in ids):
@@ -103,13 +174,34 @@ class Randomizer:
                                                           f"vocabulary")
                 continue
             pieces[row] = np.asarray(head + ids + [self.eos_id], np.int32)
-        self.rewritten += len(pieces)
-        self._check_bound()
-        if not pieces:
-            return tokens, offsets
-        parts = [pieces[i] if i in pieces else tokens[offsets[i]:offsets[i + 1]] for i in range(n)]
-        lengths = np.fromiter((len(p) for p in parts), np.int64, n)
-        return np.concatenate(parts).astype(np.int32, copy=False), np.concatenate([[0], np.cumsum(lengths)])
+        return pieces
+
+    def _stored_pieces(self, unit: Unit, epoch: int, rows: np.ndarray, variants, where: str) -> dict:
+        """Variant (offset + epoch) mod K of each chosen row, from the shard's column."""
+        import pyarrow.compute as pc
+
+        k, n = self.stored, len(variants)
+        counts = pc.list_value_length(variants).fill_null(-1).to_numpy(zero_copy_only=False)
+        if not np.array_equal(counts, np.full(n, k)):
+            raise ManifestError(f"{where}: row group {unit.row_group}: column {VARIANTS_COLUMN} does not hold "
+                                f"{k} variants in every row, as the manifest says")
+        inner = variants.flatten()  # n x k token lists, row-major
+        lengths = pc.list_value_length(inner).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = inner.flatten().to_numpy(zero_copy_only=False)
+        if self.vocab_size is not None and len(flat) and int(flat.max()) >= self.vocab_size:
+            raise ManifestError(f"{where}: row group {unit.row_group}: column {VARIANTS_COLUMN} holds token id "
+                                f"{int(flat.max())}, outside the tokenizer's {self.vocab_size} ids")
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        offset = _rng(self.seed, _VARIANT_SALT, unit.shard, unit.row_group).integers(0, k, n)
+        head, pieces = np.asarray(self._head(), np.int32), {}
+        for row in rows.tolist():
+            j = row * k + (int(offset[row]) + epoch) % k
+            ids = flat[starts[j]:starts[j + 1]]
+            if len(ids) == 0:  # the ETL could not write this spelling (it counted it)
+                self._fallback(unit, row, "", f"variant {(int(offset[row]) + epoch) % k} is empty in the shard")
+                continue
+            pieces[row] = np.concatenate([head, ids.astype(np.int32), [self.eos_id]]).astype(np.int32)
+        return pieces
 
     def _fallback(self, unit: Unit, row: int, smiles: str, why: str) -> None:
         self.fallbacks += 1

@@ -173,7 +173,7 @@ class SplitSource:
             return hit
         unit = self.units[unit_index]
         columns = (["token_ids"] + (["labels"] if self.with_labels else [])
-                   + (["canonical_smiles"] if self.randomizer is not None else []))
+                   + ([self.randomizer.column] if self.randomizer is not None else []))
         try:
             table = self._file(unit.shard).read_row_group(unit.row_group, columns=columns)
         except (OSError, ValueError) as exc:
@@ -192,8 +192,11 @@ class SplitSource:
         row_of = np.repeat(np.arange(n), lengths)
         tokens[np.arange(len(flat)) + 2 * row_of + 1] = flat
         if self.randomizer is not None:
-            tokens, new_offsets = self.randomizer.rewrite(unit, self.epoch, tokens, new_offsets,
-                                                          table.column("canonical_smiles").to_pylist())
+            col = table.column(self.randomizer.column)
+            col = col.combine_chunks() if self.randomizer.stored else col.to_pylist()
+            tokens, new_offsets = self.randomizer.rewrite(unit, self.epoch, tokens, new_offsets, col,
+                                                          where=f"shard {self.shards[unit.shard].uri} of "
+                                                                f"{self.manifest.path}")
         labels = None
         if self.with_labels:
             lab = table.column("labels").combine_chunks()

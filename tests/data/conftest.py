@@ -10,12 +10,10 @@ import pytest
 from tests.preprocessing.conftest import sample_smiles
 
 
-@pytest.fixture(scope="session")
-def dataset(tmp_path_factory) -> str:
+def _build(d, **options) -> str:
     from molds.preprocessing.config import PreprocessConfig
     from molds.preprocessing.pipeline import run
 
-    d = tmp_path_factory.mktemp("dp")
     path = d / "mols.csv"
     smiles = sample_smiles(3000, offset=2000)
     with open(path, "w", newline="") as fh:
@@ -25,8 +23,23 @@ def dataset(tmp_path_factory) -> str:
             w.writerow([s, i % 2 if i % 3 else "", (i % 7) / 7.0])
     out = str(d / "data")
     run(PreprocessConfig(input=[str(path)], output=out, label_columns=["y1", "y2"], workers=2, progress=False,
-                         split="random", row_group_rows=97, shard_size_mb=0.1))
+                         split="random", row_group_rows=97, shard_size_mb=0.1, **options))
     return out
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> str:
+    return _build(tmp_path_factory.mktemp("dp"))
+
+
+#: randomized spellings per training molecule in ``dataset_variants``
+VARIANTS = 3
+
+
+@pytest.fixture(scope="session")
+def dataset_variants(tmp_path_factory) -> str:
+    """``dataset``'s molecules with VARIANTS stored randomized spellings each."""
+    return _build(tmp_path_factory.mktemp("dpv"), randomized_variants=VARIANTS)
 
 
 def make_loader(dataset: str, rank: int = 0, world: int = 1, **overrides):

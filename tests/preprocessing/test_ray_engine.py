@@ -90,3 +90,13 @@ def test_ray_engine_reports_a_cut_short_input_as_the_local_one_does(local_ray, t
     wrong.write_text("SMILE,id\nCCO,1\n")
     with pytest.raises(InputError, match=r"c.csv.*\['SMILE', 'id'\]"):
         run_etl(str(tmp_path / "cols"), [str(wrong)], engine="ray")
+
+
+def test_ray_engine_stores_the_local_engines_randomized_spellings(local_ray, dirty_csv, tmp_path):
+    """--randomized_variants: each molecule's atom orders come from its row hash, so Ray's
+    partitioning writes the local engine's shards byte for byte."""
+    options = dict(id_column="id", label_columns=["logp"], randomized_variants=2)
+    local = run_etl(str(tmp_path / "local"), [dirty_csv[0]], **options)
+    remote = run_etl(str(tmp_path / "ray"), [dirty_csv[0]], engine="ray", **options)
+    assert local["randomized"]["variants"] == 2 and remote["randomized"] == local["randomized"]
+    assert remote["splits"] == local["splits"]

@@ -133,3 +133,22 @@ def test_a_missing_package_is_asked_for_by_name(tmp_path, monkeypatch):
     with pytest.raises(InputError, match=r"--representation selfies: .*pip install selfies"):
         run_etl(str(tmp_path / "out"), [str(path)], representation="selfies")
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(representation="selfies", randomized_variants=2), "needs --representation smiles"),
+    (dict(conformers="etkdg", randomized_variants=2), "needs --representation smiles and --conformers none"),
+    (dict(randomized_variants=65), r"--randomized_variants must be in \[0, 64\]"),
+    (dict(randomized_variants=-1), r"--randomized_variants must be in \[0, 64\]"),
+])
+def test_stored_randomized_spellings_are_smiles_only(options, match, tmp_path):
+    """Randomized spellings are SMILES: refused, before anything is written, on another
+    representation, on conformer units and outside [0, 64]."""
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    src = tmp_path / "in.csv"
+    src.write_text("smiles\nCCO\n")
+    with pytest.raises(ValueError, match=match):
+        run(PreprocessConfig(input=[str(src)], output=str(tmp_path / "out"), progress=False, **options))
+    assert not (tmp_path / "out").exists()
