@@ -524,6 +524,7 @@ class GoalConfig:
         "sigma": (0.0, 1e6), "batch_size": (1, 1 << 20), "temperature": (1e-3, 100.0), "max_tokens": (0, 1 << 16),
         "max_oracle_calls": (0, _BIG), "replay_size": (0, 1 << 20), "replay_samples": (0, 1 << 20),
         "bucket_size": (1, _BIG), "min_score": (0.0, 1.0), "penalty": (0.0, 1.0), "top_k": (1, 1 << 20),
+        "likelihood_penalty": (0.0, 1e9), "patience": (0, 1 << 20),
     }
 
     prior: Optional[str] = None
@@ -558,6 +559,21 @@ class GoalConfig:
     max_oracle_calls: int = 0
     """The budget: unique valid molecules scored (invalid and repeated ones cost nothing);
     the run ends when it is spent (0: no budget, ``trainer.max_steps`` ends the run)."""
+
+    unique_batch: bool = False
+    """Train each step on each distinct molecule it sampled once (its first sample over all
+    ranks), as PMO's REINVENT does; false: on every sample, repeats included (with their
+    first score, as REINVENT 3 and 4 do by default)."""
+
+    likelihood_penalty: float = 0.0
+    """Adds ``likelihood_penalty`` x mean(-1 / log P_agent) over the step's rows to the loss:
+    it grows as a sequence's likelihood nears 1 and so holds the agent off collapsing onto a
+    few molecules (the original REINVENT's regularizer, 5e3 in it and in PMO's runs; 0: off)."""
+
+    patience: int = 0
+    """End the run when the best 100 scores stay the same for this many steps in a row,
+    counted once more than 1,000 calls are spent (PMO's REINVENT stops so, with 5; 0: never).
+    PMO's AUC pads the unspent budget with the last top-10 mean."""
 
     replay_size: int = 100
     """The memory: the best molecules seen (by filtered score), replayed into the loss (0: off)."""

@@ -12,6 +12,7 @@ the same calls, cache, buckets and memory.
 
 from __future__ import annotations
 
+import heapq
 import random
 
 INVALID, NEW, REPEAT, OVER_BUDGET = "invalid", "new", "repeat", "over_budget"
@@ -43,6 +44,7 @@ class Ledger:
         self.history: list[float] = []  # every call's raw total, in call order (all stages)
         self.best: list[list] = []  # [SMILES, raw total, step, stage], best first, top_k kept (all stages)
         self.unfinished = 0  # samples that never ended (not molecules, not trained on)
+        self.stall = 0  # steps in a row that left the best scores as they were (goal.patience)
 
     # ------------------------------------------------------------ one step
     def classify(self, canonical: list) -> list[str]:
@@ -108,6 +110,10 @@ class Ledger:
     def spent(self) -> bool:
         return bool(self.cfg.max_oracle_calls) and self.calls >= self.cfg.max_oracle_calls
 
+    def top_scores(self, k: int) -> list[float]:
+        """The best k raw scores so far, best first."""
+        return heapq.nlargest(k, self.history)
+
     def top_mean(self, k: int = 10) -> float:
         """The mean raw score of the best k molecules scored so far (fewer: their mean)."""
         top = sorted(self.history, reverse=True)[:k]
@@ -120,7 +126,7 @@ class Ledger:
     def state_dict(self) -> dict:
         return {"calls": self.calls, "stage": self.stage, "stage_steps": self.stage_steps, "cache": self.cache,
                 "buckets": self.buckets, "memory": self.memory, "history": self.history, "best": self.best,
-                "unfinished": self.unfinished}
+                "unfinished": self.unfinished, "stall": self.stall}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         from ..errors import CheckpointError
@@ -136,6 +142,7 @@ class Ledger:
             self.memory = [[str(s), float(v)] for s, v in state["memory"]]
             self.best = [[str(s), float(v), int(t), int(g)] for s, v, t, g in state["best"]]
             self.unfinished = int(state.get("unfinished", 0))
+            self.stall = int(state.get("stall", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{where}: the goal run's ledger is malformed ({exc})") from None
 
@@ -146,8 +153,6 @@ def pmo_auc(history: list[float], budget: int, k: int = 10, freq: int = 100) -> 
     ``k`` of the first n calls, or of all of them while fewer) and at the last call, is
     joined by trapezoids, held at its last value to ``budget`` when the run stopped early,
     and the area is divided by ``budget``. One pass with a heap of the best k."""
-    import heapq
-
     n = min(len(history), budget)
     if n == 0:
         return 0.0

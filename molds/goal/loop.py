@@ -42,6 +42,9 @@ from .plan import build_scorers, check_goal, goal_recipe, stages_of
 SCORED_CSV = "scored.csv"
 TOPK_CSV = "topk.csv"
 GOAL_STATE = "goal"  # the ledger's key in the checkpoint's data_state.json
+#: goal.patience as PMO's REINVENT counts it: steps that leave the best 100 scores as they
+#: were, once more than 1,000 calls are spent
+PATIENCE_TOP, PATIENCE_AFTER_CALLS = 100, 1000
 
 
 # ---------------------------------------------------------------- the run
@@ -122,7 +125,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
     model = build_model(recipe.model, prior.specials, seed=recipe.run.seed)
     load_canonical(model, read_model(prior.checkpoint), prior.checkpoint)  # the agent starts as the prior
     parameters = count_parameters(model)
-    loss = AugmentedLikelihoodLoss(recipe.goal.sigma)
+    loss = AugmentedLikelihoodLoss(recipe.goal.sigma, recipe.goal.likelihood_penalty)
     apply_kernels(model, recipe.kernels, loss)
     kernels = kernel_summary(model, dist.device)
     engine = build_engine(recipe, model, loss, dist, plan)
@@ -202,6 +205,9 @@ def loop(run: GoalRun) -> None:
         if run.ledger.spent:
             run.ended = "goal.max_oracle_calls"
             break
+        if recipe.goal.patience and run.ledger.stall >= recipe.goal.patience:
+            run.ended = "goal.patience"
+            break
         with collective(f"goal step {run.step + 1}", run.dist):
             values = step(run)
         run.step += 1
@@ -274,14 +280,20 @@ def step(run: GoalRun) -> dict:
     parts = gather_objects(part, dist)
     results = [parts[i % world][i // world] for i in range(len(new))]  # back in the order of ``new``
     call0 = ledger.calls
+    before = ledger.top_scores(PATIENCE_TOP) if g.patience else None
     filtered = ledger.record(new, [r[0] for r in results], [r[2] for r in results], run.step + 1)
+    if g.patience and ledger.calls > PATIENCE_AFTER_CALLS:  # PMO's REINVENT: the best 100 unchanged
+        ledger.stall = ledger.stall + 1 if ledger.top_scores(PATIENCE_TOP) == before else 0
     if dist.is_main and new:
         _append_scored(run, call0, new, results, filtered, names)
     # this rank's rows: its samples, then its share of the replayed memory
     start = rank * per_rank
+    repeated = _repeated_in_batch(gathered) if g.unique_batch else None
     rows, scores, weights = [], [], []
     for i, sample in enumerate(ids):
         if sample is None:  # never ended: not a molecule, nothing to train on
+            continue
+        if repeated is not None and repeated[start + i]:  # goal.unique_batch: its first sample trains
             continue
         st, c = status[start + i], gathered[start + i]
         score = 0.0 if st == INVALID else (ledger.cache[c][1] if st != OVER_BUDGET else 0.0)
@@ -339,6 +351,17 @@ def step(run: GoalRun) -> dict:
         if vals:
             values[f"goal/component/{n}"] = float(np.mean(vals))
     return values
+
+
+def _repeated_in_batch(gathered: list) -> list[bool]:
+    """For each gathered sample (rank order): whether a sample before it in this step is the
+    same molecule (invalid samples are never repeats of each other)."""
+    seen, out = set(), []
+    for c in gathered:
+        out.append(c is not None and c in seen)
+        if c is not None:
+            seen.add(c)
+    return out
 
 
 def _agreement(run: GoalRun):

@@ -140,13 +140,18 @@ class AugmentedLikelihoodLoss:
     mean of the ranks' gradients is the gradient of the mean over every row, whatever
     each rank holds)."""
 
-    def __init__(self, sigma: float):
-        self.sigma = float(sigma)
+    def __init__(self, sigma: float, likelihood_penalty: float = 0.0):
+        self.sigma, self.likelihood_penalty = float(sigma), float(likelihood_penalty)
 
     def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
         agent = sequence_log_likelihood(outputs, batch)
         target = batch["prior_logp"].to(agent.dtype) + self.sigma * batch["score"].to(agent.dtype)
         per_row = (target - agent) ** 2
+        if self.likelihood_penalty:
+            # the original REINVENT's regularizer, - 1 / log P_agent per row: it grows as a
+            # sequence's likelihood nears 1. log P is capped at -1e-4 so that a sequence the
+            # agent is sure of gives a large, finite term (-1/0 would end the run as non-finite)
+            per_row = per_row + self.likelihood_penalty * (-1.0 / agent.clamp(max=-1e-4))
         if batch.get("weight") is not None:  # rows that only keep the ranks in step weigh 0
             per_row = per_row * batch["weight"].to(agent.dtype)
         return per_row.sum() / batch["norm"].to(agent.dtype)

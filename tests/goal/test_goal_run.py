@@ -264,3 +264,31 @@ def test_replayed_molecules_are_spelled_anew_and_behind_the_priors_marker(prior)
     assert all(ids[0] == sep and ids[1:] != canonical_ids for ids in marked if ids != canonical_ids)
     goal.replay_randomized = False
     assert _replay_ids(run, smi, seed=0) == canonical_ids  # the canonical spelling: no marker
+
+
+def test_unique_batches_the_likelihood_penalty_and_patience(prior, tmp_path):
+    """PMO's REINVENT settings: each distinct molecule of a step trains once, the likelihood
+    regularizer enters the loss, and the run ends once the best 100 scores stall for
+    ``patience`` steps after 1,000 calls (here: a 1-call objective that never improves)."""
+    from molds.train import main
+
+    plain = str(tmp_path / "plain")
+    main(goal_argv(prior, plain, 3))
+    pmo = str(tmp_path / "pmo")
+    main(goal_argv(prior, pmo, 3, "--goal.unique_batch", "true", "--goal.likelihood_penalty", "5000"))
+    # the same samples (same seeds, and the agents equal before the first update) score alike;
+    # the penalty adds a positive term to every row's loss
+    first = [r for r in metrics(plain) if "train/loss" in r][0]
+    first_pmo = [r for r in metrics(pmo) if "train/loss" in r][0]
+    assert first_pmo["goal/oracle_calls"] == first["goal/oracle_calls"]
+    assert first_pmo["train/loss"] > first["train/loss"]
+
+    stall = str(tmp_path / "stall")
+    res = main(goal_argv(prior, stall, 500, "--goal.patience", "2", "--goal.sigma", "0", "--goal.batch_size", "64",
+                         scoring={"components": [{"kind": "property", "name": "mw", "property": "mw",
+                                                   "transform": {"kind": "step", "low": 1e6, "high": 2e6}}]}))
+    s = res["summary"]
+    assert s["ended_by"] == "goal.patience", s  # every score is 0: after 1,000 calls, 2 steps end it
+    calls = [r["goal/oracle_calls"] for r in metrics(stall) if "goal/oracle_calls" in r]
+    past = [c for c in calls if c > 1000]
+    assert len(past) == 2 and calls[-1] == s["oracle_calls"]

@@ -51,6 +51,19 @@ def test_augmented_likelihood_loss_equals_a_hand_computation():
     want = sum(w * (p + sigma * s - a) ** 2 for w, p, s, a in zip([1, 0], [-3.0, -2.5], [0.7, 0.2], want_lp)) / 1.5
     got = AugmentedLikelihoodLoss(sigma)({"logits": logits}, batch)
     assert float(got) == pytest.approx(want, rel=1e-12)
+    # with the original REINVENT's regularizer: + penalty x (-1 / log P_agent) per row
+    penalty = 5e3
+    want_p = sum(w * ((p + sigma * s - a) ** 2 - penalty / a)
+                 for w, p, s, a in zip([1, 0], [-3.0, -2.5], [0.7, 0.2], want_lp)) / 1.5
+    got_p = AugmentedLikelihoodLoss(sigma, likelihood_penalty=penalty)({"logits": logits}, batch)
+    assert float(got_p) == pytest.approx(want_p, rel=1e-12) and float(got_p) > float(got)
+    # a sequence the agent is sure of (log P = 0) gives a large, finite term
+    sure = {"logits": torch.full((1, 2, vocab), -1e9, dtype=torch.float64)}
+    sure["logits"][0, :, 1] = 0.0
+    one = {"labels": torch.tensor([[0, 1]]), "document_ids": torch.tensor([[0, 0]]),
+           "prior_logp": torch.tensor([-1.0], dtype=torch.float64), "score": torch.tensor([0.0], dtype=torch.float64),
+           "norm": torch.tensor(1.0, dtype=torch.float64)}
+    assert math.isfinite(float(AugmentedLikelihoodLoss(0.0, likelihood_penalty=penalty)(sure, one)))
     # the fused-head form (hidden states of the real tokens and the head's weight) gives the same
     hidden = torch.randn(2, 4, 3, dtype=torch.float64)
     head = torch.randn(vocab, 3, dtype=torch.float64)
@@ -154,3 +167,22 @@ def test_pmo_auc_equals_mol_opts_prefix_by_prefix_reading():
     for n, budget in ((57, 1000), (1000, 1000), (2345, 2000), (5, 10), (300, 300)):
         h = [rng.random() ** 3 for _ in range(n)]
         assert pmo_auc(h, budget) == pytest.approx(literal(h, budget), rel=1e-12)
+
+
+def test_the_best_scores_and_the_stall_count_travel_with_the_ledger():
+    from molds.goal.loop import _repeated_in_batch
+
+    led = Ledger(_cfg(diversity_filter="none"))
+    led.record(["C", "CC", "CCC"], [0.2, 0.9, 0.5], ["", "", ""], 1)
+    assert led.top_scores(2) == [0.9, 0.5] and led.top_scores(10) == [0.9, 0.5, 0.2]
+    led.stall = 3
+    again = Ledger(_cfg(diversity_filter="none"))
+    again.load_state_dict(led.state_dict(), "ckpt")
+    assert again.stall == 3 and again.top_scores(3) == led.top_scores(3)
+    state = led.state_dict()
+    del state["stall"]  # a ledger saved before goal.patience existed
+    again.load_state_dict(state, "ckpt")
+    assert again.stall == 0
+    # goal.unique_batch: the first sample of each molecule over the gathered batch trains
+    assert _repeated_in_batch(["C", None, "CC", "C", None, "CC", "O"]) == [False, False, False, True, False, True,
+                                                                           False]
