@@ -18,7 +18,10 @@ costs the blocks take: F + A for a forward, I + W + A for a full backward, and f
 pair the time of its interleaving) and the measured one (median of ``--steps`` optimizer
 steps after one warm-up), the bubble fraction (idle over step time, mean over ranks) of
 both and their ratio (``*_bubble_over_simulated``: target within 10 % of 1), and molds'
-step time over the other two (``dualpipev_over_stock_pP``, ``dualpipev_over_1f1b_pP``:
+step time over the other two. The simulation delivers each stage-to-stage message after
+the time one takes on this process group (``*_p2p_latency_s``: half the median round trip
+of an activation between two ranks, measured in the same processes before the steps); the
+published formulas assume none (``*_simulated_bubble_no_latency`` and its ratio) (``dualpipev_over_stock_pP``, ``dualpipev_over_1f1b_pP``:
 targets < 1). Prints one JSON line (the last line).
 """
 
@@ -197,6 +200,7 @@ def _rank(rank, world, schedule, n, unit, a, steps, port, out_dir):
         engine.configure_molds(lambda out, tgt: _loss(out["logits"], tgt["labels"]), HIDDEN)
     else:
         engine = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg)[0]
+    latency = _p2p_latency(rank, world)
     clock = None if schedule == "dualpipev" else time_instructions(engine)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (n, 1, SEQ), generator=gen)
@@ -217,10 +221,36 @@ def _rank(rank, world, schedule, n, unit, a, steps, port, out_dir):
         if step:
             times.append(time.perf_counter() - start)
             windows.append(window)
-    torch.save({"times": times, "windows": windows}, os.path.join(out_dir, f"{schedule}-rank{rank}.pt"))
+    torch.save({"times": times, "windows": windows, "latency": latency},
+               os.path.join(out_dir, f"{schedule}-rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     os._exit(0)
+
+
+def _p2p_latency(rank, world, rounds=30):
+    """One stage-to-stage message's delivery time on this process group: half the median
+    round trip of an activation-sized tensor between ranks 2k and 2k+1 (isend/irecv, waited
+    as the executor waits them)."""
+    import torch
+
+    if world < 2 or (world % 2 and rank == world - 1):
+        torch.distributed.barrier()
+        return 0.0
+    peer = rank ^ 1
+    buf, out = torch.zeros(1, SEQ, HIDDEN), torch.ones(1, SEQ, HIDDEN)
+    trips = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        if rank % 2 == 0:
+            torch.distributed.isend(out, peer).wait()
+            torch.distributed.irecv(buf, peer).wait()
+        else:
+            torch.distributed.irecv(buf, peer).wait()
+            torch.distributed.isend(out, peer).wait()
+        trips.append(time.perf_counter() - t)
+    torch.distributed.barrier()
+    return statistics.median(trips) / 2
 
 
 def measure(schedule, ranks, n, unit, a, steps):
@@ -239,14 +269,16 @@ def measure(schedule, ranks, n, unit, a, steps):
 
     per_step = [bubble_fractions([[r["windows"][k]] for r in per_rank]) for k in range(steps)]
     frac = statistics.median(statistics.mean(f) for f in per_step)  # mean over ranks, median over steps
-    return step, frac
+    latency = statistics.mean(r["latency"] for r in per_rank if r["latency"] > 0) if ranks > 1 else 0.0
+    return step, frac, latency
 
 
-def simulated(schedule, ranks, n, unit, a):
+def simulated(schedule, ranks, n, unit, a, latency=0.0):
     from molds.engines.schedule import build, simulate
 
     lists, layout = build(schedule, ranks, n)
-    t = simulate(lists, layout, costs(unit, unit, unit, a), scale=2.0 if schedule == "1f1b" else 1.0)
+    t = simulate(lists, layout, costs(unit, unit, unit, a), scale=2.0 if schedule == "1f1b" else 1.0,
+                 latency=latency)
     return t.makespan, t.bubble_fraction()
 
 
@@ -267,15 +299,20 @@ def main():
         n = 4 * p
         for name in ("1f1b", "stock_dualpipev", "dualpipev"):
             key = {"1f1b": "1f1b", "stock_dualpipev": "stock", "dualpipev": "dualpipev"}[name]
-            sim_step, sim_frac = simulated(name, p, n, unit, a)
-            step, frac = measure(key, p, n, unit, a, args.steps)
+            step, frac, latency = measure(key, p, n, unit, a, args.steps)
+            formula_step, formula_frac = simulated(name, p, n, unit, a)
+            sim_step, sim_frac = simulated(name, p, n, unit, a, latency)
+            out[f"{key}_p{p}_p2p_latency_s"] = latency
             out[f"{key}_p{p}_simulated_step_s"] = sim_step
             out[f"{key}_p{p}_step_s"] = step
             out[f"{key}_p{p}_simulated_bubble"] = sim_frac
             out[f"{key}_p{p}_bubble"] = frac
             out[f"{key}_p{p}_bubble_over_simulated"] = frac / sim_frac
-            print(f"P={p} {key}: step {step:.3f} s (simulated {sim_step:.3f}), bubble {frac:.3f} "
-                  f"(simulated {sim_frac:.3f})", file=sys.stderr)
+            out[f"{key}_p{p}_simulated_bubble_no_latency"] = formula_frac
+            out[f"{key}_p{p}_bubble_over_simulated_no_latency"] = frac / formula_frac
+            print(f"P={p} {key}: step {step:.3f} s (simulated {sim_step:.3f}; {formula_step:.3f} without latency), "
+                  f"bubble {frac:.3f} (simulated {sim_frac:.3f}; {formula_frac:.3f} without latency; "
+                  f"message {latency * 1e3:.2f} ms)", file=sys.stderr)
         out[f"dualpipev_over_stock_p{p}"] = out[f"dualpipev_p{p}_step_s"] / out[f"stock_p{p}_step_s"]
         out[f"dualpipev_over_1f1b_p{p}"] = out[f"dualpipev_p{p}_step_s"] / out[f"1f1b_p{p}_step_s"]
     print(json.dumps(out))
