@@ -581,6 +581,11 @@ class GoalConfig:
     replay_samples: int = 10
     """Molecules drawn from the memory into each step's loss, all ranks together."""
 
+    replay_weighting: Literal["uniform", "score"] = "uniform"
+    """How the replayed molecules are drawn from the memory: ``uniform``, or ``score``: with
+    probability in proportion to their scores, without replacement (the original REINVENT's
+    experience replay, PMO's)."""
+
     replay_randomized: bool = True
     """Replay a molecule as a random SMILES spelling of it, new each time (Augmented Memory)."""
 

@@ -97,6 +97,11 @@ class Ledger:
         if not k:
             return []
         rng = random.Random(f"{seed}/{self.stage}/{step}/replay")
+        if self.cfg.replay_weighting == "score":
+            # weighted sampling without replacement (Efraimidis and Spirakis 2006: the k largest
+            # u^(1/w) are a draw of k, one by one, each in proportion to the weights left)
+            keys = [rng.random() ** (1.0 / (max(m[1], 0.0) + 1e-10)) for m in self.memory]
+            return [self.memory[i] for i in sorted(heapq.nlargest(k, range(len(keys)), key=keys.__getitem__))]
         return [self.memory[i] for i in sorted(rng.sample(range(len(self.memory)), k))]
 
     def next_stage(self) -> None:

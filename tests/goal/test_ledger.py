@@ -17,7 +17,7 @@ from molds.tokens import IGNORE_INDEX
 
 def _cfg(**kw):
     base = dict(max_oracle_calls=0, diversity_filter="identical_murcko", bucket_size=2, min_score=0.4, penalty=0.0,
-                replay_size=3, replay_samples=2, top_k=4)
+                replay_size=3, replay_samples=2, top_k=4, replay_weighting="uniform")
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -186,3 +186,37 @@ def test_the_best_scores_and_the_stall_count_travel_with_the_ledger():
     # goal.unique_batch: the first sample of each molecule over the gathered batch trains
     assert _repeated_in_batch(["C", None, "CC", "C", None, "CC", "O"]) == [False, False, False, True, False, True,
                                                                            False]
+
+
+def test_score_weighted_replay_draws_in_proportion_to_the_scores_without_replacement():
+    """goal.replay_weighting score (the original REINVENT's experience replay): over many
+    steps, each remembered molecule is replayed about as often as sequential draws in
+    proportion to the scores, without replacement, would replay it; uniform stays uniform."""
+    import itertools
+
+    memory = [["A", 0.9], ["B", 0.6], ["C", 0.3], ["D", 0.1], ["E", 0.0]]
+
+    def shares(weighting, draws=2, steps=20000):
+        led = Ledger(_cfg(replay_size=5, replay_samples=draws, replay_weighting=weighting))
+        led.memory = [list(m) for m in memory]
+        counts = {m[0]: 0 for m in memory}
+        for step in range(steps):
+            picked = led.replay(0, step)
+            assert len(picked) == draws and len({p[0] for p in picked}) == draws  # without replacement
+            for smi, _ in picked:
+                counts[smi] += 1
+        return {k: v / steps for k, v in counts.items()}
+
+    # exact inclusion probabilities of 2 sequential weighted draws without replacement
+    w = {m[0]: m[1] + 1e-10 for m in memory}
+    total = sum(w.values())
+    want = {k: 0.0 for k in w}
+    for a, b in itertools.permutations(w, 2):
+        p = w[a] / total * w[b] / (total - w[a])
+        want[a] += p
+        want[b] += p
+    got = shares("score")
+    assert all(abs(got[k] - want[k]) < 0.02 for k in w), (got, want)
+    assert got["E"] < 0.001  # a zero score is all but never replayed
+    flat = shares("uniform", steps=5000)
+    assert all(abs(v - 0.4) < 0.03 for v in flat.values()), flat
