@@ -403,8 +403,9 @@ def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.nda
     unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
     good &= (unk_cum[bounds[1:]] - unk_cum[bounds[:-1]] == 0) & (np.asarray(lengths) > 0)
     keep = np.repeat(good, lengths)
-    inner = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(np.where(good, lengths, 0))])
-                                              .astype(np.int32)), pa.array(flat[keep], pa.uint16()))
+    # 64-bit offsets: K spellings of a 250,000-row partition can pass 2^31 tokens
+    inner = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(np.where(good, lengths, 0))])
+                                                   .astype(np.int64)), pa.array(flat[keep], pa.uint16()))
     per_row = np.zeros(n, np.int32)
     per_row[rows] = count
     outer = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)), inner)

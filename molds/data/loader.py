@@ -240,7 +240,11 @@ class MoleculeLoader:
             if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
                 raise ManifestError(f"{self.manifest.path}: key randomized.variants must be an integer in [1, 64], "
                                     f"got {k!r}")
-            if cfg.split not in (info.get("splits") or []):
+            splits = info.get("splits")
+            if not isinstance(splits, list) or not all(isinstance(x, str) for x in splits):
+                raise ManifestError(f"{self.manifest.path}: key randomized.splits must be a list of split names, "
+                                    f"got {splits!r}")
+            if cfg.split not in splits:
                 k = 0
         if cfg.randomized_from == "manifest" and not k:
             raise RecipeError(f"data.randomized_from=manifest: {self.manifest.path} stores no randomized variants "

@@ -48,7 +48,7 @@ def _parse(smiles: str):
     SMILES (RDKit's own output), so full sanitization would only recompute what the string
     states: without stereo marks, the ring and valence caches are enough for the writer and
     give the same strings at ~4x the speed of ``MolFromSmiles`` (checked against it in
-    tests/data/test_randomized_smiles.py). With stereo marks (``@ / \\``), RDKit's stereo
+    tests/data/test_randomized_variants.py). With stereo marks (``@ / \\``), RDKit's stereo
     perception needs the sanitized molecule, so those take the full path."""
     from rdkit import Chem
 

@@ -171,6 +171,10 @@ def test_hostile_or_malformed_stored_spellings_are_refused_by_name(dataset_varia
     json.dump(manifest, open(bad / "manifest.json", "w"))
     with pytest.raises(ManifestError, match="randomized.variants must be an integer"):
         make_loader(str(bad), randomized_smiles=0.5)
+    manifest["randomized"].update(variants=VARIANTS, splits="train")  # a string would match by substring
+    json.dump(manifest, open(bad / "manifest.json", "w"))
+    with pytest.raises(ManifestError, match="randomized.splits must be a list"):
+        make_loader(str(bad), randomized_smiles=0.5)
     # spellings the ETL stored empty are read canonical, counted
     empty, _ = _rewrite_first_train_shard(dataset_variants, tmp_path / "empty",
                                           lambda rows: [[[]] * VARIANTS if i < 5 else v for i, v in enumerate(rows)])
