@@ -338,7 +338,7 @@ def step(run: GoalRun) -> dict:
         "goal/uniqueness": len(set(valid)) / max(1, len(valid)),
         "goal/new_molecules": len(new), "goal/scaffolds": ledger.scaffolds_found(),
         "goal/stage": ledger.stage + 1, "goal/memory": len(ledger.memory), "goal/unfinished": ledger.unfinished,
-        "goal/replayed": len(replayed),
+        "goal/replayed": len(replayed), "goal/trained_rows": total_rows,
         "train/loss": 0.0 if result is None else all_reduce_sum([result.loss], dist)[0] / world,
         "train/lr": None if result is None else result.lr,
         "train/grad_norm": None if result is None else result.grad_norm,

@@ -266,25 +266,42 @@ def test_replayed_molecules_are_spelled_anew_and_behind_the_priors_marker(prior)
     assert _replay_ids(run, smi, seed=0) == canonical_ids  # the canonical spelling: no marker
 
 
-def test_unique_batches_the_likelihood_penalty_and_patience(prior, tmp_path, monkeypatch):
+def test_unique_batches_the_likelihood_penalty_and_patience(prior, dataset, tmp_path, monkeypatch):
     """PMO's REINVENT settings: each distinct molecule of a step trains once, the likelihood
     regularizer enters the loss, and the run ends once the best 100 scores stall for
     ``patience`` steps after PMO's 1,000 calls (50 here: the small prior samples few new
     molecules) under an objective that scores every molecule 0."""
+    import pyarrow.parquet as pq
+
+    import molds.eval.sampling as sampling
     import molds.goal.loop as goal_loop
+    from molds.data.manifest import Manifest
     from molds.train import main
 
     monkeypatch.setattr(goal_loop, "PATIENCE_AFTER_CALLS", 50)
-    plain = str(tmp_path / "plain")
-    main(goal_argv(prior, plain, 3))
-    pmo = str(tmp_path / "pmo")
-    main(goal_argv(prior, pmo, 3, "--goal.unique_batch", "true", "--goal.likelihood_penalty", "5000"))
-    # the same samples (same seeds, and the agents equal before the first update) score alike;
+    # every other sample replaced by one training molecule: the batch surely repeats a valid one
+    known = pq.read_table(Manifest.load(dataset).shards("train")[0].path).column("token_ids")[0].as_py()
+    drawn = sampling.sample_ids
+    monkeypatch.setattr(sampling, "sample_ids", lambda *a, **k: [
+        list(known) if i % 2 == 0 else s for i, s in enumerate(drawn(*a, **k))])
+    runs = {}
+    for name, extra in (("plain", ()), ("unique", ("--goal.unique_batch", "true")),
+                        ("penalty", ("--goal.likelihood_penalty", "5000"))):
+        main(goal_argv(prior, str(tmp_path / name), 3, *extra))
+        runs[name] = [r for r in metrics(str(tmp_path / name)) if "train/loss" in r][0]  # the first step
+    monkeypatch.setattr(sampling, "sample_ids", drawn)
+    first = runs["plain"]
+    # the same samples (same seeds; the agents equal the prior before the first update)
+    assert runs["unique"]["goal/oracle_calls"] == runs["penalty"]["goal/oracle_calls"] == first["goal/oracle_calls"]
     # the penalty adds a positive term to every row's loss
-    first = [r for r in metrics(plain) if "train/loss" in r][0]
-    first_pmo = [r for r in metrics(pmo) if "train/loss" in r][0]
-    assert first_pmo["goal/oracle_calls"] == first["goal/oracle_calls"]
-    assert first_pmo["train/loss"] > first["train/loss"]
+    assert runs["penalty"]["train/loss"] > first["train/loss"]
+    # the repeats within the batch are what unique batches leave out of the loss
+    valid = round(first["goal/validity"] * 16)
+    distinct = round(first["goal/uniqueness"] * valid)
+    print(f"first batch: {valid} valid, {distinct} distinct; trained rows {first['goal/trained_rows']} -> "
+          f"{runs['unique']['goal/trained_rows']}")
+    assert valid > distinct  # the batch has repeats: the comparison below can fail
+    assert first["goal/trained_rows"] - runs["unique"]["goal/trained_rows"] == valid - distinct
 
     stall = str(tmp_path / "stall")
     res = main(goal_argv(prior, stall, 200, "--goal.patience", "2", "--goal.sigma", "0",
