@@ -113,8 +113,10 @@ def test_unmarked_randomized_rows_and_the_stream_without_augmentation(dataset):
     assert all(canon(t) == truth[g] for g, _, t in mols)
 
 
+@pytest.mark.parametrize("data", ["dataset", "dataset_variants"])  # spellings written live, or stored by the ETL
 @pytest.mark.parametrize("overrides", [dict(), dict(num_workers=2)])
-def test_resume_with_randomized_smiles_gives_the_uninterrupted_stream(dataset, overrides):
+def test_resume_with_randomized_smiles_gives_the_uninterrupted_stream(data, overrides, request):
+    dataset = request.getfixturevalue(data)
     opts = dict(randomized_smiles=0.5, max_epochs=2, **overrides)
     full = collect(make_loader(dataset, **opts))
     for stop in (3, len(full) // 2 + 5):  # inside the first epoch and inside the second

@@ -1,6 +1,7 @@
 """Randomized spellings written offline (``molds-preprocess --randomized_variants K``) and
 read by the loader (``data.randomized_from``): the same molecules, K distinct spellings per
-molecule before any repeats, exact resume, and hostile shards refused by name."""
+molecule before any repeats, and hostile shards refused by name (exact resume with stored
+spellings: test_randomized_smiles.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from rdkit import Chem
 
 from .conftest import VARIANTS, make_loader
-from .test_loader import assert_same_batches, collect
+from .test_loader import collect
 from .test_randomized_smiles import _canonical_by_gid, _molecules, _vocab, canon
 
 
@@ -103,19 +104,6 @@ def test_the_loader_reads_each_molecule_in_k_distinct_stored_spellings(dataset_v
         assert set(texts) <= spellings | {truth[gid]}  # a spelling the ETL stored (or canonical if it stored none)
         if len(spellings) == VARIANTS:
             assert set(texts) == spellings  # all K before any repeats
-
-
-@pytest.mark.parametrize("overrides", [dict(), dict(num_workers=2)])
-def test_resume_with_stored_spellings_gives_the_uninterrupted_stream(dataset_variants, overrides):
-    opts = dict(randomized_smiles=0.5, max_epochs=2, **overrides)
-    full = collect(make_loader(dataset_variants, **opts))
-    stop = len(full) // 2 + 5  # inside the second epoch
-    first = make_loader(dataset_variants, **opts)
-    head = collect(first, stop)
-    state = json.loads(json.dumps(first.state_dict()))
-    resumed = make_loader(dataset_variants, **opts)
-    resumed.load_state_dict(state)
-    assert_same_batches(head + collect(resumed), full)
 
 
 def test_randomized_from_chooses_the_source(dataset, dataset_variants):
