@@ -15,9 +15,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .config import (CheckpointConfig, DataConfig, EvalConfig, GoalConfig, KernelsConfig, LoggingConfig,
-                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
+from .config import (CheckpointConfig, DataConfig, EvalConfig, KernelsConfig, LoggingConfig, ModelConfig,
+                     OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
 from .errors import RecipeError
+from .goal.config import GoalConfig
 
 SECTIONS = ("run", "data", "model", "parallel", "kernels", "optim", "trainer", "eval", "checkpoint", "logging",
             "goal")
