@@ -315,7 +315,7 @@ def test_a_dense_stage_on_a_cpu_in_bf16_rounds_its_rows_as_the_decoder_does(data
     exact rows (and so do MoE blocks, whose routing must see real tokens only)."""
     import torch
 
-    from molds.engines.pipeline import BlockPipe
+    from molds.engines.stages import BlockPipe
     from molds.models import build_model
     from molds.models.decoder import PackedLayout, rope_cos_sin
     from molds.recipe import parse_recipe
