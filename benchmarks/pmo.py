@@ -94,9 +94,12 @@ def figures(out: str, budget: int) -> dict:
     top = sorted(rows, key=lambda r: -float(r["score"]))[:100]
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     validity = [m["goal/validity"] for m in metrics if "goal/validity" in m]
+    # the run's own time (its steps, logged by the run): unlike wall_s, also there for a run
+    # an earlier invocation finished
+    loop_s = sum(m.get("goal/step_s", 0.0) for m in metrics)
     return {"auc_top10": pmo_auc(history, budget), "top10_mean": sum(sorted(history)[-10:]) / max(1, min(10, len(history))),
             "calls": len(history), "diversity_top100": internal_diversity([r["smiles"] for r in top]),
-            "validity": sum(validity) / len(validity) if validity else 0.0}
+            "validity": sum(validity) / len(validity) if validity else 0.0, "loop_s": loop_s}
 
 
 def internal_diversity(smiles: list) -> float:
@@ -147,12 +150,20 @@ def main(argv=None):
         # the sum's spread over seeds: the sum of each seed's AUCs over the tasks
         by_seed = [sum(r["auc_top10"] for r in results if r["setting"] == s and r["seed"] == seed)
                    for seed in range(args.seeds)]
+        loop_s = sum(r["loop_s"] for r in results if r["setting"] == s)
         summary[s] = {"auc_top10_sum": sum(v["auc_top10_mean"] for v in per_task.values()),
-                      "auc_top10_sum_by_seed": by_seed, "per_task": per_task}
+                      "auc_top10_sum_by_seed": by_seed, "per_task": per_task,
+                      # the steps of every run of this setting, summed, and over --jobs (the wall
+                      # time the setting alone takes at that many jobs, start-up not counted)
+                      "loop_s": loop_s, "loop_s_over_jobs": loop_s / args.jobs}
     if args.compare:
-        spread = max(summary["molds"]["auc_top10_sum_by_seed"]) - min(summary["molds"]["auc_top10_sum_by_seed"])
         summary["molds_minus_plain"] = summary["molds"]["auc_top10_sum"] - summary["plain"]["auc_top10_sum"]
-        summary["molds_seed_spread"] = spread
+        for s in settings:  # the spread of the summed AUC over seeds: max - min
+            by_seed = summary[s]["auc_top10_sum_by_seed"]
+            summary[f"{s}_seed_spread"] = max(by_seed) - min(by_seed)
+        # seed by seed: the same seed's sums side by side
+        summary["molds_minus_plain_by_seed"] = [m - p for m, p in zip(summary["molds"]["auc_top10_sum_by_seed"],
+                                                                      summary["plain"]["auc_top10_sum_by_seed"])]
     print(json.dumps(summary))
 
 

@@ -184,6 +184,9 @@ def test_the_pmo_benchmark_runs_and_prints_its_json_line(prior, tmp_path):
         per = out[setting]["per_task"]
         assert set(per) == {"qed", "albuterol_similarity"} and all(v["calls"] == 40 for v in per.values())
         assert out[setting]["auc_top10_sum"] == pytest.approx(sum(v["auc_top10_mean"] for v in per.values()))
+        assert out[setting]["loop_s"] > 0 and len(out[setting]["auc_top10_sum_by_seed"]) == 2
+    by_seed = [m - p for m, p in zip(out["molds"]["auc_top10_sum_by_seed"], out["plain"]["auc_top10_sum_by_seed"])]
+    assert out["molds_minus_plain_by_seed"] == pytest.approx(by_seed)
     # the figures are the runs' own: each seed's AUC from its scored molecules, again
     from molds.goal.ledger import pmo_auc
 
