@@ -94,8 +94,8 @@ def figures(out: str, budget: int) -> dict:
     top = sorted(rows, key=lambda r: -float(r["score"]))[:100]
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     validity = [m["goal/validity"] for m in metrics if "goal/validity" in m]
-    # the run's own time (its steps, logged by the run): unlike wall_s, also there for a run
-    # an earlier invocation finished
+    # the run's own time (its steps, each logged: --logging.interval_steps 1 above): unlike
+    # wall_s, also there for a run an earlier invocation finished
     loop_s = sum(m.get("goal/step_s", 0.0) for m in metrics)
     return {"auc_top10": pmo_auc(history, budget), "top10_mean": sum(sorted(history)[-10:]) / max(1, min(10, len(history))),
             "calls": len(history), "diversity_top100": internal_diversity([r["smiles"] for r in top]),
