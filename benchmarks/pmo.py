@@ -153,9 +153,9 @@ def main(argv=None):
         loop_s = sum(r["loop_s"] for r in results if r["setting"] == s)
         summary[s] = {"auc_top10_sum": sum(v["auc_top10_mean"] for v in per_task.values()),
                       "auc_top10_sum_by_seed": by_seed, "per_task": per_task,
-                      # the steps of every run of this setting, summed, and over --jobs (the wall
+                      # the steps of every run of this setting, summed (over "jobs": the wall
                       # time the setting alone takes at that many jobs, start-up not counted)
-                      "loop_s": loop_s, "loop_s_over_jobs": loop_s / args.jobs}
+                      "loop_s": loop_s}
     if args.compare:
         summary["molds_minus_plain"] = summary["molds"]["auc_top10_sum"] - summary["plain"]["auc_top10_sum"]
         for s in settings:  # the spread of the summed AUC over seeds: max - min
