@@ -134,3 +134,23 @@ def test_constrained_sampling_starts_every_sample_with_its_prefix(trained, tmp_p
             mol = Chem.MolFromSmiles(s) if s else None
             kept += bool(mol is not None and "." not in s and all(mol.HasSubstructMatch(q) for q in queries))
         assert summary["kept"] == kept and summary["samples"] == 40 and summary["constraint"] == name
+
+
+def test_constrained_benchmark_reports_kept_and_chance_shares(trained, tmp_path, capsys):
+    import importlib.util
+
+    rep, data, out = trained
+    if rep != "safe":
+        pytest.skip("SAFE's design tasks need a SAFE model")
+    spec = importlib.util.spec_from_file_location("constrained_bench", os.path.join(ROOT, "benchmarks", "constrained.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    capsys.readouterr()
+    assert bench.main(["--run", out, "--num", "12", "--variants", "2", "--out", str(tmp_path / "c")]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["representation"] == "safe" and len(line["tasks"]) == len(bench.PANEL)
+    for row in line["tasks"]:
+        kept = json.load(open(tmp_path / "c" / f"{line['tasks'].index(row):02d}-{row['task']}.smi.constraint.json"))
+        assert row["kept_share"] == round(kept["kept_share"], 4) and row["samples"] == 12
+        assert 0 <= row["chance_share"] <= 1 and row["distinct_kept"] <= kept["kept"]
+    assert line["mean_kept_share"] == round(sum(r["kept_share"] for r in line["tasks"]) / len(line["tasks"]), 4)
