@@ -60,12 +60,16 @@ def parse_unit(text: str):
     return smiles, rows
 
 
+#: RDKit's own (wall-clock) embedding timeout, in multiples of the per-molecule CPU budget
+WALL_BACKSTOP = 4
+
+
 class Embedder:
     """One conformer per molecule: ETKDGv3 (+ MMFF94), canonical orientation, the unit text.
 
     ``__call__(canonical)`` returns (unit, None, notes) or (None, reason, notes); reasons:
     ``conformer_error`` (ETKDG found no embedding), ``conformer_timeout`` (over the
-    per-molecule budget, ETKDG's own timeout included); notes (the ETKDG geometry kept
+    per-molecule budget of CPU seconds, or ETKDG stopped by its wall-clock backstop); notes (the ETKDG geometry kept
     unrelaxed): ``mmff_unparameterized``, ``mmff_failed``."""
 
     def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
@@ -87,10 +91,16 @@ class Embedder:
         mol = Chem.AddHs(Chem.MolFromSmiles(smiles))
         params = self.dg.ETKDGv3()
         params.randomSeed = seed & 0x7FFFFFFF
-        params.timeout = self.timeout_s
-        start = time.perf_counter()
+        # The budget is this thread's CPU time (RDKit embeds and relaxes in the calling
+        # thread), so a loaded or paused machine refuses the same molecules as an idle one.
+        # RDKit can only be stopped by its own timeout, which is wall-clock: it is set to
+        # WALL_BACKSTOP x the budget, a stop for a molecule that would run on and on, reached
+        # before the budget only when this process gets under 1/WALL_BACKSTOP of a core.
+        params.timeout = self.timeout_s * WALL_BACKSTOP
+        start, wall = time.thread_time(), time.perf_counter()
         if self.dg.EmbedMolecule(mol, params) != 0:
-            over = time.perf_counter() - start >= self.timeout_s
+            over = (time.thread_time() - start >= self.timeout_s
+                    or time.perf_counter() - wall >= params.timeout)
             return ("conformer_timeout" if over else "conformer_error"), notes
         if self.mmff:
             if not self.AllChem.MMFFHasAllMoleculeParams(mol):
@@ -100,7 +110,7 @@ class Embedder:
                     self.AllChem.MMFFOptimizeMolecule(mol, maxIters=self.max_mmff_iters)
                 except Exception:  # noqa: BLE001 - a force field RDKit cannot set up: the ETKDG geometry stays
                     notes.append("mmff_failed")
-        if time.perf_counter() - start > self.timeout_s:
+        if time.thread_time() - start > self.timeout_s:
             return "conformer_timeout", notes
         heavy = Chem.RemoveHs(mol)
         self.transforms.CanonicalizeConformer(heavy.GetConformer())

@@ -93,7 +93,8 @@ class PreprocessConfig:
     geometry, counted as ``mmff_unparameterized``)."""
 
     conformer_timeout_s: int = 2
-    """Time budget per molecule for embedding and relaxing, in whole seconds (1 to 3600)."""
+    """Budget per molecule for embedding and relaxing, in whole seconds of CPU time (1 to 3600;
+    RDKit's own wall-clock timeout stops an embedding at 4x it)."""
 
     conformer_decimals: int = 2
     """Digits after the point of each coordinate in Å (0 to 4; 2: within 0.005 Å)."""

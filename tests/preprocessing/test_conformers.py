@@ -107,3 +107,19 @@ def test_the_loader_keeps_units_whole_and_truncates_in_place(units):
     over = sum(r["token_length"] + 2 > seq_len for r in rows)
     assert documents == len(rows) and over > 0
     assert stats["truncated"] == over  # each over-long unit cut in place, once, and counted
+
+
+def test_the_budget_is_cpu_time_not_the_wall_clock(monkeypatch):
+    # a loaded or paused machine (wall time passing while the worker does not run) refuses
+    # the same molecules as an idle one: only the thread's CPU time counts toward the budget
+    import itertools
+
+    import molds.conformers as conformers
+
+    clock = itertools.count(0.0, 1000.0)  # every wall-clock read: 1,000 s later
+    monkeypatch.setattr(conformers.time, "perf_counter", lambda: next(clock))
+    unit, reason, _ = conformers.Embedder(timeout_s=1)("CC(=O)Nc1ccc(O)cc1")
+    assert reason is None and parse_unit(unit)[0] == "CC(=O)Nc1ccc(O)cc1"
+    burn = itertools.count(0.0, 1.5)  # every CPU-time read: 1.5 s of work later
+    monkeypatch.setattr(conformers.time, "thread_time", lambda: next(burn))
+    assert conformers.Embedder(timeout_s=1)("CC(=O)Nc1ccc(O)cc1")[1] == "conformer_timeout"
