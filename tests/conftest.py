@@ -6,6 +6,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# reference statistics the metrics cache (molds.metrics.generation.reference_chemnet_stats):
+# the suite's own, never a user's ~/.cache
+os.environ.setdefault("MOLDS_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="molds-test-cache-"))
 
 import torch  # noqa: E402
 

@@ -196,3 +196,40 @@ def test_reference_files_as_moses_ships_them(tmp_path):
     (tmp_path / "bad.csv.gz").write_bytes(b"not gzip at all")
     with pytest.raises(MoldsError, match="bad.csv.gz"):
         read_smiles_file(str(tmp_path / "bad.csv.gz"))
+
+
+def test_reference_chemnet_statistics_are_cached_safely(tmp_path, monkeypatch, capsys):
+    import numpy as np
+    from fcd_torch import FCD
+
+    from molds.metrics.generation import chemnet_stats, reference_chemnet_stats
+
+    monkeypatch.setenv("MOLDS_CACHE_DIR", str(tmp_path))
+    ref = ["CCO", "c1ccccc1O", "CC(=O)Nc1ccc(O)cc1", "CCN(CC)CC", "O=C(O)c1ccccc1", "CC(C)Cc1ccc(C)cc1"] * 3
+    first = reference_chemnet_stats(ref)
+    direct = chemnet_stats(ref)
+    assert np.allclose(first["mu"], direct["mu"]) and np.allclose(first["sigma"], direct["sigma"])
+    files = list((tmp_path / "chemnet").glob("*.npz"))
+    assert len(files) == 1
+
+    def no_chemnet(*a, **k):
+        raise AssertionError("ChemNet ran: the cache was not used")
+
+    monkeypatch.setattr(FCD, "get_predictions", no_chemnet)
+    again = reference_chemnet_stats(ref)  # a hit: equal, and ChemNet never runs
+    assert np.array_equal(again["mu"], first["mu"]) and np.array_equal(again["sigma"], first["sigma"])
+    with pytest.raises(AssertionError, match="ChemNet ran"):
+        reference_chemnet_stats(ref[:-1])  # other molecules, another key
+    monkeypatch.undo()
+    monkeypatch.setenv("MOLDS_CACHE_DIR", str(tmp_path))
+    # a file that is no statistics (a pickle, wrong shapes) is never unpickled: recomputed, rewritten
+    files[0].write_bytes(__import__("pickle").dumps({"mu": 1}))
+    capsys.readouterr()
+    fixed = reference_chemnet_stats(ref)
+    assert "computing it again" in capsys.readouterr().err
+    assert np.allclose(fixed["mu"], first["mu"])
+    with np.load(files[0], allow_pickle=False) as z:
+        assert z["sigma"].shape == (512, 512)
+    monkeypatch.setenv("MOLDS_CACHE_DIR", "")  # no cache: computed, nothing written
+    assert reference_chemnet_stats(ref[:4])
+    assert list((tmp_path / "chemnet").glob("*.npz")) == files

@@ -34,6 +34,7 @@ memory.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 
@@ -175,6 +176,59 @@ def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
     return {"mu": mu, "sigma": (second - n * np.outer(mu, mu)) / (n - 1)}
 
 
+_CHEMNET_DIM = 512  # ChemNet's penultimate layer, whose statistics FCD compares
+
+
+def reference_chemnet_stats(smiles: Sequence[str]) -> dict:
+    """``chemnet_stats`` of a reference set, cached on disk: the same reference (MOSES's Test,
+    a manifest's split) is scored against again and again, and ChemNet over 176,000 molecules
+    takes tens of minutes of one CPU core. The cache is keyed by the SHA-256 of the SMILES
+    and fcd_torch's version, lives under ``$MOLDS_CACHE_DIR`` (default ``~/.cache/molds``;
+    empty: no cache), and holds two arrays in an ``.npz`` read with ``allow_pickle=False``;
+    a file that does not load as the expected shapes of finite numbers is recomputed."""
+    import hashlib
+    import io
+    import sys
+
+    import numpy as np
+
+    root = os.environ.get("MOLDS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "molds"))
+    if not root:
+        return chemnet_stats(smiles)
+    try:
+        from importlib.metadata import version
+
+        fcd_version = version("fcd_torch")
+    except Exception:  # noqa: BLE001 - not installed: chemnet_stats raises and says so
+        fcd_version = "?"
+    digest = hashlib.sha256(f"fcd_torch {fcd_version}\n".encode())
+    for text in smiles:
+        digest.update(text.encode("utf-8", "surrogatepass") + b"\n")
+    path = os.path.join(root, "chemnet", f"{digest.hexdigest()}.npz")
+    if os.path.isfile(path):
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                mu, sigma = np.asarray(z["mu"], np.float64), np.asarray(z["sigma"], np.float64)
+            if mu.shape == (_CHEMNET_DIM,) and sigma.shape == (_CHEMNET_DIM,) * 2 and np.isfinite(sigma).all() \
+                    and np.isfinite(mu).all():
+                return {"mu": mu, "sigma": sigma}
+        except Exception:  # noqa: BLE001 - unreadable: recomputed below
+            pass
+        print(f"[molds] {path}: not a ChemNet statistics file; computing it again", file=sys.stderr)
+    stats = chemnet_stats(smiles)
+    if stats:
+        from ..atomic import write_bytes
+
+        buf = io.BytesIO()
+        np.savez(buf, mu=stats["mu"], sigma=stats["sigma"])
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_bytes(path, buf.getvalue(), durable=False)
+        except OSError as exc:  # a read-only home: the figures stand, only the cache is lost
+            print(f"[molds] ChemNet statistics not cached ({exc})", file=sys.stderr)
+    return stats
+
+
 def fcd_score(generated: Sequence[str], reference) -> float | None:
     """FCD of ``generated`` to ``reference`` (SMILES, or ``chemnet_stats`` of them), or
     None (with the reason on stderr) when fcd_torch is missing or fails: a metric must not
@@ -265,7 +319,7 @@ class ReferenceSet:
         self.fragments = fragment_counts(mols)
         self.scaffolds = scaffold_counts(mols)
         try:
-            self.chemnet = chemnet_stats(self.smiles)
+            self.chemnet = reference_chemnet_stats(self.smiles)
         except Exception:  # fcd_torch missing or failing: fcd_score says why, the rest stands
             self.chemnet = self.smiles
 
@@ -311,7 +365,11 @@ def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_spl
         out["scaffold_novelty"] = len(new_scaffolds) / len(scaffolds) if scaffolds else None
         if fcd_reference and moses_reference is None:
             ref = reference_smiles(manifest, fcd_reference, fcd_max, seed)
-            out["fcd"] = fcd_score(canon[:fcd_max], ref)
+            try:
+                stats = reference_chemnet_stats(ref)
+            except Exception:  # noqa: BLE001 - fcd_score says why
+                stats = ref
+            out["fcd"] = fcd_score(canon[:fcd_max], stats or ref)
             out["fcd_reference"] = f"{fcd_reference} ({len(ref)} molecules)"
     if moses_reference is not None:  # FCD, SNN, Frag, Scaf of every valid sample against the whole reference
         out.update(moses_reference.scores([p["mol"] for p in valid], canon))
