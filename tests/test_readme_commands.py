@@ -129,10 +129,14 @@ def _benchmark(argv: list[str], monkeypatch) -> None:
 
         monkeypatch.setattr(argparse.ArgumentParser, method, parse_then_stop)
     monkeypatch.setattr(sys, "argv", argv)
-    for key in list(os.environ):  # a script may set variables before it parses; give them back
-        monkeypatch.setenv(key, os.environ[key])
-    with pytest.raises(_Parsed):
-        runpy.run_path(script, run_name="__main__")
+    environ, path = dict(os.environ), list(sys.path)  # a script may set variables or its path first
+    try:
+        with pytest.raises(_Parsed):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
 
 
 def check(command: str, monkeypatch, where: str) -> None:
