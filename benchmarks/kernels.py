@@ -250,7 +250,36 @@ def bench_fp8(device, sizes, rounds, results, gpu):
                 fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
                 results, "bf16_grouped_mm")
     if gpu:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            e4m3 = fwd_bwd(lambda x, w: fp8_linear(x, w, grad_format="e4m3"), [x, w])
+            results["fp8_linear_e4m3_grads_s"] = statistics.median(time_pass(e4m3, device, rounds))
+        _fp8_linear_parts(device, x, w, rounds, results)
         _torchao(device, x, w, rounds, results)
+
+
+def _fp8_linear_parts(device, x, w, rounds, results):
+    """Where the FP8 linear's time goes: each quantization and each product of one forward and
+    backward, timed alone (``fp8_linear_part_*_s``, medians)."""
+    import torch
+
+    from molds.kernels.fp8 import fp8_quantize
+    from molds.kernels.fp8_gemm import fp8_mm
+
+    g = torch.randn(x.shape[0], w.shape[0], device=device).to(torch.bfloat16)
+    qx, sx = fp8_quantize(x, "e4m3", 1)
+    qw, sw = fp8_quantize(w, "e4m3", 128)
+    qg, sg = fp8_quantize(g, "e5m2", 1)
+    qgt, sgt = fp8_quantize(g.t(), "e5m2", 1)
+    qxt, sxt = fp8_quantize(x.t(), "e4m3", 1)
+    parts = {"quantize_x": lambda: fp8_quantize(x, "e4m3", 1), "quantize_w": lambda: fp8_quantize(w, "e4m3", 128),
+             "forward_mm": lambda: fp8_mm(qx, sx, qw, sw, 128, torch.bfloat16),
+             "quantize_grad": lambda: fp8_quantize(g, "e5m2", 1),
+             "input_grad_mm": lambda: fp8_mm(qg, sg, qw.t(), sw.t(), 128, torch.bfloat16),
+             "quantize_grad_t": lambda: fp8_quantize(g.t(), "e5m2", 1),
+             "quantize_x_t": lambda: fp8_quantize(x.t(), "e4m3", 1),
+             "weight_grad_mm": lambda: fp8_mm(qgt, sgt, qxt, sxt, 1, torch.float32)}
+    for name, fn in parts.items():
+        results[f"fp8_linear_part_{name}_s"] = statistics.median(time_pass(fn, device, rounds))
 
 
 def _torchao(device, x, w, rounds, results):

@@ -104,7 +104,8 @@ def fp8_gemm_path(device) -> str:
         if not fp8_matrix_units(device.index or 0):
             return "PyTorch emulation (this GPU has no FP8 matrix units: dequantized float32 products)"
         hopper = torch.cuda.get_device_capability(device) == (9, 0)
-        return ("torch scaled_mm for the forward products, Triton block-scaled GEMMs for the others" if hopper
+        return ("torch scaled_mm (cuBLAS) for the linears' products, Triton block-scaled GEMMs for the experts' and "
+                "for any cuBLAS refuses" if hopper
                 else "Triton block-scaled GEMMs")
     if runs_triton(torch.empty(0)):
         return "Triton interpreter (MOLDS_TRITON_INTERPRET=1)"

@@ -97,9 +97,16 @@ def _(logits, targets, scale, with_grad, ignore_index):
     return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
-def _chunk_rows(tokens: int, vocab: int, budget: int = 1 << 22) -> int:
-    """Rows per chunk: about ``budget`` logits (16 MiB in float32) at a time."""
-    return max(1, min(tokens, budget // max(1, vocab)))
+def _chunk_rows(tokens: int, vocab: int, width: int = 0, budget: int = 1 << 22) -> int:
+    """Rows per chunk: about ``budget`` logits (16 MiB in float32) at a time, or more for a
+    wide model. Each chunk also adds one float32 [V, H] product into the weight gradient, so
+    chunks of fewer than T / ceil(V / H) rows would move more bytes through that sum than
+    their logits take (Liger Kernel sizes its chunks by the same ratio); at that size a
+    chunk's logits are about as large as the hidden states themselves."""
+    rows = budget // max(1, vocab)
+    if width > 0:
+        rows = max(rows, -(-tokens // -(-vocab // width)))
+    return max(1, min(tokens, rows))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -110,7 +117,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(hidden) if grads else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        step = _chunk_rows(t, weight.shape[0])
+        step = _chunk_rows(t, weight.shape[0], weight.shape[1])
         for start in range(0, t, step):
             h = hidden[start:start + step]
             logits = F.linear(h, weight).float()
@@ -118,7 +125,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 g = logits.to(hidden.dtype)
                 dh[start:start + step] = g @ weight.to(hidden.dtype)
-                dw += (g.t() @ h).float()
+                if h.dtype == torch.float32 and weight.dtype == torch.float32:
+                    dw.addmm_(g.t(), h)  # no [V, H] temporary
+                else:
+                    dw += (g.t() @ h).float()
         ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         return total * scale

@@ -138,7 +138,7 @@ def fp8_value(c, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr):
     """An fp8 code (uint8) -> its fp32 value (exact), NaN and infinity included."""
     BIAS: tl.constexpr = (1 << (EXP - 1)) - 1
     code = c.to(tl.uint32)
-    neg = ((code >> (EXP + MAN)) & 1) == 1
+    sign = ((code >> (EXP + MAN)) & 1) << 31
     e = (code >> MAN) & ((1 << EXP) - 1)
     m = code & ((1 << MAN) - 1)
     normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
@@ -149,7 +149,8 @@ def fp8_value(c, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr):
         v = tl.where(top & (m == (1 << MAN) - 1), float("nan"), v)
     else:  # e5m2: IEEE-style infinities and NaNs
         v = tl.where(top, tl.where(m == 0, float("inf"), float("nan")), v)
-    return tl.where(neg, -v, v)
+    # the sign as a bit: compiled Triton negates as 0 - v, which turns the code -0 into +0
+    return (v.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @jit

@@ -6,8 +6,9 @@ every device: torch's ``scaled_mm`` takes 1x128 x 128x128 block scales on Hopper
 (cuBLAS), its ``scaled_grouped_mm`` no block scales at all, and there is nothing on a
 CPU. So each product here has three paths, chosen per call:
 
-- ``scaled_mm`` on a Hopper GPU, for the forward product (both operands e4m3, A in 1x128
-  tiles, B in 128x128 blocks); a configuration cuBLAS refuses falls back to Triton, said
+- ``scaled_mm`` on a Hopper GPU (cuBLAS: A in 1x128 tiles, B in 128x128 blocks or 1x128
+  tiles, e4m3 with e4m3 or e5m2), so the forward product, the input gradient and the
+  weight gradient of a linear; a configuration cuBLAS refuses falls back to Triton, said
   once on stderr;
 - the Triton kernels below on any GPU with FP8 matrix units (and in the interpreter on a
   CPU, for tests). Following DeepSeek-V3 (Hopper's FP8 tensor cores accumulate with
@@ -234,23 +235,52 @@ def fp8_grouped_wgrad_triton(at, sa, bt, sb, offs_padded: torch.Tensor, out_dtyp
 # ---------------------------------------------------------------- scaled_mm (Hopper)
 
 _SCALED_MM_REFUSED: set = set()
+_SCALED_MM_LAYOUT: dict = {}
 
 
-def _scaled_mm(a, sa, bt, sb, out_dtype):
-    """cuBLAS's block-scaled FP8 product (1x128 x 128x128), or None where it does not take
-    these operands (the reason said once per shape class)."""
-    key = (a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, out_dtype)
+def _scale_b_layouts(sb: torch.Tensor, tile_b: int) -> list:
+    """Bt's scales as torch's block-scaled product may want them: 128x128 blocks row-major
+    (transposed view); 1x128 tiles [K/128, N] (ATen's main branch checks Bt's scales
+    outer-dim-major), or [N, K/128] outer-dim-major (torch 2.11 checks that shape)."""
+    if tile_b == TILE:
+        return [sb.contiguous().t()]
+    return [sb.t().contiguous(), sb.t().contiguous().t()]
+
+
+def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
+    """cuBLAS's block-scaled FP8 product (A in 1x128 tiles; Bt in 128x128 blocks or 1x128
+    tiles), or None where it does not take these operands (the reason said once per kind of
+    product). torch checks the scales' layouts (``is_blockwise_*_scaling`` in ATen's
+    ``ScaledBlas.cpp``): A's 1x128 scales outer-dim-major ([M, K/128] with strides (1, M)),
+    Bt's as ``_scale_b_layouts`` tries them (the first torch takes is kept per kind of
+    product); B itself column-major (Bt contiguous)."""
+    key = (a.dtype, bt.dtype, tile_b, a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, out_dtype)
     if key in _SCALED_MM_REFUSED:
         return None
-    try:
-        st = F.ScalingType
-        return F.scaled_mm(a, bt.t(), sa.t().contiguous().t(), st.BlockWise1x128, sb.t().contiguous(),
-                           st.BlockWise128x128, output_dtype=out_dtype)
-    except (RuntimeError, ValueError, AttributeError) as exc:
+    st = F.ScalingType if hasattr(F, "ScalingType") else None
+    if st is None:
         _SCALED_MM_REFUSED.add(key)
-        print(f"[molds] fp8: torch scaled_mm refused a block-scaled product of shape {tuple(a.shape)} x "
-              f"{tuple(bt.shape)} ({' '.join(str(exc).split())[:160]}); the Triton kernel runs these", file=sys.stderr)
         return None
+    bt = bt.contiguous()  # an input gradient reads the weight transposed: one copy of its codes
+    scale_a = sa.t().contiguous().t()
+    recipe_b = st.BlockWise128x128 if tile_b == TILE else st.BlockWise1x128
+    layouts = _scale_b_layouts(sb, tile_b)
+    order = [_SCALED_MM_LAYOUT[key]] if key in _SCALED_MM_LAYOUT else range(len(layouts))
+    reasons = []
+    for i in order:
+        try:
+            out = F.scaled_mm(a.contiguous(), bt.t(), scale_a, st.BlockWise1x128, layouts[i], recipe_b,
+                              output_dtype=out_dtype)
+        except (RuntimeError, ValueError) as exc:
+            reasons.append(" ".join(str(exc).split())[:160])
+            continue
+        _SCALED_MM_LAYOUT[key] = i
+        return out
+    _SCALED_MM_REFUSED.add(key)
+    print(f"[molds] fp8: torch scaled_mm refused a block-scaled product ({str(a.dtype)[6:]} x {str(bt.dtype)[6:]}, "
+          f"B in {tile_b}x128 tiles) of shape {tuple(a.shape)} x {tuple(bt.shape)} ({' / '.join(reasons)}); "
+          f"the Triton kernel runs these", file=sys.stderr)
+    return None
 
 
 def _hopper(t: torch.Tensor) -> bool:
@@ -266,11 +296,16 @@ def _fp8_units(t: torch.Tensor) -> bool:
 @torch.library.custom_op("molds::fp8_mm", mutates_args=())
 def _mm_op(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, tile_b: int,
            out_dtype: torch.dtype) -> torch.Tensor:
-    if tile_b == TILE and _hopper(a) and a.dtype == bt.dtype == torch.float8_e4m3fn:
-        out = _scaled_mm(a, sa, bt, sb, out_dtype)
+    if _hopper(a) and torch.float8_e4m3fn in (a.dtype, bt.dtype):  # cuBLAS has no e5m2 x e5m2
+        out = _scaled_mm(a, sa, bt, sb, tile_b, out_dtype)
         if out is not None:
             return out
     if runs_triton(a) and (not a.is_cuda or _fp8_units(a)):
+        if a.is_cuda and not bt.is_contiguous():  # an input gradient's transposed weight: a strided read
+            # of B in the kernel costs ~5x the product (seen on an H200: 1.5 ms at 4096^3); a
+            # copy of its codes costs one pass over N x K bytes, and the square blocks' scales
+            # transpose with them
+            bt, sb = bt.contiguous(), sb.contiguous()
         return fp8_mm_triton(a, sa, bt, sb, tile_b, out_dtype)
     return fp8_mm_reference(a, sa, bt, sb, tile_b, out_dtype)
 

@@ -1,5 +1,5 @@
-"""What every kernel test shares: poisoned output buffers, the interpreter on CPU tensors,
-fresh random data."""
+"""What every kernel test shares: poisoned output buffers, the device the kernels run on
+(a GPU's compiled kernels, or the interpreter on CPU tensors), fresh random data."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ def interpret(monkeypatch):
 
     assert interpreter_ready(), "triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)"
     monkeypatch.setenv("MOLDS_TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device(request):
+    """Where a kernel test's Triton kernels run: compiled, on CUDA tensors, on a machine with a
+    GPU; else on CPU tensors in Triton's interpreter. The tests make their data on the CPU
+    (with ``gen``), move it here, and compare with the PyTorch reference run on the CPU copy."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    request.getfixturevalue("interpret")
+    return torch.device("cpu")
 
 
 @pytest.fixture

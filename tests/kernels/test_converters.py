@@ -50,23 +50,43 @@ def test_converters_swap_count_and_keep_the_state_dict():
     assert kernel_summary(moe_model(), "cpu") == ""
 
 
-def test_triton_path_of_a_whole_model_equals_its_pytorch_path(monkeypatch):
-    from molds.kernels.launch import interpreter_ready
-
-    assert interpreter_ready()
+def test_triton_path_of_a_whole_model_equals_its_pytorch_path(request):
     reference = moe_model(shared_expert_size=16)
     batch = _batch()
     kernels = KernelsConfig(fp8=True, triton=True)
-    plain = _loss_and_grads(*_converted(reference, kernels), batch)  # the PyTorch paths
-    monkeypatch.setenv("MOLDS_TRITON_INTERPRET", "1")
+    plain = _loss_and_grads(*_converted(reference, kernels), batch)  # the PyTorch paths, on the CPU
+    device = request.getfixturevalue("device")  # from here on: the GPU, or the interpreter on the CPU
     model, loss = _converted(reference, kernels)
-    assert "Triton interpreter" in kernel_summary(model, "cpu")
-    fused = _loss_and_grads(model, loss, batch)  # every op through its Triton kernel
-    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    model.to(device)
+    assert ("Triton interpreter" if device.type == "cpu" else "-> Triton") in kernel_summary(model, device)
+    # every op through its Triton kernel (on a Hopper GPU the forward FP8 products through cuBLAS)
+    fused = _loss_and_grads(model, loss, {k: v.to(device) for k, v in batch.items()})
     assert fused[1].keys() == plain[1].keys()
+    if device.type == "cpu":  # the same products in float32: equal up to summation order
+        torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+        for name, g in fused[1].items():
+            torch.testing.assert_close(g, plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        return
+    # A GPU: its FP8 tensor cores add each 128-wide block of products with about 14 bits
+    # (tests/kernels/test_fp8_linear.py, ``_close``), and a difference that small flips the
+    # rounding of some elements when the next product quantizes them again (e5m2: 12 % a
+    # step), more of them the deeper a gradient comes from (seen on an H200: the embedding's
+    # 3.4 % of its norm, the others under 2 %). So with FP8 the loss and each gradient's
+    # direction are held, and without FP8 the fused ops must equal the PyTorch paths as on a CPU
+    torch.testing.assert_close(fused[0].cpu(), plain[0], rtol=1e-4, atol=1e-6)
     for name, g in fused[1].items():
-        torch.testing.assert_close(g, plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),
-                                   msg=name)
+        a, b = g.cpu().double().flatten(), plain[1][name].double().flatten()
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        cos = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
+        assert err < 0.1 and cos > 0.995, f"{name}: gradient off by {err:.4f} of its norm (cosine {cos:.5f})"
+    plain = _loss_and_grads(*_converted(reference, KernelsConfig(triton=True)), batch)
+    model, loss = _converted(reference, KernelsConfig(triton=True))
+    fused = _loss_and_grads(model.to(device), loss, {k: v.to(device) for k, v in batch.items()})
+    torch.testing.assert_close(fused[0].cpu(), plain[0], rtol=1e-5, atol=1e-6)
+    for name, g in fused[1].items():
+        torch.testing.assert_close(g.cpu(), plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_triton_ops_keep_the_models_numbers_and_fp8_stays_close():
