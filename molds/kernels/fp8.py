@@ -28,11 +28,15 @@ which rounds ties away from zero, ORs the mantissa carry into the exponent inste
 adding it (126.24 becomes 64 in e4m3), rounds subnormals twice and neither saturates nor
 keeps NaN; it also decodes fp8 NaN and infinity codes as finite numbers. On a GPU,
 ``.to(tl.float8e4nv)`` compiles to ``cvt.rn.satfinite`` (round to nearest even,
-saturating), which equals torch's cast on every finite input. So the kernels here do
-not cast: ``fp8_code`` rounds with integer operations on the float's bits (exact in the
-interpreter and on a GPU alike) and ``fp8_value`` decodes the same way. Tests hold both
-to torch's casts on all 65,536 fp16 values, random fp32 bit patterns (NaN, infinities and
-subnormals included) and every fp8 code.
+saturating), which equals torch's cast on every finite input. So ``fp8_code`` rounds
+with integer operations on the float's bits (exact in the interpreter and on a GPU alike)
+and ``fp8_value`` decodes the same way; tests hold both to torch's casts on all 65,536
+fp16 values, random fp32 bit patterns (NaN, infinities and subnormals included) and every
+fp8 code. The quantize kernel uses ``fp8_code`` in the interpreter and the GPU's own cast
+on a GPU: every value it casts is scaled into the format's range (or NaN, in a tile whose
+scale is NaN), where the two agree, and the integer rounding costs about 30 integer
+operations an element, which made the kernel compute-bound on an H200 (8192 x 8192 in
+0.22 ms, 23 % of the bandwidth).
 """
 
 from __future__ import annotations
@@ -166,7 +170,8 @@ def inverse_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 @jit
 def quantize_kernel(X, Q, S, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_qm, stride_sb, stride_sm,
                     FP8_MAX: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr,
-                    POW2: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                    POW2: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HW_CAST: tl.constexpr):
     pid_m, pid_k, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -180,7 +185,15 @@ def quantize_kernel(X, Q, S, M, K, stride_xb, stride_xm, stride_xk, stride_qb, s
     if TILE_M != 1:
         amax = tl.max(amax, axis=0, keep_dims=True)  # [1, 1]: one scale per block
     inv = inverse_scale(amax, FP8_MAX, POW2)
-    tl.store(Q + rows[:, None] * stride_qm + cols[None, :], fp8_code(x * inv, EXP, MAN, SATURATE), mask=mask)
+    y = x * inv
+    if HW_CAST:  # a GPU: cvt.rn.satfinite (see the module's docstring)
+        if EXP == 4:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        code = fp8_code(y, EXP, MAN, SATURATE)
+    tl.store(Q + rows[:, None] * stride_qm + cols[None, :], code, mask=mask)
     scale = tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv)
     if TILE_M == 1:
         tl.store(S + rows[:, None] * stride_sm + pid_k, scale, mask=(rows < M)[:, None])
@@ -243,7 +256,7 @@ def fp8_quantize_triton(x: torch.Tensor, fmt: str = "e4m3", tile_rows: int = 1, 
         quantize_kernel[(-(-m // rows), -(-k // TILE), b)](
             xb, qv, scale, m, k, *xb.stride(), qv.stride(0), qv.stride(1), scale.stride(0), scale.stride(1),
             FP8_MAX=fp8_max, EXP=e, MAN=m_bits, SATURATE=sat, POW2=pow2, TILE_M=tile_rows, BLOCK_M=rows,
-            BLOCK_K=TILE, num_warps=8 if tile_rows == TILE else 4)
+            BLOCK_K=TILE, HW_CAST=x.is_cuda, num_warps=8 if tile_rows == TILE else 4)
     return (q, scale) if x.dim() == 3 else (q[0], scale[0])
 
 
