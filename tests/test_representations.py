@@ -36,13 +36,43 @@ def trained(request, tmp_path_factory):
 
 
 def _decode(rep: str, text: str):
+    """What the package decodes ``text`` to, RDKit-canonical where RDKit parses it."""
     if rep == "selfies":
         import selfies
 
-        return selfies.decoder(text)
-    import safe
+        smiles = selfies.decoder(text)
+    else:
+        import safe
 
-    return safe.decode(text, ignore_errors=True)
+        smiles = safe.decode(text, ignore_errors=True)
+    from rdkit import Chem
+
+    mol = Chem.MolFromSmiles(smiles) if smiles else None
+    return Chem.MolToSmiles(mol) if mol is not None else smiles
+
+
+def test_decoded_samples_are_written_canonical():
+    from rdkit import Chem
+
+    from molds.eval.sampling import texts_to_smiles
+    from molds.representation import get
+
+    selfies = get("selfies")
+    text, _ = selfies.encode("Oc1ccccc1")
+    assert selfies.decode(text) != "Oc1ccccc1"  # the package writes Kekulé SMILES
+    assert texts_to_smiles([text, None], selfies) == ["Oc1ccccc1", None]
+    safe = get("safe")
+    text, _ = safe.encode("CC(=O)Nc1ccc(O)cc1")
+    assert texts_to_smiles([text], safe) == [Chem.MolToSmiles(Chem.MolFromSmiles("CC(=O)Nc1ccc(O)cc1"))]
+
+    class Unparseable:  # a decoder whose SMILES RDKit refuses: kept as decoded, for evaluation to count
+        name = "x"
+
+        def decode(self, text):
+            return "C1CC"
+
+    assert texts_to_smiles(["anything"], Unparseable()) == ["C1CC"]
+    assert texts_to_smiles(["C1=CC=CC=C1"]) == ["C1=CC=CC=C1"]  # SMILES texts stay as the model wrote them
 
 
 def test_samples_are_decoded_through_the_representation(trained, tmp_path):
@@ -56,7 +86,7 @@ def test_samples_are_decoded_through_the_representation(trained, tmp_path):
     assert len(smiles) == len(raw) == 48
     for s, t in zip(smiles, raw):
         if t:
-            assert s == (_decode(rep, t) or "")  # the SMILES is what the package decodes the string to
+            assert s == (_decode(rep, t) or "")  # what the package decodes the string to, canonical
     if rep == "selfies":
         assert all(t.startswith("[") for t in raw if t) and all(not s.startswith("[C]") for s in smiles)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

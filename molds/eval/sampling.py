@@ -82,10 +82,21 @@ def ids_to_texts(tokenizer, samples: list[list[int] | None]) -> list[str | None]
 
 def texts_to_smiles(texts: list[str | None], representation=None) -> list[str | None]:
     """The SMILES each text decodes to through ``representation`` (``molds.representation``;
-    None: the texts are SMILES); None where it decodes to none."""
+    None: the texts are SMILES); None where it decodes to none. Decoded SMILES come out
+    RDKit-canonical, as the ETL wrote the training molecules (the ``selfies`` decoder writes
+    Kekulé SMILES, SAFE's joins fragments in its own order); one RDKit cannot parse is kept
+    as decoded, so evaluation counts it invalid. SMILES texts stay as the model wrote them."""
     if representation is None or representation.name == "smiles":
         return list(texts)
-    return [None if t is None else representation.decode(t) for t in texts]
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+
+    def canonical(smiles: str | None) -> str | None:
+        mol = Chem.MolFromSmiles(smiles) if smiles else None
+        return Chem.MolToSmiles(mol) if mol is not None else smiles
+
+    return [None if t is None else canonical(representation.decode(t)) for t in texts]
 
 
 def ids_to_smiles(tokenizer, samples: list[list[int] | None], representation=None) -> list[str | None]:
