@@ -247,13 +247,31 @@ def _scale_b_layouts(sb: torch.Tensor, tile_b: int) -> list:
     return [sb.t().contiguous(), sb.t().contiguous().t()]
 
 
+def _agrees(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """cuBLAS's product against the Triton kernel's on the same operands: the same non-finite
+    elements, the rest within 2^-6 of the largest (both accumulate each 128-wide block in the
+    tensor cores and add the blocks in float32: they differ by 2^-9 of it at most, seen 2-3e-4
+    on an H200; a scale read from the wrong block is off by the ratio of two scales)."""
+    out, ref = out.float(), ref.float()
+    finite = ref.isfinite()
+    if not torch.equal(finite, out.isfinite()):
+        return False, float("inf")
+    if not bool(finite.any()):
+        return True, 0.0
+    err = float((out - ref)[finite].abs().max()) / max(float(ref[finite].abs().max()), 1e-30)
+    return err <= 2**-6, err
+
+
 def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
     """cuBLAS's block-scaled FP8 product (A in 1x128 tiles; Bt in 128x128 blocks or 1x128
     tiles), or None where it does not take these operands (the reason said once per kind of
     product). torch checks the scales' layouts (``is_blockwise_*_scaling`` in ATen's
     ``ScaledBlas.cpp``): A's 1x128 scales outer-dim-major ([M, K/128] with strides (1, M)),
-    Bt's as ``_scale_b_layouts`` tries them (the first torch takes is kept per kind of
-    product); B itself column-major (Bt contiguous)."""
+    Bt's as ``_scale_b_layouts`` tries them; B itself column-major (Bt contiguous). Which
+    layouts a torch takes has changed between versions, and a layout it takes but reads
+    otherwise would be silently wrong, so the first product of each kind is also run by the
+    Triton kernel and kept only where the two agree (``_agrees``); the layout is then kept
+    for that kind of product."""
     key = (a.dtype, bt.dtype, tile_b, a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, out_dtype)
     if key in _SCALED_MM_REFUSED:
         return None
@@ -265,7 +283,8 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
     scale_a = sa.t().contiguous().t()
     recipe_b = st.BlockWise128x128 if tile_b == TILE else st.BlockWise1x128
     layouts = _scale_b_layouts(sb, tile_b)
-    order = [_SCALED_MM_LAYOUT[key]] if key in _SCALED_MM_LAYOUT else range(len(layouts))
+    known = key in _SCALED_MM_LAYOUT
+    order = [_SCALED_MM_LAYOUT[key]] if known else range(len(layouts))
     reasons = []
     for i in order:
         try:
@@ -274,6 +293,12 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
         except (RuntimeError, ValueError) as exc:
             reasons.append(" ".join(str(exc).split())[:160])
             continue
+        if not known:
+            ok, err = _agrees(out, fp8_mm_triton(a, sa, bt, sb, tile_b, out_dtype))
+            if not ok:
+                reasons.append(f"scale layout {i}: its result differs from the Triton kernel's on the same "
+                               f"operands by {err:.3g} of the largest element")
+                continue
         _SCALED_MM_LAYOUT[key] = i
         return out
     _SCALED_MM_REFUSED.add(key)

@@ -128,24 +128,28 @@ def test_grouped_triton_gemms_equal_their_emulation(gen, device):
     assert bool((got[0] == 0).all())  # an expert with no token has a zero gradient
 
 
-@pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton"])
-def test_fp8_linear_is_within_the_fp8_bound_forward_and_backward(triton, gen, request):
+@pytest.mark.parametrize("triton,shape", [(False, (3, 111, 300, 257)), (True, (3, 111, 300, 257)),
+                                          (True, (2, 128, 256, 384))], ids=["cpu-path", "triton", "triton-aligned"])
+def test_fp8_linear_is_within_the_fp8_bound_forward_and_backward(triton, shape, gen, request):
+    """A 3-D input with K not a multiple of 128, and one whose sides cuBLAS takes (on a Hopper
+    GPU its block-scaled products run that one: ``scaled_mm``)."""
     device = request.getfixturevalue("device") if triton else "cpu"
-    x = torch.randn(3, 111, 300, generator=gen, dtype=torch.float64).float()  # a 3-D input, K not a multiple of 128
-    w = torch.randn(257, 300, generator=gen) * 0.05
-    b = torch.randn(257, generator=gen)
+    d0, d1, k, n = shape
+    x = torch.randn(d0, d1, k, generator=gen, dtype=torch.float64).float()
+    w = torch.randn(n, k, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen)
     xr, wr, br = (t.clone().to(device).requires_grad_() for t in (x, w, b))
     y = fp8_linear(xr, wr, br)
-    x2 = x.reshape(-1, 300)
+    x2 = x.reshape(-1, k)
     exact = x2.double() @ w.double().t() + b.double()
-    _within(y.reshape(-1, 257), exact, _product_bound(x2, "e4m3", 1, w, "e4m3", 128))
-    dy = torch.randn(3, 111, 257, generator=gen)
+    _within(y.reshape(-1, n), exact, _product_bound(x2, "e4m3", 1, w, "e4m3", 128))
+    dy = torch.randn(d0, d1, n, generator=gen)
     y.backward(dy.to(device))
-    g2 = dy.reshape(-1, 257)
-    _within(xr.grad.reshape(-1, 300), g2.double() @ w.double(), _product_bound(g2, "e5m2", 1, w.t(), "e4m3", 128))
+    g2 = dy.reshape(-1, n)
+    _within(xr.grad.reshape(-1, k), g2.double() @ w.double(), _product_bound(g2, "e5m2", 1, w.t(), "e4m3", 128))
     _within(wr.grad, g2.double().t() @ x2.double(), _product_bound(g2.t(), "e5m2", 1, x2.t(), "e4m3", 1))
     torch.testing.assert_close(br.grad.cpu(), g2.sum(0))
-    assert y.dtype == torch.float32 and _rel(y.reshape(-1, 257).cpu(), exact) < 0.06  # e4m3: ~2^-4 per operand
+    assert y.dtype == torch.float32 and _rel(y.reshape(-1, n).cpu(), exact) < 0.06  # e4m3: ~2^-4 per operand
     _close(y.detach(), fp8_linear_reference(x, w, b))  # the plain-PyTorch definition
 
 
@@ -213,3 +217,34 @@ def test_fp8_expert_gemms_are_within_the_fp8_bound(triton, gen, request):
         # (one token: each 1x128 tile along the tokens holds one element, which FP8 represents exactly)
         _within(w_grad[g], xg.double().t() @ dg.double(), _product_bound(xg.t(), "e4m3", 1, dg.t(), "e5m2", 1),
                 tight=e - s > 1)
+
+
+def test_cublas_products_are_kept_only_where_they_agree_with_the_kernel(gen, device, monkeypatch, capsys):
+    """A torch that takes a scale layout but reads it otherwise must not train on wrong
+    products: the first cuBLAS product of each kind is checked against the Triton kernel
+    (here cuBLAS is a stand-in: one right, one off by 10 %)."""
+    from molds.kernels import fp8_gemm
+
+    a = torch.randn(130, 256, generator=gen)
+    bt = torch.randn(96, 256, generator=gen) * 0.1
+    qa, sa = fp8_quantize(a, "e4m3", 1)
+    qb, sb = fp8_quantize(bt, "e4m3", 128)
+    want = fp8_mm_reference(qa, sa, qb, sb, 128, torch.float32)
+    monkeypatch.setattr(fp8_gemm, "_hopper", lambda t: True)
+    for factor, kept in ((1.0, True), (1.1, False)):
+        monkeypatch.setattr(fp8_gemm, "_SCALED_MM_REFUSED", set())
+        monkeypatch.setattr(fp8_gemm, "_SCALED_MM_LAYOUT", {})
+        calls = []
+
+        def cublas(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype, factor=factor, calls=calls):
+            calls.append(1)
+            return fp8_mm_reference(a, scale_a, b.t(), scale_b.t(), 128, output_dtype) * factor
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_mm", cublas)
+        for _ in range(2):
+            got = fp8_gemm.fp8_mm(*(t.to(device) for t in (qa, sa, qb, sb)), 128, torch.float32)
+            _close(got, want)  # the right product either way: cuBLAS's where it agrees, else the kernel's
+        assert bool(fp8_gemm._SCALED_MM_LAYOUT) == kept and bool(fp8_gemm._SCALED_MM_REFUSED) != kept
+        assert len(calls) == (2 if kept else 1)  # a refused kind of product is not offered again
+        err = capsys.readouterr().err
+        assert ("differs from the Triton kernel's" in err) != kept
