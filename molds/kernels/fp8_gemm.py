@@ -293,11 +293,12 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
         except (RuntimeError, ValueError) as exc:
             reasons.append(" ".join(str(exc).split())[:160])
             continue
-        if not known:
-            ok, err = _agrees(out, fp8_mm_triton(a, sa, bt, sb, tile_b, out_dtype))
+        if not known:  # (the float32 emulation where triton is not usable)
+            check = fp8_mm_triton if runs_triton(a) else fp8_mm_reference
+            ok, err = _agrees(out, check(a, sa, bt, sb, tile_b, out_dtype))
             if not ok:
-                reasons.append(f"scale layout {i}: its result differs from the Triton kernel's on the same "
-                               f"operands by {err:.3g} of the largest element")
+                reasons.append(f"scale layout {i}: its result differs from the Triton kernel's (or the "
+                               f"emulation's) on the same operands by {err:.3g} of the largest element")
                 continue
         _SCALED_MM_LAYOUT[key] = i
         return out
