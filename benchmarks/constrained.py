@@ -43,17 +43,6 @@ def _lines(path: str) -> list[str]:
     return open(path, encoding="utf-8").read().split("\n")[:-1]
 
 
-def _run_directory(reference: str) -> str:
-    """The run a checkpoint reference belongs to (RUN, RUN/averaged, RUN/checkpoints/...)."""
-    path = os.path.abspath(reference)
-    if os.path.basename(path) == "latest" or not os.path.isdir(path):
-        path = os.path.dirname(path)
-    parts = path.split(os.sep)
-    if "checkpoints" in parts:
-        return os.sep.join(parts[:len(parts) - 1 - parts[::-1].index("checkpoints")])
-    return os.path.dirname(path) if os.path.basename(path) == "averaged" else path
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="a SAFE model: run directory or checkpoint (as molds-sample takes)")
@@ -67,6 +56,7 @@ def main(argv=None) -> int:
     from rdkit import Chem, RDLogger
 
     from molds.checkpoint import open_checkpoint
+    from molds.checkpoint.layout import run_directory
     from molds.cli.sample import main as sample
     from molds.eval.constrained import keeps, plan
     from molds.precision import cpu_description
@@ -74,7 +64,7 @@ def main(argv=None) -> int:
 
     RDLogger.DisableLog("rdApp.*")
     tasks = PANEL if args.tasks is None else json.load(open(args.tasks, encoding="utf-8"))
-    out = args.out or os.path.join(_run_directory(args.run), "constrained")  # never inside a checkpoint
+    out = args.out or os.path.join(run_directory(args.run), "constrained")  # never inside a checkpoint
     os.makedirs(out, exist_ok=True)
     representation = of_manifest(open_checkpoint(args.run).manifest)
     common = ["--num", str(args.num), "--seed", str(args.seed)]

@@ -60,10 +60,12 @@ def test_decoded_samples_are_written_canonical():
     selfies = get("selfies")
     text, _ = selfies.encode("Oc1ccccc1")
     assert selfies.decode(text) != "Oc1ccccc1"  # the package writes Kekulé SMILES
-    assert texts_to_smiles([text, None], selfies) == ["Oc1ccccc1", None]
+    assert texts_to_smiles([text, None], selfies, canonical=True) == ["Oc1ccccc1", None]
+    assert texts_to_smiles([text], selfies) == [selfies.decode(text)]  # scoring canonicalizes on its own
     safe = get("safe")
     text, _ = safe.encode("CC(=O)Nc1ccc(O)cc1")
-    assert texts_to_smiles([text], safe) == [Chem.MolToSmiles(Chem.MolFromSmiles("CC(=O)Nc1ccc(O)cc1"))]
+    want = Chem.MolToSmiles(Chem.MolFromSmiles("CC(=O)Nc1ccc(O)cc1"))
+    assert texts_to_smiles([text], safe, canonical=True) == [want]
 
     class Unparseable:  # a decoder whose SMILES RDKit refuses: kept as decoded, for evaluation to count
         name = "x"
@@ -71,8 +73,9 @@ def test_decoded_samples_are_written_canonical():
         def decode(self, text):
             return "C1CC"
 
-    assert texts_to_smiles(["anything"], Unparseable()) == ["C1CC"]
-    assert texts_to_smiles(["C1=CC=CC=C1"]) == ["C1=CC=CC=C1"]  # SMILES texts stay as the model wrote them
+    assert texts_to_smiles(["anything"], Unparseable(), canonical=True) == ["C1CC"]
+    # SMILES texts stay as the model wrote them
+    assert texts_to_smiles(["C1=CC=CC=C1"], canonical=True) == ["C1=CC=CC=C1"]
 
 
 def test_samples_are_decoded_through_the_representation(trained, tmp_path):

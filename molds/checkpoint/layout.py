@@ -179,6 +179,19 @@ def resolve_model(ref: str, *, quiet: bool = False) -> str:
     return latest
 
 
+def run_directory(ref: str) -> str:
+    """The run a checkpoint reference belongs to (RUN, RUN/averaged, RUN/checkpoints,
+    RUN/checkpoints/latest, RUN/checkpoints/step-N): where to write what is made from it,
+    never inside a checkpoint."""
+    path = os.path.abspath(ref)
+    if os.path.basename(path) == LATEST or not os.path.isdir(path):
+        path = os.path.dirname(path)
+    parts = path.split(os.sep)
+    if CHECKPOINTS in parts:
+        return os.sep.join(parts[:len(parts) - 1 - parts[::-1].index(CHECKPOINTS)])
+    return os.path.dirname(path) if os.path.basename(path) == AVERAGED else path
+
+
 def read_lineage(checkpoint: str) -> dict:
     try:
         with open(os.path.join(checkpoint, LINEAGE), encoding="utf-8") as fh:

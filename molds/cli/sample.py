@@ -84,7 +84,7 @@ def run(argv: list[str]) -> int:
         design = plan(*constraint, of_manifest(loaded.manifest), args.variants, args.seed)
         ids = sample_design(loaded.model, loaded.tokenizer, design, args.num, seed=args.seed, **common)
     texts = ids_to_texts(loaded.tokenizer, ids)
-    smiles = texts_to_smiles(texts, of_manifest(loaded.manifest))
+    smiles = texts_to_smiles(texts, of_manifest(loaded.manifest), canonical=True)
     lines = "".join((s or "") + "\n" for s in (texts if args.raw else smiles))
     if args.out == "-":
         sys.stdout.write(lines)

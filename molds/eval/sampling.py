@@ -80,14 +80,18 @@ def ids_to_texts(tokenizer, samples: list[list[int] | None]) -> list[str | None]
             for ids in samples]
 
 
-def texts_to_smiles(texts: list[str | None], representation=None) -> list[str | None]:
+def texts_to_smiles(texts: list[str | None], representation=None, canonical: bool = False) -> list[str | None]:
     """The SMILES each text decodes to through ``representation`` (``molds.representation``;
-    None: the texts are SMILES); None where it decodes to none. Decoded SMILES come out
-    RDKit-canonical, as the ETL wrote the training molecules (the ``selfies`` decoder writes
-    Kekulé SMILES, SAFE's joins fragments in its own order); one RDKit cannot parse is kept
-    as decoded, so evaluation counts it invalid. SMILES texts stay as the model wrote them."""
+    None: the texts are SMILES); None where it decodes to none. With ``canonical`` (samples
+    written out for a user) decoded SMILES come out RDKit-canonical, as the ETL wrote the
+    training molecules (the ``selfies`` decoder writes Kekulé SMILES, SAFE's joins fragments
+    in its own order); one RDKit cannot parse is kept as decoded, so evaluation counts it
+    invalid. Scoring canonicalizes on its own (``parse_samples``), so it asks for none.
+    SMILES texts stay as the model wrote them."""
     if representation is None or representation.name == "smiles":
         return list(texts)
+    if not canonical:
+        return [None if t is None else representation.decode(t) for t in texts]
     from rdkit import Chem, RDLogger
 
     RDLogger.DisableLog("rdApp.*")

@@ -275,11 +275,11 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
     key = (a.dtype, bt.dtype, tile_b, a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, out_dtype)
     if key in _SCALED_MM_REFUSED:
         return None
-    st = F.ScalingType if hasattr(F, "ScalingType") else None
+    st = getattr(F, "ScalingType", None)
     if st is None:
         _SCALED_MM_REFUSED.add(key)
         return None
-    bt = bt.contiguous()  # an input gradient reads the weight transposed: one copy of its codes
+    bt = bt.contiguous()  # (``_mm_op`` has made a CUDA operand contiguous already)
     scale_a = sa.t().contiguous().t()
     recipe_b = st.BlockWise128x128 if tile_b == TILE else st.BlockWise1x128
     layouts = _scale_b_layouts(sb, tile_b)
@@ -322,16 +322,16 @@ def _fp8_units(t: torch.Tensor) -> bool:
 @torch.library.custom_op("molds::fp8_mm", mutates_args=())
 def _mm_op(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, tile_b: int,
            out_dtype: torch.dtype) -> torch.Tensor:
+    if a.is_cuda and not bt.is_contiguous():  # an input gradient's transposed weight: cuBLAS takes B only
+        # column-major, and a strided read of B in the Triton kernel costs ~5x the product (seen
+        # on an H200: 1.5 ms at 4096^3); a copy of its codes costs one pass over N x K bytes,
+        # and the square blocks' scales transpose with them
+        bt, sb = bt.contiguous(), sb.contiguous()
     if _hopper(a) and torch.float8_e4m3fn in (a.dtype, bt.dtype):  # cuBLAS has no e5m2 x e5m2
         out = _scaled_mm(a, sa, bt, sb, tile_b, out_dtype)
         if out is not None:
             return out
     if runs_triton(a) and (not a.is_cuda or _fp8_units(a)):
-        if a.is_cuda and not bt.is_contiguous():  # an input gradient's transposed weight: a strided read
-            # of B in the kernel costs ~5x the product (seen on an H200: 1.5 ms at 4096^3); a
-            # copy of its codes costs one pass over N x K bytes, and the square blocks' scales
-            # transpose with them
-            bt, sb = bt.contiguous(), sb.contiguous()
         return fp8_mm_triton(a, sa, bt, sb, tile_b, out_dtype)
     return fp8_mm_reference(a, sa, bt, sb, tile_b, out_dtype)
 

@@ -63,10 +63,7 @@ def test_triton_path_of_a_whole_model_equals_its_pytorch_path(request):
     fused = _loss_and_grads(model, loss, {k: v.to(device) for k, v in batch.items()})
     assert fused[1].keys() == plain[1].keys()
     if device.type == "cpu":  # the same products in float32: equal up to summation order
-        torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
-        for name, g in fused[1].items():
-            torch.testing.assert_close(g, plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),
-                                       msg=lambda m, name=name: f"{name}: {m}")
+        _equal_up_to_summation_order(fused, plain)
         return
     # A GPU: its FP8 tensor cores add each 128-wide block of products with about 14 bits
     # (tests/kernels/test_fp8_linear.py, ``_close``), and a difference that small flips the
@@ -83,6 +80,11 @@ def test_triton_path_of_a_whole_model_equals_its_pytorch_path(request):
     plain = _loss_and_grads(*_converted(reference, KernelsConfig(triton=True)), batch)
     model, loss = _converted(reference, KernelsConfig(triton=True))
     fused = _loss_and_grads(model.to(device), loss, {k: v.to(device) for k, v in batch.items()})
+    _equal_up_to_summation_order(fused, plain)
+
+
+def _equal_up_to_summation_order(fused, plain):
+    """(loss, gradients) of a model through its Triton kernels against its PyTorch paths."""
     torch.testing.assert_close(fused[0].cpu(), plain[0], rtol=1e-5, atol=1e-6)
     for name, g in fused[1].items():
         torch.testing.assert_close(g.cpu(), plain[1][name], rtol=1e-4, atol=1e-5 * float(plain[1][name].abs().max()),

@@ -1,7 +1,8 @@
 """FP8 products: the Triton block-scaled GEMMs (dense and grouped; compiled on a GPU where
-there is one, else in the interpreter) equal their float32 emulation on the CPU; the FP8 linear and the FP8 expert GEMMs stay within the error
-FP8 implies against float64, forward and backward; their weight gradients defer through
-``WeightGradStore`` and flush to the same values.
+there is one, else in the interpreter) equal their float32 emulation on the CPU; the FP8
+linear and the FP8 expert GEMMs stay within the error FP8 implies against float64, forward
+and backward; their weight gradients defer through ``WeightGradStore`` and flush to the
+same values; cuBLAS's products are kept only where they agree with the kernel.
 
 The bound (``_product_bound``): each operand element is rounded once, to half a step of
 its format at its magnitude (2^-(m+1) relative: e4m3 2^-4, e5m2 2^-3) or, in a tile's
@@ -85,6 +86,9 @@ def _moved(t: torch.Tensor, device) -> torch.Tensor:
     return out.copy_(t)
 
 
+_ON_GPU = torch.cuda.is_available()  # the kernel tests' device (tests/kernels/conftest.py)
+
+
 def _close(got, want):
     """Equal up to float32 summation order (the kernel adds 128-wide partial products). On a
     GPU the FP8 tensor cores add each 128-wide block's products with fewer bits than float32
@@ -96,8 +100,6 @@ def _close(got, want):
     atol = (2**-9 if _ON_GPU else 1e-5) * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0 if _ON_GPU else 1e-5, atol=atol)
 
-
-_ON_GPU = torch.cuda.is_available()  # the kernel tests' device (tests/kernels/conftest.py)
 
 
 def _groups(gen, sizes=(0, 130, 1, 300, 57)):

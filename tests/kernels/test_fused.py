@@ -40,7 +40,8 @@ def test_rms_norm(shape, dtype, gen, device):
     # bf16: the normalized value is rounded to bf16 (as the reference does) where 1/rms may
     # differ in its last float32 bit: one bf16 unit in the last place, 2^-8 relative
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 2**-7)
-    _compare(lambda x, w: fused_rms_norm(x, w, 1e-6), lambda x, w: rms_norm_reference(x, w, 1e-6), [x, w], gen, *tol, device)
+    _compare(lambda x, w: fused_rms_norm(x, w, 1e-6), lambda x, w: rms_norm_reference(x, w, 1e-6), [x, w], gen,
+             *tol, device)
 
 
 @pytest.mark.parametrize("shape,dtype", [((33, 1023), torch.float32), ((4, 5, 777), torch.bfloat16)])
