@@ -4,7 +4,7 @@ ChEMBL, PubChem and vendor catalogues ship structures as SD files (often gzipped
 GB) with labels as SD properties. Two halves, so the expensive half runs in parallel:
 
 - ``read_sd_records`` (the reader, in the driver): splits the byte stream at ``$$$$``
-  lines in large blocks (a regex over each block, no per-line Python loop), keeping each
+  lines (LF, CRLF, or a lone CR throughout, as classic Mac OS wrote them) in large blocks (a regex over each block, no per-line Python loop), keeping each
   record's first line and number. It never parses chemistry. A record larger than
   ``MAX_RECORD_BYTES`` (a file that is not SDF, or a record without its ``$$$$``) is
   skipped up to the next ``$$$$`` without being held, so memory stays bounded by the chunk
@@ -55,6 +55,7 @@ def read_sd_records(fh):
     # several, and a cut-short archive's EOFError then throws away everything it gathered.
     read = getattr(fh, "read1", fh.read)
     ended = False
+    cr_only = None  # lines ended by a lone CR (classic Mac OS files): read as LF, decided on the first bytes
     while not ended:
         try:
             block = read(_BLOCK)
@@ -62,6 +63,14 @@ def read_sd_records(fh):
             if buf.strip() or skipping is not None:
                 yield (line if skipping is None else skipping), number + 1, None, "truncated_input"
             raise
+        if cr_only is None:  # undecided while no LF and no CR before the last byte has come
+            if b"\n" in block:
+                cr_only = False
+            elif b"\r" in (buf + block).rstrip(b"\r"):
+                cr_only = True
+                buf = buf.replace(b"\r", b"\n")  # no record came out of it yet: no LF in it
+        if cr_only:
+            block = block.replace(b"\r", b"\n")
         if not block:
             ended = True
             if not buf or buf.endswith(b"\n"):
@@ -165,8 +174,12 @@ class SDRecordParser:
             return None
         try:
             value = mol.GetProp(name)
-        except (UnicodeDecodeError, RuntimeError):  # bytes that are not UTF-8 in a property value
-            return "\udcff"  # not a number, not a clean id: refused as the CSV path refuses such bytes
+        except UnicodeDecodeError as exc:  # bytes that are not UTF-8 in a property value: kept as
+            # lone surrogates (the CSV path's surrogateescape), so the row is refused as non_utf8
+            # and the report spells the bytes
+            value = bytes(exc.object).decode("utf-8", "surrogateescape")
+        except RuntimeError:
+            return "\udcff"
         return value if value.strip() else None
 
     def _classify(self, data: bytes, first_line: int) -> tuple[str, str]:

@@ -67,7 +67,7 @@ class Stats:
             self.truncated.append(source)
         ex = self.examples.setdefault(reason, [])
         if len(ex) < _EXAMPLES_PER_REASON:
-            ex.append((source, raw if raw is None else _clip(str(raw))))
+            ex.append((source, raw if raw is None else _clip(_printable(str(raw)))))
 
     def merge(self, other: "Stats"):
         self.rows_in += other.rows_in
@@ -77,6 +77,25 @@ class Stats:
         for reason, ex in other.examples.items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: _EXAMPLES_PER_REASON - len(mine)])
+
+
+def _printable(text: str) -> str:
+    """An example as the report can write it: bytes that were not UTF-8 (lone surrogates from
+    ``surrogateescape``, RDKit's undecodable SD values) spelled as escapes."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape" if _escapable(text) else "backslashreplace").decode(
+            "utf-8", "backslashreplace")
+
+
+def _escapable(text: str) -> bool:
+    try:
+        text.encode("utf-8", "surrogateescape")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _clip(text: str, limit: int = 100) -> str:
@@ -159,7 +178,9 @@ class MapStage:
                 if isinstance(parsed, str):
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
                     continue
-                if cid is not None and not is_clean(cid):
+                if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
+                    # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
+                    # refuses such a row (not as a bad label)
                     stats.reject("non_utf8", source, self._sd().title(parsed))
                     continue
             labels = None

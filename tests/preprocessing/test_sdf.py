@@ -17,7 +17,8 @@ import pytest
 
 from molds.preprocessing.readers import InputError
 
-from .conftest import run_etl, sd_record as _record
+from .conftest import run_etl, sd_record
+from .conftest import sd_record as _record
 
 
 def _rows(out: str, manifest: dict) -> list[dict]:
@@ -210,3 +211,61 @@ def test_a_mol_file_and_v3000_are_one_record_each(tmp_path):
     rows = {r["canonical_smiles"] for s in m["splits"]["train"]
             for r in pq.read_table(os.path.join(tmp_path / "out", s["uri"])).to_pylist()}
     assert rows == {Chem.MolToSmiles(mol), "Oc1ccccc1"}  # stereo from the molblock's wedges kept
+
+
+def test_bytes_that_are_not_utf8_refuse_the_record_as_the_csv_path_does(tmp_path):
+    """A Latin-1 byte in an id tag or a label tag refuses that record as ``non_utf8`` (the
+    CSV path's reason, not ``bad_label``); one in the title line alone does not matter
+    unless the title is the id. The report spells the bytes, and every other record is
+    kept."""
+    records = [
+        sd_record("CCO", "ok-1", {"ID": "A1", "pIC50": "5.0"}),
+        sd_record("CCN", "ok-2", {"ID": "A\xb52", "pIC50": "5.0"}),     # id tag not UTF-8
+        sd_record("CCC", "ok-3", {"ID": "A3", "pIC50": "5\xb0"}),       # label tag not UTF-8
+        sd_record("CCCl", "caf\xe9", {"ID": "A4", "pIC50": "6.0"}),     # title line not UTF-8
+        sd_record("c1ccccc1", "ok-5", {"ID": "A5", "pIC50": "7.0"}),
+    ]
+    path = tmp_path / "latin1.sdf"
+    path.write_bytes("".join(records).encode("latin-1"))
+    m = run_etl(str(tmp_path / "tags"), [str(path)], id_column="ID", label_columns=["pIC50"],
+                split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"non_utf8": 2}
+    ids = {r["compound_id"] for r in _rows(str(tmp_path / "tags"), m)}
+    assert ids == {"A1", "A4", "A5"}
+    examples = dict(json.load(open(tmp_path / "tags" / "report.json"))["rejected_examples"]["non_utf8"])
+    assert sorted(examples.values()) == ["ok-2", "ok-3"]
+    assert "ok-2" in open(tmp_path / "tags" / "report.md").read()
+
+    m = run_etl(str(tmp_path / "title"), [str(path)], id_column="_Name", split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"non_utf8": 1}  # the Latin-1 title as the id
+    examples = dict(json.load(open(tmp_path / "title" / "report.json"))["rejected_examples"]["non_utf8"])
+    assert list(examples.values()) == ["caf\\xe9"]  # the byte itself, escaped
+
+
+def test_lone_cr_line_ends_read_like_lf(hostile_sdf, tmp_path):
+    """A file written with classic Mac OS line ends (a lone CR) gives the records of the
+    same file with LF ends, at every block boundary of the reader."""
+    paths, _, _ = hostile_sdf
+    records = [sd_record(s, f"m{i}", {"pIC50": str(i)}) for i, s in enumerate(["CCO", "c1ccccc1O", "CC(=O)N", "CCS"])]
+    lf, cr = tmp_path / "lf.sdf", tmp_path / "cr.sdf"
+    lf.write_text("".join(records))
+    cr.write_bytes("".join(records).replace("\n", "\r").encode())
+    got = {}
+    for p in (lf, cr):
+        m = run_etl(str(tmp_path / p.stem), [str(p)], id_column="_Name", label_columns=["pIC50"],
+                    split_fractions=[1.0, 0.0, 0.0])
+        assert m["stats"]["rejected"] == {}, p
+        got[p.stem] = sorted((r["compound_id"], r["canonical_smiles"], r["labels"][0])
+                             for r in _rows(str(tmp_path / p.stem), m))
+    assert got["cr"] == got["lf"] and len(got["lf"]) == 4
+
+
+@pytest.mark.parametrize("block", [1, 3, 5, 64])
+def test_lone_cr_splitting_at_small_blocks(monkeypatch, block):
+    from molds.preprocessing import sdf
+
+    text = "".join(sd_record(s, f"m{i}", {}) for i, s in enumerate(["CCO", "CCN", "CCC"]))
+    monkeypatch.setattr(sdf, "_BLOCK", block)
+    lf = [(line, n, data) for line, n, data, _ in sdf.read_sd_records(io.BytesIO(text.encode()))]
+    cr = [(line, n, data) for line, n, data, _ in sdf.read_sd_records(io.BytesIO(text.replace("\n", "\r").encode()))]
+    assert cr == lf and len(lf) == 3
