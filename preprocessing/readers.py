@@ -133,10 +133,19 @@ def _open_binary(path: str):
     return fsspec.open(path, "rb", compression="infer").open()
 
 
+_TEXT_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+              (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+
 def _open_text(path: str):
-    # surrogateescape keeps undecodable bytes as lone surrogates: the row is then
-    # rejected as non_utf8 instead of the whole file failing.
-    return io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig", errors="surrogateescape", newline="")
+    """UTF-8 (with or without a BOM), or UTF-16 / UTF-32 when the file starts with their BOM
+    (Excel's "Unicode text" export is UTF-16 with tabs). surrogateescape keeps undecodable
+    bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
+    failing."""
+    with _open_binary(path) as fh:
+        head = fh.read(4)
+    encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), "utf-8-sig")
+    return io.TextIOWrapper(_open_binary(path), encoding=encoding, errors="surrogateescape", newline="")
 
 
 def is_clean(text: str) -> bool:
@@ -155,7 +164,15 @@ def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
     folded = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
     if len(folded) == 1:
         return folded[0]
-    raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}")
+    hint = ""
+    if len(names) == 1:  # a single column: the file is likely split by another character
+        for sep, how in ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "--input_format tsv"),
+                         (",", "--input_format csv")):
+            cells = [c.strip().lower() for c in names[0].split(sep)]
+            if len(cells) > 1 and wanted.strip().lower() in cells:
+                hint = f" (its header is split by {sep!r}: pass {how})"
+                break
+    raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}{hint}")
 
 
 def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "smiles"):

@@ -103,6 +103,29 @@ def test_missing_column_names_file_and_columns(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be-bom", "utf-32", "utf-8-sig"])
+def test_unicode_exports_with_a_bom_read_as_utf8(tmp_path, reference, encoding):
+    """Excel's "Unicode text" export (UTF-16 with its BOM, tabs), and UTF-32 or UTF-8 with a
+    BOM, give the molecules of the plain UTF-8 file; a gzipped one too."""
+    text = "name\tsmiles\n" + "".join(f"m{i}\t{s}\n" for i, s in enumerate(SMILES))
+    data = b"\xfe\xff" + text.encode("utf-16-be") if encoding == "utf-16-be-bom" else text.encode(encoding)
+    (tmp_path / "u.tsv").write_bytes(data)
+    with gzip.open(tmp_path / "v.tsv.gz", "wb") as fh:
+        fh.write(data)
+    for name in ("u.tsv", "v.tsv.gz"):
+        m = run_etl(str(tmp_path / f"out-{name}"), [str(tmp_path / name)])
+        assert m["stats"]["rejected"] == {} and m["stats"]["rows_in"] == len(SMILES), name
+        _same_content(str(tmp_path / f"out-{name}"), m, reference)
+
+
+def test_a_header_split_by_another_character_says_which(tmp_path):
+    (tmp_path / "semi.csv").write_text("id;SMILES\n1;CCO\n")
+    with pytest.raises(InputError, match=r"semi.csv: no SMILES column 'smiles'.*split by ';': pass --delimiter ';'"):
+        run_etl(str(tmp_path / "out"), [str(tmp_path / "semi.csv")])
+    m = run_etl(str(tmp_path / "out"), [str(tmp_path / "semi.csv")], delimiter=";", split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rows_out"] == 1
+
+
 def test_unreadable_file_leaves_no_output_and_accounts_for_what_was_read(tmp_path):
     import json
 
