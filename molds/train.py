@@ -533,6 +533,7 @@ def _start_summary(run: Run, parameters: int) -> None:
     if warning:
         notes.append(warning)
     notes.append(_elastic_store_warning())
+    notes.append(_warmup_warning(recipe, run.plan.horizon))
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
     if run.loader.randomized_note:
@@ -540,6 +541,23 @@ def _start_summary(run: Run, parameters: int) -> None:
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)
+
+
+def _warmup_warning(recipe, horizon) -> str | None:
+    """A warm-up as long as the run (a step-count run: a budget's warm-up is a fraction): the
+    learning rate never reaches ``optim.lr``. Said, not refused: short test runs of a recipe
+    (``--trainer.max_steps 5``) do this on purpose."""
+    from molds.engines.optim import warmup_steps
+
+    if horizon.timed:
+        return None
+    warm = warmup_steps(recipe.optim, horizon.max_steps)
+    if warm < horizon.max_steps:
+        return None
+    return (f"the warm-up ({warm} steps: optim.warmup_steps{'' if recipe.optim.warmup_steps is not None else ' unset'})"
+            f" is as long as the run (trainer.max_steps={horizon.max_steps}): the learning rate only rises, to "
+            f"{recipe.optim.lr * horizon.max_steps / max(warm, 1):.3g} at the last step (optim.lr="
+            f"{recipe.optim.lr:g}), and never decays")
 
 
 def _elastic_store_warning() -> str | None:
