@@ -10,6 +10,7 @@ from molds import __version__
 from molds.data.manifest import FORMAT_VERSION, vocab_hash
 
 from molds.chem import REJECT_REASONS
+from .sdf import LEADING_BLANK_LINES
 from .split import SPLITS
 
 
@@ -82,7 +83,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
     }
     if representation and representation.get("name", "smiles") != "smiles":  # SMILES manifests keep their keys
         manifest["representation"] = representation
-        manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
+        manifest["stats"]["representation"] = {k: v for k, v in sorted(stats.notes.items()) if k != LEADING_BLANK_LINES}
         manifest["columns"].insert(manifest["columns"].index("canonical_smiles") + 1, "text")
     if cfg.randomized_variants:
         from rdkit import rdBase
@@ -95,6 +96,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "rule": "a spelling RDKit or the vocabulary cannot take is stored as an empty list and read canonical",
         }
         manifest["columns"].insert(manifest["columns"].index("token_length") + 1, "randomized_token_ids")
+    if stats.notes.get(LEADING_BLANK_LINES):  # SD records read after dropping blank lines before their header
+        manifest["stats"][LEADING_BLANK_LINES] = int(stats.notes[LEADING_BLANK_LINES])
     if stats.truncated:  # --on_truncated keep: where each cut-short input was cut
         manifest["stats"]["truncated_inputs"] = list(stats.truncated)
     accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())
@@ -127,7 +130,9 @@ def _report(m, stats, finals, timings, cfg) -> str:
         f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
         f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}",
         *[f"- **cut short** (compressed input ends early; read up to here, the rest is lost): `{where}`"
-          for where in s.get("truncated_inputs", [])], "",
+          for where in s.get("truncated_inputs", [])],
+        *([f"- SD records with blank lines before their header, read without them: {s[LEADING_BLANK_LINES]:,}"]
+          if s.get(LEADING_BLANK_LINES) else []), "",
         "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |", "|---|---|---|---|---|---|",
     ]
     for name in SPLITS:

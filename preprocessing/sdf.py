@@ -38,7 +38,8 @@ _BLOCK = 1 << 20
 # scans ``b"\n" + buf``, so a separator on the buffer's first line is found too.
 _END = re.compile(rb"\n\$\$\$\$[ \t\r]*(?=\n)")
 _TAG = re.compile(rb"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
-_RDKIT_LINE = re.compile(r" on line (\d+)")
+_RDKIT_LINE = re.compile(r" on line ?(\d+)")  # RDKit writes both "on line 7" and "on line7"
+LEADING_BLANK_LINES = "sdf_leading_blank_lines"  # a count in the manifest: records read after dropping them
 
 
 def read_sd_records(fh):
@@ -123,7 +124,8 @@ class SDRecordParser:
     """SD records (bytes) to ``(mol or reason, message, id, raw label values)`` each.
 
     ``message`` is RDKit's own complaint for a refused record (its line made absolute),
-    else None (``title`` gives the title line); ``id`` is the id tag's value (or the title
+    else None, or ``LEADING_BLANK_LINES`` for a record read after dropping blank lines
+    before its header (``title`` gives the title line); ``id`` is the id tag's value (or the title
     for ``_Name``), ``None`` when absent or empty; label values are the tags' strings, ``None`` when the record lacks one
     (missing, as in the CSV path).
     """
@@ -155,11 +157,17 @@ class SDRecordParser:
             mols = [next(iter(self._read(r)), None) for r in records]
         out = []
         for data, line, mol in zip(records, first_lines, mols):
+            note = None
+            if mol is None:
+                shifted = _without_leading_blank_lines(data)
+                if shifted is not None:
+                    mol = next(iter(self._read(shifted)), None)
+                    note = LEADING_BLANK_LINES if mol is not None else None
             if mol is None:
                 reason, message = self._classify(data, line)
                 out.append((reason, message, None, None))
             else:
-                out.append((mol, None, self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]))
+                out.append((mol, note, self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]))
         return out
 
     def title(self, mol) -> str:
@@ -201,6 +209,23 @@ class SDRecordParser:
             except Exception:  # noqa: BLE001
                 return "sanitize_error", _message(capture.messages, first_line)
         return "sanitize_error", _message(capture.messages, first_line)
+
+
+def _without_leading_blank_lines(data: bytes) -> bytes | None:
+    """A record with blank lines before its three header lines (writers that put an empty
+    line after each ``$$$$``), without them; None when it has none, or when dropping them
+    does not put a V2000 / V3000 counts line on line 4. Only a record RDKit refused is
+    tried: a blank title line on its own is valid and read as it is."""
+    if not data.startswith((b"\n", b"\r\n")):
+        return None
+    lines = data.split(b"\n", 64)
+    for i in range(4, min(len(lines), 64)):
+        if lines[i].rstrip().endswith((b"V2000", b"V3000")):
+            k = i - 3  # the counts line is the header's fourth line
+            if any(ln.strip() for ln in lines[:k]):
+                return None
+            return b"\n".join(lines[k:])
+    return None
 
 
 def _message(log: str, first_line: int) -> str:

@@ -178,6 +178,8 @@ class MapStage:
                 if isinstance(parsed, str):
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
                     continue
+                if title is not None:  # read after a repair (blank lines before the header): counted
+                    stats.notes[title] += 1
                 if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
                     # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
                     # refuses such a row (not as a bad label)

@@ -269,3 +269,32 @@ def test_lone_cr_splitting_at_small_blocks(monkeypatch, block):
     lf = [(line, n, data) for line, n, data, _ in sdf.read_sd_records(io.BytesIO(text.encode()))]
     cr = [(line, n, data) for line, n, data, _ in sdf.read_sd_records(io.BytesIO(text.replace("\n", "\r").encode()))]
     assert cr == lf and len(lf) == 3
+
+
+def test_blank_lines_between_records_keep_every_record_and_are_counted(tmp_path):
+    """Writers that put an empty line after each ``$$$$`` shift the next header by a line;
+    those records are read without the blank lines (counted), while a record whose title
+    line is blank on purpose reads as it is, and one still broken after the repair is
+    refused with RDKit's message on the file's own line."""
+    a = sd_record("CCO", "m1", {"ID": "A1", "pIC50": "5"})
+    b = sd_record("CCN", "m2", {"ID": "A2", "pIC50": "6"})
+    c = sd_record("CCC", "", {"ID": "A3", "pIC50": "7"})  # a blank title, valid as it is
+    d = sd_record("CCCl", "m4", {"ID": "A4", "pIC50": "8"})
+    broken = sd_record("CCBr", "m5", {"ID": "A5"}).split("\n")
+    broken[3] = "  x"  # the counts line
+    path = tmp_path / "gaps.sdf"
+    path.write_text(a + "\n" + b + "\n\n" + c + d + "\n" + "\n".join(broken))
+    out = tmp_path / "out"
+    m = run_etl(str(out), [str(path)], id_column="ID", label_columns=["pIC50"], split_fractions=[1.0, 0.0, 0.0])
+    got = {r["compound_id"]: (r["canonical_smiles"], r["labels"][0]) for r in _rows(str(out), m)}
+    assert got == {"A1": ("CCO", 5.0), "A2": ("CCN", 6.0), "A3": ("CCC", 7.0), "A4": ("CCCl", 8.0)}
+    assert m["stats"]["sdf_leading_blank_lines"] == 2  # b and d; c's blank title is no repair
+    assert m["stats"]["rejected"] == {"sdf_parse_error": 1}
+    assert "read without them: 2" in open(out / "report.md").read()
+    (source, message), = json.load(open(out / "report.json"))["rejected_examples"]["sdf_parse_error"]
+    text = path.read_text()
+    first = text[: text.index("m5")].count("\n") + 1  # the blank line before m5's title opens its record
+    assert source == f"{path}:{first - 1} (record 5)", source
+    # no V2000 counts line to realign on: RDKit's read as it is, its line 4 (the comment line,
+    # blank) named in the file's numbering
+    assert f"Counts line too short: '' on line {first + 2}" in message, message
