@@ -96,7 +96,7 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     from molds.cli.sample import main as sample_main
 
     for name in ("a.smi", "b.smi"):
-        assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / name)]) == 0
+        assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / f"ev-{name}")]) == 0
     lines = open(tmp_path / "a.smi").read().splitlines()
     assert len(lines) == 40 and lines == open(tmp_path / "b.smi").read().splitlines()
 
@@ -153,7 +153,7 @@ def test_a_sample_holding_a_special_token_is_no_smiles(dataset):
         "CC(=O)O", None, None, None]
 
 
-def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path):
+def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path, capsys):
     import pyarrow.parquet as pq
 
     from molds.data.manifest import Manifest
@@ -168,3 +168,20 @@ def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path):
     assert rep["metrics"]["samples"] == 5 and rep["metrics"]["valid"] == 2
     assert rep["metrics"]["novelty"] == 0.5
     assert "other.smi" in open(tmp_path / "ev" / "eval.md").read()
+
+    # the same samples as MOSES's scripts write them (a CSV with a SMILES column, gzipped or
+    # not) and as a TSV: the same figures, the empty cell a failed sample
+    import gzip
+
+    rows = [known, "CC O", "", "OCC(F)(F)F", "C1CC"]
+    (tmp_path / "other.csv").write_text("id,SMILES\n" + "".join(f'{i},"{r}"\n' for i, r in enumerate(rows)))
+    with gzip.open(tmp_path / "other.csv.gz", "wt") as fh:
+        fh.write((tmp_path / "other.csv").read_text())
+    (tmp_path / "other.tsv").write_text("smiles\tx\n" + "".join(f"{r}\t1\n" for r in rows))
+    for name in ("other.csv", "other.csv.gz", "other.tsv"):
+        assert eval_main(["--samples", str(tmp_path / name), "--manifest", dataset, "--out", str(tmp_path / f"ev-{name}")]) == 0
+        again = json.load(open(tmp_path / f"ev-{name}" / "eval.json"))["metrics"]
+        assert {k: again[k] for k in ("samples", "valid", "novelty")} == {"samples": 5, "valid": 2, "novelty": 0.5}, name
+    (tmp_path / "bad.csv").write_text("id,smi\n1,CCO\n")
+    assert eval_main(["--samples", str(tmp_path / "bad.csv"), "--manifest", dataset, "--out", str(tmp_path / "b")]) != 0
+    assert "bad.csv: a csv file of samples needs a SMILES column; its header is ['id', 'smi']" in capsys.readouterr().err

@@ -47,6 +47,40 @@ def read_smiles_file(path: str) -> list[str]:
         raise MoldsError(f"{path}: cannot read SMILES ({exc})") from exc
 
 
+def read_samples_file(path: str) -> list:
+    """Samples, one per line (an empty line: a sample that failed, None), gzipped or not; a
+    ``.csv`` / ``.tsv`` file (what MOSES's scripts and many tools write) by its header's
+    SMILES column, an empty cell a failed sample. Every line or row is a sample: none is
+    dropped, so validity counts the failures."""
+    import csv
+    import gzip
+
+    plain = path[:-3] if path.endswith(".gz") else path
+    opener = gzip.open if plain != path else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as fh:
+            if plain.lower().endswith((".csv", ".tsv")):
+                rows = csv.reader(fh, delimiter="\t" if plain.lower().endswith(".tsv") else ",")
+                header = next(rows, None)
+                if header is None:
+                    raise MoldsError(f"{path}: no samples")
+                names = [h.strip().lower() for h in header]
+                if "smiles" not in names:
+                    raise MoldsError(f"{path}: a {plain.rsplit('.', 1)[-1]} file of samples needs a SMILES column; "
+                                     f"its header is {header}")
+                col = names.index("smiles")
+                lines = [(r[col].strip() or None) if len(r) > col else None for r in rows if r]
+            else:
+                lines = [line.strip() or None for line in fh]
+    except UnicodeDecodeError as exc:
+        raise MoldsError(f"{path}: not UTF-8 text ({exc})") from exc
+    except (OSError, EOFError) as exc:
+        raise MoldsError(f"{path}: cannot read samples ({exc})") from exc
+    if not lines:
+        raise MoldsError(f"{path}: no samples")
+    return lines
+
+
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
@@ -128,13 +162,7 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
     from ..metrics.generation import generation_metrics
     from ..representation import of_manifest
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = [line.strip() or None for line in fh]
-    except UnicodeDecodeError as exc:
-        raise MoldsError(f"{path}: not UTF-8 text ({exc})") from exc
-    if not lines:
-        raise MoldsError(f"{path}: no samples")
+    lines = read_samples_file(path)
     m = Manifest.load(manifest_dir)
     smiles = lines
     if conformers:
