@@ -131,6 +131,33 @@ def test_fcd_is_computed_offline_and_ranks_sets():
     assert fcd_score(near, ref) < fcd_score(far, ref)
 
 
+def test_fcd_leaves_out_a_canonical_smiles_that_does_not_read_back(capsys):
+    """RDKit writes some aromatic systems as canonical SMILES it cannot read again; fcd_torch
+    raised on the first such sample and no FCD came out at all. It is left out, counted."""
+    import numpy as np
+    from rdkit import Chem
+
+    from molds.metrics.generation import chemnet_stats, fcd_score
+
+    sample = "CCCs1C(=O)NC(=O)c2nc(C(C)(C)C)cc2c1"  # a model's sample: RDKit reads it...
+    canonical = Chem.MolToSmiles(Chem.MolFromSmiles(sample))
+    assert Chem.MolFromSmiles(canonical) is None  # ...and cannot read its own canonical form
+    good = ["CCO", "CCN", "CCC", "CCOC", "CC(C)O", "CCCN", "OCCO", "CC(=O)O"]
+    with_it = chemnet_stats(good + [canonical])
+    assert "1 of 9 SMILES left out" in capsys.readouterr().err
+    alone = chemnet_stats(good)
+    assert np.array_equal(with_it["mu"], alone["mu"]) and np.array_equal(with_it["sigma"], alone["sigma"])
+    assert fcd_score(good + [canonical], good * 2) is not None
+
+
+def test_a_report_shows_descriptions_beside_figures():
+    from molds.eval.report import markdown
+
+    text = markdown({"samples_file": "s.smi", "split": "test", "manifest": "m", "metrics": {
+        "fcd": 1.5, "fcd_reference": "test (2000 molecules)", "valid": 3, "x": None}})
+    assert "| fcd_reference | test (2000 molecules) |" in text and "| x | n/a |" in text
+
+
 def test_moses_similarities_against_rdkit_by_hand():
     """SNN, Frag and Scaf as MOSES defines them, checked against RDKit calls made here."""
     from collections import Counter

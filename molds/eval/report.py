@@ -9,6 +9,8 @@ import os
 def _fmt(v) -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, str):  # a description beside the figures (fcd_reference: "test (2000 molecules)")
+        return v
     return f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.4f}"
 
 

@@ -158,9 +158,21 @@ def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
     """The mean and covariance of ChemNet's activations over ``smiles``, taken chunk by
     chunk (fcd_torch holds a whole list's activations and encodings at once: 158k
     molecules, a MOSES test split, went past 16 GB)."""
+    import sys
+
     import numpy as np
     from fcd_torch import FCD
+    from rdkit import Chem, RDLogger
 
+    # fcd_torch parses each SMILES again and raises on one RDKit cannot read, ending the whole
+    # FCD: a canonical SMILES RDKit wrote need not read back (an aromatic system it cannot
+    # kekulize from its own output). Those are left out, counted on stderr.
+    RDLogger.DisableLog("rdApp.*")
+    readable = [s for s in smiles if s and Chem.MolFromSmiles(s) is not None]
+    if len(readable) < len(smiles):
+        print(f"[molds] FCD: {len(smiles) - len(readable)} of {len(smiles)} SMILES left out: RDKit cannot read "
+              f"them back (canonical SMILES that do not round-trip)", file=sys.stderr)
+    smiles = readable
     fcd = FCD(device="cpu", n_jobs=1, batch_size=512)
     n, first, second = 0, None, None
     for start in range(0, len(smiles), chunk):
