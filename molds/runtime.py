@@ -17,6 +17,23 @@ def leave_process_group(dist=None) -> None:
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups it made (its clone of the world, data / expert / model
+    parallel groups, the ``mpu``) in module globals, and a later engine in the same process
+    (``molds-eval --recipe`` trains one per seed) would use them after their process group
+    is gone ("Group ... is not registered"). They are dropped with the group."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper() and "GROUP" in name:
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mpu = None
 
 
 def seed_rank(seed: int, rank: int) -> None:
