@@ -64,11 +64,20 @@ def strip_debug(argv: list[str]) -> list[str]:
     return [a for a in argv if a != "--debug"]
 
 
+SHARED_ERROR_GRACE_S = 5.0  # how long a rank other than 0 waits for rank 0 to report a shared error
+
+
 def report(prog: str, exc: BaseException) -> None:
     """One line on stderr, from the rank that should say it."""
     shared = getattr(exc, "shared", True)
     r = rank()
     if shared and r != 0:
+        # rank 0 says it. Leaving at once would let the launcher (torchrun, deepspeed) stop
+        # rank 0 before it has said it, as it stops every rank once one has failed: the user
+        # would see no error at all. So wait a little; rank 0's exit ends this rank anyway.
+        import time
+
+        time.sleep(SHARED_ERROR_GRACE_S)
         return
     where = f" [rank {r}]" if not shared and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     text = " ".join(str(exc).split()) if isinstance(exc, OSError) else str(exc).strip()
