@@ -27,58 +27,51 @@ def moses_reference(manifest, split: str, reference_file: str | None = None):
     return ReferenceSet(reference_smiles(manifest, split, limit=1 << 30))
 
 
-def read_smiles_file(path: str) -> list[str]:
+def _smiles_cells(path: str, what: str, *, need_column: bool) -> tuple[bool, list[str]]:
+    """The cells of a SMILES file, gzipped or not (MOSES ships test.csv.gz): a ``.csv`` /
+    ``.tsv`` by its header's SMILES column (else its first column, or refused with
+    ``need_column``), any other file by its lines; each cell stripped, an empty one ''.
+    Returns (whether it was a table, the cells)."""
     import csv
     import gzip
 
-    plain = path[:-3] if path.endswith(".gz") else path  # MOSES ships test.csv.gz / test_scaffolds.csv.gz
-    opener = gzip.open if plain != path else open
+    plain = (path[:-3] if path.endswith(".gz") else path).lower()
+    opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8", newline="") as fh:
-            if plain.endswith(".csv"):
-                rows = list(csv.reader(fh))
-                if not rows:
-                    raise MoldsError(f"{path}: empty")
-                header = [h.strip().lower() for h in rows[0]]
-                col = header.index("smiles") if "smiles" in header else 0
-                return [r[col].strip() for r in rows[1:] if len(r) > col and r[col].strip()]
-            return [line.split()[0] for line in fh if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise MoldsError(f"{path}: cannot read SMILES ({exc})") from exc
-
-
-def read_samples_file(path: str) -> list:
-    """Samples, one per line (an empty line: a sample that failed, None), gzipped or not; a
-    ``.csv`` / ``.tsv`` file (what MOSES's scripts and many tools write) by its header's
-    SMILES column, an empty cell a failed sample. Every line or row is a sample: none is
-    dropped, so validity counts the failures."""
-    import csv
-    import gzip
-
-    plain = path[:-3] if path.endswith(".gz") else path
-    opener = gzip.open if plain != path else open
-    try:
-        with opener(path, "rt", encoding="utf-8", newline="") as fh:
-            if plain.lower().endswith((".csv", ".tsv")):
-                rows = csv.reader(fh, delimiter="\t" if plain.lower().endswith(".tsv") else ",")
-                header = next(rows, None)
-                if header is None:
-                    raise MoldsError(f"{path}: no samples")
-                names = [h.strip().lower() for h in header]
-                if "smiles" not in names:
-                    raise MoldsError(f"{path}: a {plain.rsplit('.', 1)[-1]} file of samples needs a SMILES column; "
-                                     f"its header is {header}")
-                col = names.index("smiles")
-                lines = [(r[col].strip() or None) if len(r) > col else None for r in rows if r]
-            else:
-                lines = [line.strip() or None for line in fh]
+            if not plain.endswith((".csv", ".tsv")):
+                return False, [line.strip() for line in fh]
+            rows = csv.reader(fh, delimiter="\t" if plain.endswith(".tsv") else ",")
+            header = next(rows, None)
+            if header is None:
+                raise MoldsError(f"{path}: no {what}")
+            names = [h.strip().lower() for h in header]
+            if "smiles" not in names and need_column:
+                raise MoldsError(f"{path}: a {plain.rsplit('.', 1)[-1]} file of {what} needs a SMILES column; "
+                                 f"its header is {header}")
+            col = names.index("smiles") if "smiles" in names else 0
+            return True, [r[col].strip() if len(r) > col else "" for r in rows if r]
     except UnicodeDecodeError as exc:
         raise MoldsError(f"{path}: not UTF-8 text ({exc})") from exc
     except (OSError, EOFError) as exc:
-        raise MoldsError(f"{path}: cannot read samples ({exc})") from exc
-    if not lines:
+        raise MoldsError(f"{path}: cannot read {what} ({exc})") from exc
+
+
+def read_smiles_file(path: str) -> list[str]:
+    """A reference set: the SMILES of a CSV column, or the first field of each line of a
+    ``.smi`` (a name may follow); empty rows skipped."""
+    table, cells = _smiles_cells(path, "SMILES", need_column=False)
+    return [c if table else c.split()[0] for c in cells if c]
+
+
+def read_samples_file(path: str) -> list:
+    """Samples, one per line, or a ``.csv`` / ``.tsv`` by its SMILES column (what MOSES's
+    scripts and many tools write). Every line or row is a sample, an empty one a sample that
+    failed (None): none is dropped, so validity counts the failures."""
+    _, cells = _smiles_cells(path, "samples", need_column=True)
+    if not cells:
         raise MoldsError(f"{path}: no samples")
-    return lines
+    return [c or None for c in cells]
 
 
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
