@@ -83,7 +83,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
     }
     if representation and representation.get("name", "smiles") != "smiles":  # SMILES manifests keep their keys
         manifest["representation"] = representation
-        manifest["stats"]["representation"] = {k: v for k, v in sorted(stats.notes.items()) if k != LEADING_BLANK_LINES}
+        manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
         manifest["columns"].insert(manifest["columns"].index("canonical_smiles") + 1, "text")
     if cfg.randomized_variants:
         from rdkit import rdBase
@@ -96,8 +96,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "rule": "a spelling RDKit or the vocabulary cannot take is stored as an empty list and read canonical",
         }
         manifest["columns"].insert(manifest["columns"].index("token_length") + 1, "randomized_token_ids")
-    if stats.notes.get(LEADING_BLANK_LINES):  # SD records read after dropping blank lines before their header
-        manifest["stats"][LEADING_BLANK_LINES] = int(stats.notes[LEADING_BLANK_LINES])
+    if stats.sd_repaired:  # SD records read after dropping blank lines before their header
+        manifest["stats"][LEADING_BLANK_LINES] = stats.sd_repaired
     if stats.truncated:  # --on_truncated keep: where each cut-short input was cut
         manifest["stats"]["truncated_inputs"] = list(stats.truncated)
     accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())

@@ -60,6 +60,7 @@ class Stats:
     examples: dict = field(default_factory=dict)  # reason -> [(source, raw)]
     truncated: list = field(default_factory=list)  # source of every truncated_input row (one per cut file)
     notes: Counter = field(default_factory=Counter)  # counts that are no rejection (safe: single_fragment)
+    sd_repaired: int = 0  # SD records read after dropping blank lines before their header
 
     def reject(self, reason: str, source: str, raw):
         self.rejected[reason] += 1
@@ -74,6 +75,7 @@ class Stats:
         self.rejected.update(other.rejected)
         self.truncated = sorted(self.truncated + other.truncated)
         self.notes.update(other.notes)
+        self.sd_repaired += other.sd_repaired
         for reason, ex in other.examples.items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: _EXAMPLES_PER_REASON - len(mine)])
@@ -81,21 +83,11 @@ class Stats:
 
 def _printable(text: str) -> str:
     """An example as the report can write it: bytes that were not UTF-8 (lone surrogates from
-    ``surrogateescape``, RDKit's undecodable SD values) spelled as escapes."""
+    ``surrogateescape``, RDKit's undecodable SD values) spelled as escapes (``\\xe9``)."""
     try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape" if _escapable(text) else "backslashreplace").decode(
-            "utf-8", "backslashreplace")
-
-
-def _escapable(text: str) -> bool:
-    try:
-        text.encode("utf-8", "surrogateescape")
-        return True
-    except UnicodeEncodeError:
-        return False
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate surrogateescape did not make
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _clip(text: str, limit: int = 100) -> str:
@@ -179,7 +171,7 @@ class MapStage:
                     stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
                     continue
                 if title is not None:  # read after a repair (blank lines before the header): counted
-                    stats.notes[title] += 1
+                    stats.sd_repaired += 1
                 if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
                     # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
                     # refuses such a row (not as a bad label)

@@ -8,7 +8,7 @@ import pytest
 
 from molds.data.manifest import Manifest, manifest_hash
 
-from .conftest import run_etl
+from .conftest import run_etl, sd_record
 
 ray = pytest.importorskip("ray")
 
@@ -42,12 +42,15 @@ def test_ray_engine_reads_sd_files_as_the_local_one_does(local_ray, hostile_sdf,
     blob = gzip.compress(open(paths[0], "rb").read())
     cut = tmp_path / "cut.sdf.gz"
     cut.write_bytes(blob[: len(blob) // 2])
-    inputs = [*paths, str(cut)]
+    gaps = tmp_path / "gaps.sdf"  # an empty line after each $$$$: the second record is read repaired
+    gaps.write_text(sd_record("CCOC", "G1", {"pIC50": "5"}) + "\n" + sd_record("CCSC", "G2", {"pIC50": "6"}))
+    inputs = [*paths, str(cut), str(gaps)]
     options = dict(id_column="_Name", label_columns=["pIC50"], on_truncated="keep")
     local = run_etl(str(tmp_path / "local"), inputs, **options)
     remote = run_etl(str(tmp_path / "ray"), inputs, engine="ray", **options)
     assert manifest_hash(remote) == manifest_hash(local)
     assert remote["splits"] == local["splits"]
+    assert remote["stats"]["sdf_leading_blank_lines"] == local["stats"]["sdf_leading_blank_lines"] == 1
     assert remote["stats"]["rejected"]["truncated_input"] == 1 and remote["stats"]["truncated_inputs"][0].startswith(
         str(cut))
     examples = [json.load(open(tmp_path / name / "report.json"))["rejected_examples"] for name in ("local", "ray")]
