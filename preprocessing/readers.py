@@ -142,10 +142,15 @@ def _open_text(path: str):
     (Excel's "Unicode text" export is UTF-16 with tabs). surrogateescape keeps undecodable
     bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
     failing."""
-    with _open_binary(path) as fh:
-        head = fh.read(4)
+    fh = _open_binary(path)
+    head = fh.read(4)
+    if fh.seekable():  # local, gzip and fsspec remote files: back to the start, no second open
+        fh.seek(0)
+    else:
+        fh.close()
+        fh = _open_binary(path)
     encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), "utf-8-sig")
-    return io.TextIOWrapper(_open_binary(path), encoding=encoding, errors="surrogateescape", newline="")
+    return io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
 
 
 def is_clean(text: str) -> bool:
