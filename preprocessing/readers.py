@@ -137,11 +137,10 @@ _TEXT_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
               (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
 
 
-def _open_text(path: str):
-    """UTF-8 (with or without a BOM), or UTF-16 / UTF-32 when the file starts with their BOM
-    (Excel's "Unicode text" export is UTF-16 with tabs). surrogateescape keeps undecodable
-    bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
-    failing."""
+def _open_at_start(path: str):
+    """``(binary stream at its start, its first 4 bytes)``: the head is read from the stream
+    that is then read (seeked back), not from a second open (a second request for an HTTP
+    input), unless the stream cannot seek."""
     fh = _open_binary(path)
     head = fh.read(4)
     if fh.seekable():  # local, gzip and fsspec remote files: back to the start, no second open
@@ -149,8 +148,53 @@ def _open_text(path: str):
     else:
         fh.close()
         fh = _open_binary(path)
+    return fh, head
+
+
+def _open_text(path: str):
+    """UTF-8 (with or without a BOM), or UTF-16 / UTF-32 when the file starts with their BOM
+    (Excel's "Unicode text" export is UTF-16 with tabs). surrogateescape keeps undecodable
+    bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
+    failing."""
+    fh, head = _open_at_start(path)
     encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), "utf-8-sig")
     return io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
+
+
+class _Utf8Bytes:
+    """A UTF-16 / UTF-32 text stream read as the UTF-8 bytes the SD splitter and RDKit
+    take (undecodable units pass through surrogateescape, so a record that holds them is
+    refused as non_utf8, as in the text path). Line ends are kept as written."""
+
+    def __init__(self, fh, encoding: str):
+        self._text = io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
+
+    def read(self, n: int = -1) -> bytes:
+        return self._text.read(n).encode("utf-8", "surrogateescape")
+
+    read1 = read
+
+    def close(self) -> None:
+        self._text.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_sd(path: str):
+    """An SD file as bytes: a UTF-8 byte-order mark (Windows tools write one) is dropped, so
+    that it does not become part of the first record's title (an id read from ``_Name``);
+    UTF-16 / UTF-32 files (marked by their BOM) are read through as UTF-8."""
+    fh, head = _open_at_start(path)
+    encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), None)
+    if encoding is not None:
+        return _Utf8Bytes(fh, encoding)
+    if head.startswith(b"\xef\xbb\xbf"):
+        fh.read(3)
+    return fh
 
 
 def is_clean(text: str) -> bool:
@@ -358,7 +402,7 @@ def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
     wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels)
     seen: set[str] = set()
     missing = list(wanted)
-    with _open_binary(path) as fh:
+    with _open_sd(path) as fh:
         for chunk in _chunked(file_index, path, read_sd_records(fh), chunk_rows, kind="sdf"):
             if missing:  # scanned only until every requested tag has been seen
                 seen |= sd_tags(chunk.smiles)

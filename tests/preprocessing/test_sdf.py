@@ -260,6 +260,31 @@ def test_lone_cr_line_ends_read_like_lf(hostile_sdf, tmp_path):
     assert got["cr"] == got["lf"] and len(got["lf"]) == 4
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_title(tmp_path):
+    """A UTF-8 BOM (Windows tools) is dropped before the first record, gzipped or not, so the
+    first title read as the id is the title; UTF-16 files (LE and BE, CRLF, non-ASCII
+    property values) give the records of the same file in UTF-8."""
+    records = [sd_record(s, f"m{i}", {"pIC50": str(i), "note": "café"}) for i, s in
+               enumerate(["CCO", "c1ccccc1O", "CC(=O)N"])]
+    text = "".join(records)
+    files = {"plain.sdf": text.encode(), "bom.sdf": b"\xef\xbb\xbf" + text.encode(),
+             "u16le.sdf": text.replace("\n", "\r\n").encode("utf-16"),  # BOM + little-endian
+             "u16be.sdf": b"\xfe\xff" + text.encode("utf-16-be")}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    with gzip.open(tmp_path / "bom.sdf.gz", "wb") as fh:
+        fh.write(files["bom.sdf"])
+    got = {}
+    for name in [*files, "bom.sdf.gz"]:
+        out = tmp_path / ("out-" + name)
+        m = run_etl(str(out), [str(tmp_path / name)], id_column="_Name", label_columns=["pIC50"],
+                    split_fractions=[1.0, 0.0, 0.0])
+        assert m["stats"]["rejected"] == {} and m["stats"]["rows_in"] == 3, name
+        got[name] = sorted((r["compound_id"], r["canonical_smiles"], r["labels"][0]) for r in _rows(str(out), m))
+    assert got["plain.sdf"] == [("m0", "CCO", 0.0), ("m1", "Oc1ccccc1", 1.0), ("m2", "CC(N)=O", 2.0)]
+    assert all(v == got["plain.sdf"] for v in got.values()), got
+
+
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 def test_lone_cr_splitting_at_small_blocks(monkeypatch, block):
     from molds.preprocessing import sdf
