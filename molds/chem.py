@@ -25,7 +25,10 @@ REJECT_REASONS = {
     "too_long": "the SMILES string is longer than max_smiles_length (checked before parsing; for an SD record, "
                 "its canonical SMILES)",
     "too_many_heavy_atoms": "more heavy atoms than max_heavy_atoms (estimated before parsing, exact after)",
-    "parse_error": "RDKit cannot parse the SMILES (syntax, unclosed ring, embedded whitespace)",
+    "parse_error": "RDKit cannot parse the SMILES (syntax, unclosed ring, embedded whitespace that does not open "
+                   "a CXSMILES extension)",
+    "cxsmiles_error": "the SMILES parses but its CXSMILES extension (`SMILES |...|`) does not, by RDKit's strict "
+                      "CXSMILES reader",
     "valence_error": "RDKit parses the SMILES but an atom has an impossible valence",
     "kekulize_error": "RDKit cannot kekulize the aromatic system",
     "sanitize_error": "RDKit sanitization failed for another reason",
@@ -52,6 +55,17 @@ MAX_SMILES_LENGTH_CAP = 20000
 # ([H], [2H], [H+]) but not [Hg]/[He]/[Hf]/[Ho]/[Hs].
 _HEAVY_ATOM_TOKEN = re.compile(r"\[(?!\d*H(?![a-z]))[^\]]*\]|Br|Cl|[BCNOSPFIbcnosp]")
 _WHITESPACE = re.compile(r"\s")
+# ``SMILES |extension|``: ChemAxon's CXSMILES (enhanced stereo, atom labels, radicals,
+# coordinates), as Enamine, PubChem and ChemAxon tools export. The extension holds no whitespace.
+_CXSMILES = re.compile(r"(\S+)[ \t]+(\|[^\s|]*\|)")
+
+
+def split_cxsmiles(text: str) -> tuple[str, str | None, str]:
+    """``(SMILES, CXSMILES extension or None, what follows)`` of a cell or a ``.smi`` line."""
+    m = _CXSMILES.match(text)
+    if m is None:
+        return text, None, ""
+    return m.group(1), m.group(2), text[m.end():].strip()
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,8 @@ class Canonicalizer:
         self._scaffold_of = MurckoScaffold.GetScaffoldForMol
         self._generic = MurckoScaffold.MakeScaffoldGeneric if options.scaffold == "generic" else None
         self._steps = []
+        self._cx = None
+        self.cxsmiles = 0  # molecules read from CXSMILES (``SMILES |extension|``), counted in the manifest
         if options.standardizes:
             from rdkit.Chem.MolStandardize import rdMolStandardize
 
@@ -136,16 +152,40 @@ class Canonicalizer:
         smiles = raw.strip()
         if not smiles:
             return "empty"
+        cx = None
+        if _WHITESPACE.search(smiles):
+            smiles, cx, rest = split_cxsmiles(smiles)
+            if cx is None or rest:
+                return "parse_error"  # RDKit would silently read the text after a space as a name
         if len(smiles) > opts.max_smiles_length:
             return "too_long"
         if len(smiles) > opts.max_heavy_atoms and len(_HEAVY_ATOM_TOKEN.findall(smiles)) > opts.max_heavy_atoms:
             return "too_many_heavy_atoms"
-        if _WHITESPACE.search(smiles):
-            return "parse_error"  # RDKit would silently read the text after a space as a name
-        mol = self._chem.MolFromSmiles(smiles)
+        if cx is None:
+            mol = self._chem.MolFromSmiles(smiles)
+        else:
+            try:
+                mol = self._chem.MolFromSmiles(f"{smiles} {cx}", self._cx_params())
+            except RuntimeError:  # an invariant of RDKit's CXSMILES reader (a malformed data S-group)
+                mol = None
+            if mol is None and self._chem.MolFromSmiles(smiles) is not None:
+                return "cxsmiles_error"
         if mol is None:
             return self._classify_failure(smiles)
-        return self.from_mol(mol)
+        molecule = self.from_mol(mol)
+        if cx is not None and isinstance(molecule, Molecule):
+            self.cxsmiles += 1
+        return molecule
+
+    def _cx_params(self):
+        """RDKit's strict CXSMILES reading: the extension applied to the molecule (radicals,
+        atom labels, enhanced stereo, coordinates); canonical SMILES keep what SMILES spell
+        (stereo centres as drawn, radicals as hydrogen counts), not the labels, the
+        enhanced-stereo groups or the coordinates."""
+        if self._cx is None:
+            self._cx = self._chem.SmilesParserParams()
+            self._cx.allowCXSMILES, self._cx.strictCXSMILES, self._cx.parseName = True, True, False
+        return self._cx
 
     def from_mol(self, mol, check_length: bool = False) -> Molecule | str:
         """The steps after parsing, for a molecule RDKit has already read (an SD record).

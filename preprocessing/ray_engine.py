@@ -129,7 +129,8 @@ class _Canonicalize:
             "spills": [json.dumps([[path, offsets.tolist()] for path, offsets in stage.spills])],
             "stats": [json.dumps({"rows_in": stage.stats.rows_in, "rejected": dict(stage.stats.rejected),
                                   "examples": stage.stats.examples, "truncated": stage.stats.truncated,
-                                  "notes": dict(stage.stats.notes), "sd_repaired": stage.stats.sd_repaired})],
+                                  "notes": dict(stage.stats.notes), "sd_repaired": stage.stats.sd_repaired,
+                                  "cxsmiles": stage.stats.cxsmiles})],
             "tokens": [json.dumps(dict(stage.tokens))],
             "errors": [json.dumps(list(zip(*(errors.column(c).to_pylist()
                                              for c in ("file_index", "path", "row", "smiles")))))],
@@ -179,7 +180,7 @@ class RayEngine:
             body = json.loads(row["stats"])
             part = Stats(body["rows_in"], Counter(body["rejected"]),
                          {k: [tuple(e) for e in v] for k, v in body["examples"].items()}, body["truncated"],
-                         Counter(body["notes"]), body["sd_repaired"])
+                         Counter(body["notes"]), body["sd_repaired"], body["cxsmiles"])
             stats.merge(part)
             progress.advance(part.rows_in, sum(part.rejected.values()))
             t = Counter(json.loads(row["tokens"]))

@@ -17,12 +17,15 @@ from __future__ import annotations
 import csv
 import glob
 import io
+import itertools
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
+from molds.chem import split_cxsmiles
 from molds.errors import InputError  # a problem with an input file as a whole (names the file)
 
 MISSING_LABELS = frozenset({"", "na", "nan", "n/a", "null", "none", "-", "?"})
@@ -267,11 +270,28 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
         yield chunk
 
 
-def _read_delimited(path, cols: Columns, delimiter: str):
+_EXCEL_SEP = re.compile(r'"?sep=(.)"?,*', re.IGNORECASE)  # Excel's hint line: ``sep=;`` before the header
+
+
+def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
+    """CSV / TSV rows; ``delimiter`` as asked (None: ``default``, or the one an Excel
+    ``sep=X`` first line names, which is then skipped)."""
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with _open_text(path) as fh:
         lines = (line.replace("\0", "\udc80") if "\0" in line else line for line in fh)
-        reader = csv.reader(lines, delimiter=delimiter)
+        first = next(lines, None)
+        if first is None:
+            return
+        hint = _EXCEL_SEP.fullmatch(first.strip())
+        skipped = 0
+        if hint is not None:
+            if delimiter is not None and delimiter != hint.group(1):
+                raise InputError(f"{path}: its first line {first.strip()!r} (Excel's delimiter hint) says the "
+                                 f"fields are separated by {hint.group(1)!r}, but --delimiter is {delimiter!r}")
+            delimiter, skipped = hint.group(1), 1
+        else:
+            lines = itertools.chain([first], lines)
+        reader = csv.reader(lines, delimiter=delimiter or default)
         header = next(reader, None)
         if header is None:
             return
@@ -280,7 +300,7 @@ def _read_delimited(path, cols: Columns, delimiter: str):
         l_idx = [_resolve(path, header, name, "label") for name in cols.labels]
         width = len(header)
         while True:
-            line = reader.line_num + 1  # the line this record starts on (the header is line 1)
+            line = reader.line_num + 1 + skipped  # the line this record starts on (the header is line 1)
             record = next(reader, None)
             if record is None:
                 break
@@ -308,6 +328,10 @@ def _read_smi(path, has_header: bool):
             if not is_clean(line):
                 yield row, None, None, None, "non_utf8"
             else:
+                smiles, cx, rest = split_cxsmiles(line.strip())
+                if cx is not None:  # ``SMILES |extension| name``: the extension belongs to the SMILES
+                    yield row, f"{smiles} {cx}", rest or None, None, None
+                    continue
                 parts = line.strip().split(None, 1)
                 yield row, parts[0], parts[1].strip() if len(parts) > 1 else None, None, None
 
@@ -419,7 +443,7 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
     """Yield the records of one input as ``RawChunk``s; raise ``InputError`` naming it."""
     try:
         if fmt in ("csv", "tsv"):
-            records = _read_delimited(path, cols, delimiter or ("\t" if fmt == "tsv" else ","))
+            records = _read_delimited(path, cols, delimiter, "\t" if fmt == "tsv" else ",")
         elif fmt == "smi":
             records = _read_smi(path, bool(has_header))
         elif fmt == "jsonl":

@@ -98,6 +98,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         manifest["columns"].insert(manifest["columns"].index("token_length") + 1, "randomized_token_ids")
     if stats.sd_repaired:  # SD records read after dropping blank lines before their header
         manifest["stats"][LEADING_BLANK_LINES] = stats.sd_repaired
+    if stats.cxsmiles:  # rows whose SMILES carried a CXSMILES extension, read with it
+        manifest["stats"]["cxsmiles_rows"] = stats.cxsmiles
     if stats.truncated:  # --on_truncated keep: where each cut-short input was cut
         manifest["stats"]["truncated_inputs"] = list(stats.truncated)
     accounted = rows_out + manifest["stats"]["duplicates"] + sum(rejected.values())
@@ -132,7 +134,10 @@ def _report(m, stats, finals, timings, cfg) -> str:
         *[f"- **cut short** (compressed input ends early; read up to here, the rest is lost): `{where}`"
           for where in s.get("truncated_inputs", [])],
         *([f"- SD records with blank lines before their header, read without them: {s[LEADING_BLANK_LINES]:,}"]
-          if s.get(LEADING_BLANK_LINES) else []), "",
+          if s.get(LEADING_BLANK_LINES) else []),
+        *([f"- SMILES read with their CXSMILES extension (`SMILES |...|`; canonical SMILES keep what SMILES "
+           f"spell, not its labels, enhanced-stereo groups or coordinates): {s['cxsmiles_rows']:,}"]
+          if s.get("cxsmiles_rows") else []), "",
         "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |", "|---|---|---|---|---|---|",
     ]
     for name in SPLITS:

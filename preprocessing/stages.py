@@ -61,6 +61,7 @@ class Stats:
     truncated: list = field(default_factory=list)  # source of every truncated_input row (one per cut file)
     notes: Counter = field(default_factory=Counter)  # counts that are no rejection (safe: single_fragment)
     sd_repaired: int = 0  # SD records read after dropping blank lines before their header
+    cxsmiles: int = 0  # rows read from CXSMILES (``SMILES |extension|``): the extension applied by RDKit
 
     def reject(self, reason: str, source: str, raw):
         self.rejected[reason] += 1
@@ -76,6 +77,7 @@ class Stats:
         self.truncated = sorted(self.truncated + other.truncated)
         self.notes.update(other.notes)
         self.sd_repaired += other.sd_repaired
+        self.cxsmiles += other.cxsmiles
         for reason, ex in other.examples.items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: _EXAMPLES_PER_REASON - len(mine)])
@@ -199,6 +201,9 @@ class MapStage:
                     continue
             accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
                              text))
+        if self.canonicalize.cxsmiles:
+            stats.cxsmiles += self.canonicalize.cxsmiles
+            self.canonicalize.cxsmiles = 0
         if opts.check_regex and accepted:
             accepted = self._check_regex(accepted)
         for order, raw, mol, cid, source, labels, text in accepted:

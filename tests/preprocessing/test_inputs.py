@@ -126,6 +126,48 @@ def test_a_header_split_by_another_character_says_which(tmp_path):
     assert m["stats"]["rows_out"] == 1
 
 
+def test_excels_sep_line_sets_the_delimiter_and_keeps_line_numbers(tmp_path):
+    """Excel's ``sep=;`` first line (European exports) is read as the delimiter and skipped;
+    the rows keep their line numbers in the file; a --delimiter that disagrees is refused."""
+    (tmp_path / "x.csv").write_text('sep=;\nid;SMILES;pIC50\na1;CCO;5.5\na2;C1CC1;x\na3;c1ccccc1O;7\n')
+    out = tmp_path / "out"
+    m = run_etl(str(out), [str(tmp_path / "x.csv")], id_column="id", label_columns=["pIC50"],
+                split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rows_in"] == 3 and m["stats"]["rejected"] == {"bad_label": 1}
+    assert json.load(open(out / "report.json"))["rejected_examples"]["bad_label"][0][0] == f"{tmp_path / 'x.csv'}:4"
+    rows = pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()
+    assert sorted((r["compound_id"], r["source"]) for r in rows) == [("a1", f"{tmp_path / 'x.csv'}:3"),
+                                                                     ("a3", f"{tmp_path / 'x.csv'}:5")]
+    with pytest.raises(InputError, match=r"x.csv: its first line 'sep=;'.*but --delimiter is ','"):
+        run_etl(str(tmp_path / "out2"), [str(tmp_path / "x.csv")], delimiter=",")
+
+
+def test_cxsmiles_are_read_with_their_extension_and_counted(tmp_path):
+    """``SMILES |extension|`` (ChemAxon's CXSMILES, as Enamine and PubChem export) is read by
+    RDKit's CXSMILES reader, in CSV cells and .smi lines (the name after it is the id), and
+    counted in the manifest and the report; an extension RDKit refuses is ``cxsmiles_error``;
+    text after a space that is no extension stays a ``parse_error``."""
+    from rdkit import Chem
+
+    cells = {"r1": "C[C@H](N)C(=O)O |&1:1|", "r2": "[CH2]CO |^1:0|", "r3": "c1ccccc1Cl", "r4": "CC |SgD:0:x|",
+             "r5": "CCO ethanol", "r6": "CC(C |&1:1|"}
+    (tmp_path / "cx.csv").write_text("id,smiles\n" + "".join(f"{k},{v}\n" for k, v in cells.items()))
+    (tmp_path / "cx.smi").write_text("C[C@H](N)C(=O)O |&1:1| alanine\nCCN\n")
+    out = tmp_path / "out"
+    m = run_etl(str(out), [str(tmp_path / "cx.csv")], id_column="id", split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"cxsmiles_error": 1, "parse_error": 2}
+    assert m["stats"]["cxsmiles_rows"] == 2
+    assert "CXSMILES extension" in open(out / "report.md").read()
+    rows = {r["compound_id"]: r for r in pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()}
+    assert {k: r["canonical_smiles"] for k, r in rows.items()} == {
+        "r1": "C[C@H](N)C(=O)O", "r2": Chem.MolToSmiles(Chem.MolFromSmiles("[CH2]CO |^1:0|")), "r3": "Clc1ccccc1"}
+    assert rows["r2"]["canonical_smiles"] == "[CH2]CO" and rows["r1"]["raw_smiles"] == cells["r1"]
+    m = run_etl(str(tmp_path / "smi"), [str(tmp_path / "cx.smi")], split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {} and m["stats"]["cxsmiles_rows"] == 1
+    rows = pq.read_table(os.path.join(tmp_path / "smi", m["splits"]["train"][0]["uri"])).to_pylist()
+    assert {r["compound_id"] for r in rows} == {"alanine", f"{tmp_path / 'cx.smi'}:2"}
+
+
 def test_unreadable_file_leaves_no_output_and_accounts_for_what_was_read(tmp_path):
     import json
 
