@@ -36,7 +36,8 @@ REJECT_REASONS = {
     "empty_molecule": "the molecule is empty (an SD record with no atoms) or empty after standardization",
     "scaffold_error": "the Murcko scaffold could not be computed",
     "inchi_error": "the InChIKey used as dedupe key could not be computed",
-    "bad_label": "a label value is neither a number nor a recognised missing marker",
+    "bad_label": "a label value is neither a number float32 holds (finite, at most 3.4e38) nor a recognised missing "
+                 "marker",
     "tokenizer_roundtrip": "decoding the token ids does not give back the canonical SMILES",
     "sdf_parse_error": "RDKit cannot read the SD record's molblock (counts line, atom or bond block, no M  END)",
     "empty_record": "an SD record with nothing before its $$$$ line",

@@ -36,7 +36,12 @@ class PreprocessConfig:
     """Input format; ``auto`` decides from the file name."""
 
     delimiter: Optional[str] = None
-    """Field delimiter for csv/tsv when it is not ``,`` / tab."""
+    """Field delimiter for csv/tsv when it is not ``,`` / tab (an Excel ``sep=X`` first line
+    sets it too)."""
+
+    decimal: Literal[".", ","] = "."
+    """Decimal mark of label values: ``,`` reads ``5,2`` as 5.2 (European exports, often
+    ``;``-separated); with it, a value holding a ``.`` too is refused (``bad_label``)."""
 
     smi_header: bool = False
     """Whether .smi files start with a header line to skip."""

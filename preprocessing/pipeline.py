@@ -212,7 +212,7 @@ def run(cfg: PreprocessConfig) -> str:
                            check_regex=cfg.tokenizer == "regex",
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
                            columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns)),
-                           representation=spelled, representation_options=spelled_options)
+                           representation=spelled, representation_options=spelled_options, decimal=cfg.decimal)
     cols = options.columns
     engine = _make_engine(cfg)
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed

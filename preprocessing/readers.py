@@ -270,7 +270,7 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
         yield chunk
 
 
-_EXCEL_SEP = re.compile(r'"?sep=(.)"?,*', re.IGNORECASE)  # Excel's hint line: ``sep=;`` before the header
+_EXCEL_SEP = re.compile(r'"?sep=(.)"?\1*', re.IGNORECASE)  # Excel's hint line: ``sep=;`` before the header
 
 
 def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
@@ -282,7 +282,7 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
         first = next(lines, None)
         if first is None:
             return
-        hint = _EXCEL_SEP.fullmatch(first.strip())
+        hint = _EXCEL_SEP.fullmatch(first.rstrip("\r\n"))  # not strip(): ``sep=<tab>``
         skipped = 0
         if hint is not None:
             if delimiter is not None and delimiter != hint.group(1):
@@ -469,23 +469,37 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
         raise InputError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from exc
 
 
-def parse_labels(values: list) -> list[float] | None:
-    """Raw label values to floats; missing markers become NaN; None if any is garbage."""
+_LABEL_MAX = 3.4028234663852886e38  # float32's largest: labels are stored as float32
+
+
+def parse_labels(values: list, decimal: str = ".") -> list[float] | None:
+    """Raw label values to floats; missing markers (and a NaN value) become NaN; None if any
+    is garbage or not finite as the float32 it is stored as (``inf``, ``1e39``: a loss over it
+    is not finite). ``decimal`` ``,``: one comma is the decimal mark, and a value with a
+    ``.`` is garbage."""
     out = []
     for v in values:
         if v is None:
             out.append(math.nan)
-        elif isinstance(v, bool):
-            out.append(float(v))
-        elif isinstance(v, (int, float)):
-            out.append(float(v))
+        elif isinstance(v, (bool, int, float)):
+            value = float(v)
+            if abs(value) > _LABEL_MAX:
+                return None
+            out.append(value)
         else:
             text = str(v).strip()
             if text.lower() in MISSING_LABELS:
                 out.append(math.nan)
                 continue
+            if decimal != ".":
+                if "." in text or text.count(decimal) > 1:
+                    return None
+                text = text.replace(decimal, ".")
             try:
-                out.append(float(text))
+                value = float(text)
             except ValueError:
                 return None
+            if abs(value) > _LABEL_MAX:
+                return None
+            out.append(value)
     return out

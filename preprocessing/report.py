@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 
 from molds import __version__
 from molds.data.manifest import FORMAT_VERSION, vocab_hash
@@ -12,6 +13,8 @@ from molds.data.manifest import FORMAT_VERSION, vocab_hash
 from molds.chem import REJECT_REASONS
 from .sdf import LEADING_BLANK_LINES
 from .split import SPLITS
+
+_DECIMAL_COMMA = re.compile(r"'\s*[-+]?\d*,\d+\s*'")  # a label example such as ['5,2']
 
 
 def _merge_hist(finals, split: int) -> list[int]:
@@ -69,7 +72,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         },
         "length_buckets": {"boundaries": list(cfg.length_buckets), "measure": "token_length",
                            "rule": "bucket i holds boundaries[i-1] < token_length <= boundaries[i]; the last is open"},
-        "labels": {"columns": list(cfg.label_columns), "missing": "NaN"} if cfg.label_columns else None,
+        "labels": ({"columns": list(cfg.label_columns), "missing": "NaN", "decimal": cfg.decimal}
+                   if cfg.label_columns else None),
         "columns": ["compound_id", "raw_smiles", "canonical_smiles", "scaffold", "token_ids", "token_length"]
         + (["labels"] if cfg.label_columns else []) + ["source"],
         "splits": splits,
@@ -151,6 +155,9 @@ def _report(m, stats, finals, timings, cfg) -> str:
         lines.append(f"- **{reason}** ({count:,}): {REJECT_REASONS[reason]}")
         for source, raw in stats.examples.get(reason, []):
             lines.append(f"  - `{source}`: `{raw}`" if raw is not None else f"  - `{source}`")
+        if reason == "bad_label" and cfg.decimal == "." and any(
+                raw and _DECIMAL_COMMA.search(raw) for _, raw in stats.examples.get(reason, [])):
+            lines.append("  - values with a decimal comma: `--decimal ,` reads them")
     lines += ["", "## Token lengths (without BOS/EOS)", "", "| length | train | valid | test |", "|---|---|---|---|"]
     hists = [_merge_hist(finals, i) for i in range(3)]
     width = max(len(h) for h in hists)

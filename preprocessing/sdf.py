@@ -188,7 +188,7 @@ class SDRecordParser:
             value = bytes(exc.object).decode("utf-8", "surrogateescape")
         except RuntimeError:
             return "\udcff"
-        return value if value.strip() else None
+        return value.strip() or None  # fixed-width writers pad values (and titles) with spaces, as CSV cells are stripped
 
     def _classify(self, data: bytes, first_line: int) -> tuple[str, str]:
         """Why RDKit refused a record: a second, unsanitized read under a log capture."""

@@ -51,6 +51,7 @@ class StageOptions:
     columns: Columns | None = None  # SD inputs: the id tag and label tags the workers read
     representation: str = "smiles"  # what the tokens spell (molds.representation)
     representation_options: tuple = ()  # (key, value) pairs: the conformer units' embedding options
+    decimal: str = "."  # the decimal mark of label values
 
 
 @dataclass
@@ -181,7 +182,7 @@ class MapStage:
                     continue
             labels = None
             if opts.num_labels:
-                labels = parse_labels(label_values)
+                labels = parse_labels(label_values, opts.decimal)
                 if labels is None:
                     stats.reject("bad_label", source, label_values)
                     continue

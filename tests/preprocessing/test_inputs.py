@@ -126,10 +126,12 @@ def test_a_header_split_by_another_character_says_which(tmp_path):
     assert m["stats"]["rows_out"] == 1
 
 
-def test_excels_sep_line_sets_the_delimiter_and_keeps_line_numbers(tmp_path):
+@pytest.mark.parametrize("sep", [";", "\t"])
+def test_excels_sep_line_sets_the_delimiter_and_keeps_line_numbers(tmp_path, sep):
     """Excel's ``sep=;`` first line (European exports) is read as the delimiter and skipped;
     the rows keep their line numbers in the file; a --delimiter that disagrees is refused."""
-    (tmp_path / "x.csv").write_text('sep=;\nid;SMILES;pIC50\na1;CCO;5.5\na2;C1CC1;x\na3;c1ccccc1O;7\n')
+    rows = ["id;SMILES;pIC50", "a1;CCO;5.5", "a2;C1CC1;x", "a3;c1ccccc1O;7"]
+    (tmp_path / "x.csv").write_text(f"sep={sep}\n" + "".join(r.replace(";", sep) + "\n" for r in rows))
     out = tmp_path / "out"
     m = run_etl(str(out), [str(tmp_path / "x.csv")], id_column="id", label_columns=["pIC50"],
                 split_fractions=[1.0, 0.0, 0.0])
@@ -138,8 +140,37 @@ def test_excels_sep_line_sets_the_delimiter_and_keeps_line_numbers(tmp_path):
     rows = pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()
     assert sorted((r["compound_id"], r["source"]) for r in rows) == [("a1", f"{tmp_path / 'x.csv'}:3"),
                                                                      ("a3", f"{tmp_path / 'x.csv'}:5")]
-    with pytest.raises(InputError, match=r"x.csv: its first line 'sep=;'.*but --delimiter is ','"):
+    with pytest.raises(InputError, match=r"x.csv: its first line 'sep=.*but --delimiter is ','"):
         run_etl(str(tmp_path / "out2"), [str(tmp_path / "x.csv")], delimiter=",")
+
+
+def test_decimal_commas_and_infinite_labels(tmp_path):
+    """A European export's ``5,2`` is a bad label whose report says how to read it, and
+    ``--decimal ,`` reads it (a value with a ``.`` then refused); a label float32 cannot hold
+    (``inf``, ``1e999``, ``-1e39``) is refused either way, a missing one is NaN."""
+    import math
+
+    (tmp_path / "eu.csv").write_text("sep=;\nSMILES;y\nCCO;5,2\nCCN;-0,75\nCCC;1e999\nCCCl;inf\nCCBr;NA\nCCI;1.5\n"
+                                     "CCF;-1e39\n")
+    out = tmp_path / "dot"
+    m = run_etl(str(out), [str(tmp_path / "eu.csv")], label_columns=["y"], split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"bad_label": 5} and m["labels"]["decimal"] == "."
+    assert "`--decimal ,` reads them" in open(out / "report.md").read()
+    out = tmp_path / "comma"
+    m = run_etl(str(out), [str(tmp_path / "eu.csv")], label_columns=["y"], decimal=",",
+                split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"bad_label": 4} and m["labels"]["decimal"] == ","
+    assert "--decimal" not in open(out / "report.md").read()
+    got = {r["canonical_smiles"]: r["labels"][0] for r in
+           pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()}
+    assert got["CCO"] == pytest.approx(5.2) and got["CCN"] == -0.75 and math.isnan(got["CCBr"])
+    assert set(got) == {"CCO", "CCN", "CCBr"}
+    # Parquet floats: inf refused, NaN kept as missing
+    pq.write_table(pa.table({"smiles": ["CCO", "CCN", "CCC"], "y": [1.0, float("inf"), float("nan")]}),
+                   tmp_path / "f.parquet")
+    m = run_etl(str(tmp_path / "pq"), [str(tmp_path / "f.parquet")], label_columns=["y"],
+                split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"bad_label": 1} and m["stats"]["rows_out"] == 2
 
 
 def test_cxsmiles_are_read_with_their_extension_and_counted(tmp_path):

@@ -285,6 +285,19 @@ def test_a_byte_order_mark_is_no_part_of_the_first_title(tmp_path):
     assert all(v == got["plain.sdf"] for v in got.values()), got
 
 
+def test_padded_sd_values_and_titles_are_stripped_as_csv_cells_are(tmp_path):
+    """Fixed-width writers pad SD values and titles with spaces: the id (from a tag or the
+    title) and the labels read as the CSV path reads its stripped cells."""
+    path = tmp_path / "padded.sdf"
+    path.write_text(sd_record("CCO", "  m1   ", {"ID": "  A1  ", "pIC50": " 5.5 "})
+                    + sd_record("CCN", "m2\t", {"ID": "A2\t", "pIC50": "6"}))
+    for column, want in (("ID", {"A1": 5.5, "A2": 6.0}), ("_Name", {"m1": 5.5, "m2": 6.0})):
+        out = tmp_path / f"out-{column}"
+        m = run_etl(str(out), [str(path)], id_column=column, label_columns=["pIC50"], split_fractions=[1.0, 0.0, 0.0])
+        assert m["stats"]["rejected"] == {}
+        assert {r["compound_id"]: r["labels"][0] for r in _rows(str(out), m)} == want
+
+
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 def test_lone_cr_splitting_at_small_blocks(monkeypatch, block):
     from molds.preprocessing import sdf
