@@ -514,8 +514,8 @@ def _start_summary(run: Run, parameters: int) -> None:
         return
     seq = recipe.data.seq_len if recipe.data.mode == "packed" else recipe.data.max_length
     st = run.manifest.data.get("stats", {}).get("splits", {}).get(recipe.data.split, {})
-    rows, tokens = st.get("rows"), st.get("tokens")
-    per_mol = (tokens / rows + 2) if rows and tokens else None  # BOS and EOS added by the loader
+    rows, tokens = (st.get("rows"), st.get("tokens")) if isinstance(st, dict) else (None, None)
+    per_mol = (tokens / rows + 2) if isinstance(rows, int) and isinstance(tokens, int) and rows > 0 else None  # BOS, EOS
     mols = f", about {b.global_batch * seq / per_mol:,.0f} molecules and {b.global_batch * seq:,} token slots" \
         if per_mol and recipe.data.mode == "packed" else ""
     print(f"[molds] {recipe.model.family} of {parameters:,} parameters on {run.engine.name} "

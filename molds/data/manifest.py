@@ -88,8 +88,11 @@ class Manifest:
         missing = [k for k in _REQUIRED if k not in data]
         if missing:
             raise ManifestError(f"{path}: missing keys {missing}")
-        if not isinstance(data["tokenizer"], dict):
-            raise ManifestError(f"{path}: 'tokenizer' must be an object")
+        for key in ("tokenizer", "stats"):
+            if not isinstance(data[key], dict):
+                raise ManifestError(f"{path}: {key!r} must be an object")
+        if not isinstance(data["stats"].get("splits", {}), dict):
+            raise ManifestError(f"{path}: 'stats.splits' must map split names to their statistics")
         if data["format_version"] != FORMAT_VERSION:
             raise ManifestError(
                 f"{path}: format_version {data['format_version']!r} is not supported "
@@ -141,10 +144,13 @@ class Manifest:
 
     def length_range(self, split: str) -> tuple[int, int] | None:
         """(shortest, longest) token_length of a split, when the manifest records it."""
-        st = self.data.get("stats", {}).get("splits", {}).get(split, {})
-        if "min_token_length" in st:
+        st = self.data["stats"].get("splits", {}).get(split, {})
+        if not isinstance(st, dict) or "min_token_length" not in st:
+            return None
+        try:
             return int(st["min_token_length"]), int(st["max_token_length"])
-        return None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{self.path}: stats.splits.{split} lacks or mangles its token lengths ({exc!r})") from exc
 
     def shards(self, split: str) -> list[Shard]:
         if split not in self.data["splits"]:

@@ -110,5 +110,6 @@ def ids_to_smiles(tokenizer, samples: list[list[int] | None], representation=Non
 
 def default_max_tokens(manifest, model_max_positions: int) -> int:
     """Room for the longest training molecule plus a margin, within the model's positions."""
-    longest = manifest.data["stats"]["splits"]["train"].get("max_token_length") or model_max_positions
+    lengths = manifest.length_range("train")
+    longest = (lengths[1] if lengths else 0) or model_max_positions
     return max(1, min(model_max_positions - 1, int(longest * 1.5) + 8))

@@ -114,6 +114,26 @@ def test_escaping_shard_uris_are_refused_before_any_read(dataset, tmp_path, uri)
         Manifest.load(data)
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m.update(stats=[]), "'stats' must be an object"),
+    (lambda m: m["stats"].update(splits="train"), "'stats.splits' must map"),
+    (lambda m: m["stats"]["splits"]["train"].update(min_token_length="x"), "stats.splits.train lacks or mangles"),
+])
+def test_mangled_manifest_statistics_are_refused_by_name(dataset, tmp_path, edit, match):
+    """Statistics of the wrong type stop at a ManifestError that names the key, not at a
+    traceback from whatever reads them first (sampling's length limit)."""
+    from molds.data.manifest import Manifest
+    from molds.errors import ManifestError
+
+    data = str(tmp_path / "data")
+    shutil.copytree(dataset, data)
+    m = json.load(open(os.path.join(data, "manifest.json")))
+    edit(m)
+    json.dump(m, open(os.path.join(data, "manifest.json"), "w"))
+    with pytest.raises(ManifestError, match=match):
+        Manifest.load(data).length_range("train")
+
+
 def test_tokenizer_path_may_not_escape(dataset, tmp_path):
     from molds.data.manifest import Manifest
     from molds.errors import ManifestError
