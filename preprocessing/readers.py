@@ -209,13 +209,18 @@ def is_clean(text: str) -> bool:
 
 
 def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
-    """Index of column ``wanted``: exact name, else a unique case-insensitive match."""
+    """Index of column ``wanted``: exact name, else a unique case-insensitive match; a name
+    that two columns share is refused (which one holds the data is not for molds to guess)."""
     names = [h.strip() for h in header]
-    if wanted in names:
-        return names.index(wanted)
+    exact = [i for i, h in enumerate(names) if h == wanted]
     folded = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
-    if len(folded) == 1:
-        return folded[0]
+    if len(exact) == 1 or (not exact and len(folded) == 1):
+        return (exact or folded)[0]
+    if len(exact) > 1 or len(folded) > 1:
+        shared = exact if len(exact) > 1 else folded
+        raise InputError(f"{path}: {len(shared)} columns match {wanted!r} (columns "
+                         f"{', '.join(str(i + 1) for i in shared)} of {names}); rename one, or name the other "
+                         f"exactly if they differ in case")
     hint = ""
     if len(names) == 1:  # a single column: the file is likely split by another character
         for sep, how in ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "--input_format tsv"),

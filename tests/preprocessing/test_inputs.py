@@ -103,6 +103,19 @@ def test_missing_column_names_file_and_columns(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
+def test_a_column_name_two_columns_share_is_refused(tmp_path):
+    """Two columns that match the name asked for (the same, or the same but for case) are
+    refused by name, not read from the first; an exact name picks one of two that differ in case."""
+    (tmp_path / "dup.csv").write_text("SMILES,SMILES,id\nCCO,CCN,1\n")
+    (tmp_path / "case.csv").write_text("SMILES,smiles\nCCO,CCN\n")
+    with pytest.raises(InputError, match=r"dup.csv: 2 columns match 'SMILES' \(columns 1, 2 of"):
+        run_etl(str(tmp_path / "a"), [str(tmp_path / "dup.csv")], smiles_column="SMILES")
+    with pytest.raises(InputError, match=r"case.csv: 2 columns match 'Smiles'"):
+        run_etl(str(tmp_path / "b"), [str(tmp_path / "case.csv")], smiles_column="Smiles")
+    m = run_etl(str(tmp_path / "c"), [str(tmp_path / "case.csv")], smiles_column="smiles", split_fractions=[1.0, 0.0, 0.0])
+    assert canon_set(str(tmp_path / "c"), m) == {"CCN"}
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be-bom", "utf-32", "utf-8-sig"])
 def test_unicode_exports_with_a_bom_read_as_utf8(tmp_path, reference, encoding):
     """Excel's "Unicode text" export (UTF-16 with its BOM, tabs), and UTF-32 or UTF-8 with a
