@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from .representation import REASONS as REPRESENTATION_REASONS
 
 REJECT_REASONS = {
-    "malformed_row": "the row has a different number of fields than the header, or is not a JSON object",
+    "malformed_row": "the row has a different number of fields than the header, or is not a JSON object, or its "
+                     "SMILES value is not a string",
     "non_utf8": "a field holds bytes that are not valid UTF-8",
     "missing_field": "the record has no SMILES field (JSONL / Parquet null)",
     "empty": "the SMILES field is empty or whitespace",

@@ -342,6 +342,24 @@ def _read_smi(path, has_header: bool):
 
 
 def _read_jsonl(path, cols: Columns):
+    """Records of a JSON-lines file. Keys are matched as CSV columns are (exactly, else the
+    record's one key that matches but for case); a SMILES value that is no string is a
+    ``malformed_row``; a file where no record has the SMILES key is refused at its end,
+    naming the keys its records have (a misspelt ``--smiles-column``)."""
+    folded: dict[str, str] = {}  # a wanted key -> the key the records spell it with
+
+    def value(rec: dict, wanted: str):
+        if wanted in rec:
+            return rec[wanted]
+        key = folded.get(wanted)
+        if key is None or key not in rec:
+            match = [k for k in rec if k.lower() == wanted.strip().lower()]
+            if len(match) != 1:
+                return None
+            key = folded[wanted] = match[0]
+        return rec[key]
+
+    found, seen, records = False, set(), 0
     with _open_text(path) as fh:
         for n, line in enumerate(fh):
             if not line.strip():
@@ -356,12 +374,37 @@ def _read_jsonl(path, cols: Columns):
                 rec = None
             if not isinstance(rec, dict):
                 yield row, None, None, None, "malformed_row"
-            elif not isinstance(rec.get(cols.smiles), str):
+                continue
+            records += 1
+            smiles = value(rec, cols.smiles)
+            if smiles is None:
+                if not found and len(seen) < 1000:
+                    seen.update(map(str, rec))
                 yield row, None, None, None, "missing_field"
-            else:
-                cid = rec.get(cols.id) if cols.id else None
-                labels = [rec.get(name) for name in cols.labels] if cols.labels else None
-                yield row, rec[cols.smiles], None if cid is None else str(cid), labels, None
+                continue
+            found = True
+            if not isinstance(smiles, str):
+                yield row, None, None, None, "malformed_row"
+                continue
+            cid = value(rec, cols.id) if cols.id else None
+            labels = [value(rec, name) for name in cols.labels] if cols.labels else None
+            yield row, smiles, None if cid is None else str(cid), labels, None
+    if records and not found:
+        shown = sorted(seen)[:40]
+        raise InputError(f"{path}: no record has the SMILES key {cols.smiles!r}; its records have {shown}"
+                         f"{' ...' if len(seen) > 40 else ''}")
+
+
+def _check_smiles_type(path: str, schema, cols: Columns) -> None:
+    """A SMILES column must hold strings: one of another type is refused by name, not
+    counted row by row as missing."""
+    import pyarrow as pa
+
+    field = schema.field(_resolve(path, schema.names, cols.smiles, "SMILES"))
+    kind = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+        raise InputError(f"{path}: its SMILES column {field.name!r} holds {field.type}, not strings")
 
 
 def _read_arrow_batches(path, batches, names: list[str], cols: Columns):
@@ -389,6 +432,7 @@ def _read_parquet(path, cols: Columns, chunk_rows: int):
     with _open_binary(path) as fh:
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
+        _check_smiles_type(path, pf.schema_arrow, cols)
         wanted = [cols.smiles] + ([cols.id] if cols.id else []) + list(cols.labels)
         resolved = sorted({names[_resolve(path, names, w, "requested")] for w in wanted})
         yield from _read_arrow_batches(path, pf.iter_batches(batch_size=chunk_rows, columns=resolved), names, cols)
@@ -420,6 +464,7 @@ def _read_hf(path, cols: Columns, chunk_rows: int):
         if getattr(part, "_indices", None) is not None:
             part = part.flatten_indices()
             table = part.data.table
+        _check_smiles_type(label, table.schema, cols)
         yield label, _read_arrow_batches(label, table.to_batches(max_chunksize=chunk_rows), table.schema.names, cols)
 
 

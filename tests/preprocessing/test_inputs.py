@@ -103,6 +103,28 @@ def test_missing_column_names_file_and_columns(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
+def test_jsonl_keys_match_as_csv_columns_do_and_a_missing_key_is_refused(tmp_path):
+    """JSON-lines keys match but for case, as CSV columns do; a SMILES value that is no
+    string is a malformed row; a file with no record holding the key is refused with the
+    keys it has (and every row accounted in the failure report); a Parquet SMILES column of
+    numbers is refused by its type."""
+    (tmp_path / "k.jsonl").write_text('{"SMILES": "CCO", "ID": 5, "Y": "1.5"}\n{"SMILES": 123}\n{"smiles": "CCN"}\n'
+                                      '[1]\n{"other": "x"}\n')
+    out = tmp_path / "k"
+    m = run_etl(str(out), [str(tmp_path / "k.jsonl")], id_column="id", label_columns=["y"],
+                split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rows_in"] == 5 and m["stats"]["rejected"] == {"malformed_row": 2, "missing_field": 1}
+    rows = {r["canonical_smiles"]: r for r in pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()}
+    assert rows["CCO"]["compound_id"] == "5" and rows["CCO"]["labels"] == [1.5] and set(rows) == {"CCO", "CCN"}
+    (tmp_path / "k2.jsonl").write_text('{"smi": "CCO"}\n{"smi": "CCN"}\n')
+    with pytest.raises(InputError, match=r"k2.jsonl: no record has the SMILES key 'smiles'; its records have \['smi'\]"):
+        run_etl(str(tmp_path / "k2"), [str(tmp_path / "k2.jsonl")])
+    assert json.load(open(str(tmp_path / "k2") + ".failed-report.json"))["rows_in"] == 2
+    pq.write_table(pa.table({"smiles": [1, 2]}), tmp_path / "int.parquet")
+    with pytest.raises(InputError, match=r"int.parquet: its SMILES column 'smiles' holds int64, not strings"):
+        run_etl(str(tmp_path / "int"), [str(tmp_path / "int.parquet")])
+
+
 def test_a_column_name_two_columns_share_is_refused(tmp_path):
     """Two columns that match the name asked for (the same, or the same but for case) are
     refused by name, not read from the first; an exact name picks one of two that differ in case."""
