@@ -391,7 +391,7 @@ def _read_jsonl(path, cols: Columns):
             yield row, smiles, None if cid is None else str(cid), labels, None
     if records and not found:
         shown = sorted(seen)[:40]
-        raise InputError(f"{path}: no record has the SMILES key {cols.smiles!r}; its records have {shown}"
+        raise InputError(f"{path}: no record has a value for the SMILES key {cols.smiles!r}; its records have {shown}"
                          f"{' ...' if len(seen) > 40 else ''}")
 
 

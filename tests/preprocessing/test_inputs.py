@@ -117,7 +117,7 @@ def test_jsonl_keys_match_as_csv_columns_do_and_a_missing_key_is_refused(tmp_pat
     rows = {r["canonical_smiles"]: r for r in pq.read_table(os.path.join(out, m["splits"]["train"][0]["uri"])).to_pylist()}
     assert rows["CCO"]["compound_id"] == "5" and rows["CCO"]["labels"] == [1.5] and set(rows) == {"CCO", "CCN"}
     (tmp_path / "k2.jsonl").write_text('{"smi": "CCO"}\n{"smi": "CCN"}\n')
-    with pytest.raises(InputError, match=r"k2.jsonl: no record has the SMILES key 'smiles'; its records have \['smi'\]"):
+    with pytest.raises(InputError, match=r"k2.jsonl: no record has a value for the SMILES key 'smiles'; its records have \['smi'\]"):
         run_etl(str(tmp_path / "k2"), [str(tmp_path / "k2.jsonl")])
     assert json.load(open(str(tmp_path / "k2") + ".failed-report.json"))["rows_in"] == 2
     pq.write_table(pa.table({"smiles": [1, 2]}), tmp_path / "int.parquet")
