@@ -22,7 +22,9 @@ step time over the other two. The simulation delivers each stage-to-stage messag
 the time one takes on this process group (``*_p2p_latency_s``: half the median round trip
 of an activation between two ranks, measured in the same processes before the steps); the
 published formulas assume none (``*_simulated_bubble_no_latency`` and its ratio) (``dualpipev_over_stock_pP``, ``dualpipev_over_1f1b_pP``:
-targets < 1). Prints one JSON line (the last line).
+targets < 1). For molds' executor, where its measured idle time per step went
+(``dualpipev_pP_idle_wait_s``: waiting for peers' messages; ``_post_s``: posting sends and
+receives; ``_other_s``: its own work between actions). Prints one JSON line (the last line).
 """
 
 from __future__ import annotations
@@ -206,22 +208,25 @@ def _rank(rank, world, schedule, n, unit, a, steps, port, out_dir):
     ids = torch.randint(0, VOCAB, (n, 1, SEQ), generator=gen)
     micro = [{"input_ids": ids[m], "position_ids": torch.arange(SEQ)[None], "labels": ids[m],
               "document_ids": torch.zeros(1, SEQ, dtype=torch.long)} for m in range(n)]
-    times, windows = [], []
+    times, windows, parts = [], [], []
     for step in range(steps + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
         if schedule == "dualpipev":
             engine.train_micro_batches(micro)
             window = (engine.last_timeline.busy(0), engine.last_timeline.makespan)  # the executor's own clock
+            part = dict(engine.last_idle_parts)
         else:
             clock.update(busy=0.0, start=start, end=None)
             engine.train_batch(iter([((b["input_ids"], b["position_ids"], b["document_ids"]), b["labels"])
                                      for b in micro]))
             window = (clock["busy"], clock["end"] - start)
+            part = {}
         if step:
             times.append(time.perf_counter() - start)
             windows.append(window)
-    torch.save({"times": times, "windows": windows, "latency": latency},
+            parts.append(part)
+    torch.save({"times": times, "windows": windows, "latency": latency, "parts": parts},
                os.path.join(out_dir, f"{schedule}-rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -270,7 +275,16 @@ def measure(schedule, ranks, n, unit, a, steps):
     per_step = [bubble_fractions([[r["windows"][k]] for r in per_rank]) for k in range(steps)]
     frac = statistics.median(statistics.mean(f) for f in per_step)  # mean over ranks, median over steps
     latency = statistics.mean(r["latency"] for r in per_rank if r["latency"] > 0) if ranks > 1 else 0.0
-    return step, frac, latency
+    # molds' executor says where its idle time went: waiting for peers, posting messages, and
+    # the rest (its own work between actions), each a mean over ranks, median over steps
+    split = {}
+    if all(r["parts"] and r["parts"][0] for r in per_rank):
+        for key in ("wait_s", "post_s", "other_s"):
+            split[key] = statistics.median(statistics.mean(
+                r["parts"][k][key] if key != "other_s" else
+                r["windows"][k][1] - r["windows"][k][0] - r["parts"][k]["wait_s"] - r["parts"][k]["post_s"]
+                for r in per_rank) for k in range(steps))
+    return step, frac, latency, split
 
 
 def simulated(schedule, ranks, n, unit, a, latency=0.0):
@@ -299,7 +313,7 @@ def main():
         n = 4 * p
         for name in ("1f1b", "stock_dualpipev", "dualpipev"):
             key = {"1f1b": "1f1b", "stock_dualpipev": "stock", "dualpipev": "dualpipev"}[name]
-            step, frac, latency = measure(key, p, n, unit, a, args.steps)
+            step, frac, latency, split = measure(key, p, n, unit, a, args.steps)
             formula_step, formula_frac = simulated(name, p, n, unit, a)
             sim_step, sim_frac = simulated(name, p, n, unit, a, latency)
             out[f"{key}_p{p}_p2p_latency_s"] = latency
@@ -310,6 +324,8 @@ def main():
             out[f"{key}_p{p}_bubble_over_simulated"] = frac / sim_frac
             out[f"{key}_p{p}_simulated_bubble_no_latency"] = formula_frac
             out[f"{key}_p{p}_bubble_over_simulated_no_latency"] = frac / formula_frac
+            for part, seconds in split.items():  # the measured idle per step, by where it went
+                out[f"{key}_p{p}_idle_{part}"] = seconds
             print(f"P={p} {key}: step {step:.3f} s (simulated {sim_step:.3f}; {formula_step:.3f} without latency), "
                   f"bubble {frac:.3f} (simulated {sim_frac:.3f}; {formula_frac:.3f} without latency; "
                   f"message {latency * 1e3:.2f} ms)", file=sys.stderr)

@@ -140,6 +140,7 @@ def _build_executor_class():
             self.programs = [program(self.module.phase_funcs[c]) for c in (0, 1)]
             self.wgrad = WeightGradStore()
             self.last_timeline = None
+            self.last_idle_parts = {}
             self.io_dtype = next(p for p in self.module.parameters() if p.is_floating_point()).dtype
 
         # -------------------------------------------------------- one optimizer step
@@ -205,8 +206,10 @@ def _build_executor_class():
             self._recvs, self._ready, self._sends = {}, {}, []
             self._loss_scale = 1.0 / len(micro_batches)
             spans = []
+            waited = posted = 0.0  # where the idle time goes: waiting for peers, posting messages
             t0 = time.perf_counter()
             for a in actions:
+                start = time.perf_counter()
                 if a.kind == "SEND_F":
                     self._send(self._outputs[(a.chunk, a.mb)][0], a.peer)
                 elif a.kind == "SEND_B":
@@ -217,11 +220,16 @@ def _build_executor_class():
                     self._recv(("B", a.chunk, a.mb), a.peer, a.mb)
                 else:
                     self._await_inputs(a)  # waiting for a peer is idle time, not the action's
+                    waited += time.perf_counter() - start
                     start = time.perf_counter()
                     self._compute(a)
                     spans.append((start - t0, time.perf_counter() - t0, a))
+                    continue
+                posted += time.perf_counter() - start
+            start = time.perf_counter()
             for sent in self._sends:
                 sent.work.wait()
+            waited += time.perf_counter() - start
             self._sends = []
             leftover = [k for k in ("_recvs", "_ready", "_tapes") if getattr(self, k)]
             if leftover or (train and self.wgrad.pending()):
@@ -230,6 +238,7 @@ def _build_executor_class():
             self._inputs, self._outputs = {}, {}
             end = time.perf_counter() - t0
             self.last_timeline = Timeline(1, [spans + [(end, end, None)]]) if train else None
+            self.last_idle_parts = {"wait_s": waited, "post_s": posted}
 
         def _abandon(self) -> None:
             """After a failure inside the list: drop what it held (the step is lost anyway)."""
@@ -346,14 +355,22 @@ def _build_executor_class():
 
             tensor = tensor.detach().contiguous()
             self._sends = [s for s in self._sends if not s.work.is_completed()]  # free what has gone
-            self._sends.append(_Sent(tensor, dist.isend(tensor, self.grid.stage_to_global(peer))))
+            self._sends.append(_Sent(tensor, dist.isend(tensor, self._global_rank(peer))))
 
         def _recv(self, key, peer: int, mb: int) -> None:
             import torch.distributed as dist
 
             rows = self._micro[mb]["input_ids"].numel()  # the fixed stage shape: [B*S, hidden]
             buf = torch.empty(rows, self.hidden_size, dtype=self.io_dtype, device=self.device)
-            self._recvs[key] = (buf, dist.irecv(buf, self.grid.stage_to_global(peer)))
+            self._recvs[key] = (buf, dist.irecv(buf, self._global_rank(peer)))
+
+        def _global_rank(self, stage: int) -> int:
+            """The global rank of pipeline stage ``stage`` in this replica, looked up once
+            (DeepSpeed's ``stage_to_global`` scans the topology on every call)."""
+            ranks = self.__dict__.setdefault("_stage_ranks", {})
+            if stage not in ranks:
+                ranks[stage] = self.grid.stage_to_global(stage)
+            return ranks[stage]
 
         def _await_inputs(self, a) -> None:
             """Wait for the receives compute action ``a`` consumes."""
