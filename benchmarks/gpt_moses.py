@@ -7,8 +7,10 @@
                                    [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
-   ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer), or
-   from the bundled sample when the manifest is the quick start's ``runs/quickstart/data``.
+   ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer, and for
+   a recipe that reads randomized SMILES ``--randomized_variants`` stored spellings, 8 by
+   default, as the README's command), or from the bundled sample when the manifest is the
+   quick start's ``runs/quickstart/data``.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
    run directory; ``--seed`` sets run.seed and data.seed; ``--steps`` trainer.max_steps).
 3. The model scored: the recipe's own average (``checkpoint.average_last``: RUN/averaged),
@@ -47,10 +49,12 @@ PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.84
              "MolGPT": {"validity": 0.994, "unique@10k": 1.0, "novelty": 0.797}}
 
 
-def preprocess(source: str, manifest_dir: str) -> None:
+def preprocess(source: str, manifest_dir: str, variants: int = 0) -> None:
+    """The README's ETL command (``variants``: stored randomized spellings per training molecule)."""
     subprocess.run(["molds-preprocess", "--input", source, "--smiles-column", "SMILES", "--output", manifest_dir,
                     "--split", "scaffold", "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex",
-                    "--workers", str(os.cpu_count() or 1)], check=True)
+                    "--workers", str(os.cpu_count() or 1)]
+                   + (["--randomized-variants", str(variants)] if variants else []), check=True)
 
 
 def recipe_manifest_representation(manifest_dir: str) -> str:
@@ -64,6 +68,9 @@ def main() -> int:
     ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_moses.json"))
     ap.add_argument("--nproc", type=int, default=2, help="training processes (torchrun)")
     ap.add_argument("--input", default=None, help="raw SMILES file for the ETL when the manifest is missing")
+    ap.add_argument("--randomized_variants", type=int, default=8,
+                    help="the ETL's stored spellings per training molecule, for a recipe that reads randomized "
+                         "SMILES (0: the run writes them live)")
     ap.add_argument("--seed", type=int, default=None, help="run.seed and data.seed (default: the recipe's)")
     ap.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: the recipe's)")
     ap.add_argument("--num", type=int, default=10000)
@@ -118,7 +125,7 @@ def main() -> int:
         else:
             ap.error(f"{manifest_dir} has no manifest.json: pass --input (the raw MOSES file) to make it")
         t0 = time.perf_counter()
-        preprocess(source, manifest_dir)
+        preprocess(source, manifest_dir, args.randomized_variants if recipe.data.randomized_smiles > 0 else 0)
         etl_s = time.perf_counter() - t0
 
     launcher = ([sys.executable, os.path.join(ROOT, "molds", "train.py")] if args.nproc == 1 else
