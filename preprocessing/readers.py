@@ -140,6 +140,11 @@ _TEXT_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
               (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
 
 
+def _bom_encoding(head: bytes) -> str | None:
+    """UTF-16 / UTF-32 by the byte-order mark a file starts with, else None."""
+    return next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), None)
+
+
 def _open_at_start(path: str):
     """``(binary stream at its start, its first 4 bytes)``: the head is read from the stream
     that is then read (seeked back), not from a second open (a second request for an HTTP
@@ -160,7 +165,7 @@ def _open_text(path: str):
     bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
     failing."""
     fh, head = _open_at_start(path)
-    encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), "utf-8-sig")
+    encoding = _bom_encoding(head) or "utf-8-sig"
     return io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
 
 
@@ -192,7 +197,7 @@ def _open_sd(path: str):
     that it does not become part of the first record's title (an id read from ``_Name``);
     UTF-16 / UTF-32 files (marked by their BOM) are read through as UTF-8."""
     fh, head = _open_at_start(path)
-    encoding = next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), None)
+    encoding = _bom_encoding(head)
     if encoding is not None:
         return _Utf8Bytes(fh, encoding)
     if head.startswith(b"\xef\xbb\xbf"):
@@ -208,19 +213,25 @@ def is_clean(text: str) -> bool:
     return "\0" not in text
 
 
-def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
-    """Index of column ``wanted``: exact name, else a unique case-insensitive match; a name
-    that two columns share is refused (which one holds the data is not for molds to guess)."""
-    names = [h.strip() for h in header]
-    exact = [i for i, h in enumerate(names) if h == wanted]
-    folded = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
-    if len(exact) == 1 or (not exact and len(folded) == 1):
-        return (exact or folded)[0]
-    if len(exact) > 1 or len(folded) > 1:
-        shared = exact if len(exact) > 1 else folded
-        raise InputError(f"{path}: {len(shared)} columns match {wanted!r} (columns "
-                         f"{', '.join(str(i + 1) for i in shared)} of {names}); rename one, or name the other "
+def _matching(path: str, names: list[str], wanted: str) -> int | None:
+    """Index of the one name that is ``wanted`` (exactly, else but for case), None for none;
+    two that match are refused (which one holds the data is not for molds to guess)."""
+    found = [i for i, h in enumerate(names) if h == wanted]
+    if not found:
+        found = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
+    if len(found) > 1:
+        raise InputError(f"{path}: {len(found)} columns match {wanted!r} (columns "
+                         f"{', '.join(str(i + 1) for i in found)} of {names}); rename one, or name the other "
                          f"exactly if they differ in case")
+    return found[0] if found else None
+
+
+def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
+    """Index of column ``wanted`` (``_matching``), else refused naming the columns."""
+    names = [h.strip() for h in header]
+    found = _matching(path, names, wanted)
+    if found is not None:
+        return found
     hint = ""
     if len(names) == 1:  # a single column: the file is likely split by another character
         for sep, how in ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "--input_format tsv"),
@@ -333,10 +344,11 @@ def _read_smi(path, has_header: bool):
             if not is_clean(line):
                 yield row, None, None, None, "non_utf8"
             else:
-                smiles, cx, rest = split_cxsmiles(line.strip())
-                if cx is not None:  # ``SMILES |extension| name``: the extension belongs to the SMILES
-                    yield row, f"{smiles} {cx}", rest or None, None, None
-                    continue
+                if "|" in line:  # ``SMILES |extension| name``: the extension belongs to the SMILES
+                    smiles, cx, rest = split_cxsmiles(line.strip())
+                    if cx is not None:
+                        yield row, f"{smiles} {cx}", rest or None, None, None
+                        continue
                 parts = line.strip().split(None, 1)
                 yield row, parts[0], parts[1].strip() if len(parts) > 1 else None, None, None
 
@@ -346,18 +358,12 @@ def _read_jsonl(path, cols: Columns):
     record's one key that matches but for case); a SMILES value that is no string is a
     ``malformed_row``; a file where no record has the SMILES key is refused at its end,
     naming the keys its records have (a misspelt ``--smiles-column``)."""
-    folded: dict[str, str] = {}  # a wanted key -> the key the records spell it with
-
     def value(rec: dict, wanted: str):
         if wanted in rec:
             return rec[wanted]
-        key = folded.get(wanted)
-        if key is None or key not in rec:
-            match = [k for k in rec if k.lower() == wanted.strip().lower()]
-            if len(match) != 1:
-                return None
-            key = folded[wanted] = match[0]
-        return rec[key]
+        keys = list(rec)
+        found = _matching(f"{path} line {row}", keys, wanted)
+        return None if found is None else rec[keys[found]]
 
     found, seen, records = False, set(), 0
     with _open_text(path) as fh:

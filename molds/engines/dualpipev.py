@@ -141,6 +141,8 @@ def _build_executor_class():
             self.wgrad = WeightGradStore()
             self.last_timeline = None
             self.last_idle_parts = {}
+            # each stage's global rank, looked up once: DeepSpeed's stage_to_global scans the topology per call
+            self._stage_ranks = {s: self.grid.stage_to_global(s) for s in range(self.num_stages)}
             self.io_dtype = next(p for p in self.module.parameters() if p.is_floating_point()).dtype
 
         # -------------------------------------------------------- one optimizer step
@@ -355,22 +357,14 @@ def _build_executor_class():
 
             tensor = tensor.detach().contiguous()
             self._sends = [s for s in self._sends if not s.work.is_completed()]  # free what has gone
-            self._sends.append(_Sent(tensor, dist.isend(tensor, self._global_rank(peer))))
+            self._sends.append(_Sent(tensor, dist.isend(tensor, self._stage_ranks[peer])))
 
         def _recv(self, key, peer: int, mb: int) -> None:
             import torch.distributed as dist
 
             rows = self._micro[mb]["input_ids"].numel()  # the fixed stage shape: [B*S, hidden]
             buf = torch.empty(rows, self.hidden_size, dtype=self.io_dtype, device=self.device)
-            self._recvs[key] = (buf, dist.irecv(buf, self._global_rank(peer)))
-
-        def _global_rank(self, stage: int) -> int:
-            """The global rank of pipeline stage ``stage`` in this replica, looked up once
-            (DeepSpeed's ``stage_to_global`` scans the topology on every call)."""
-            ranks = self.__dict__.setdefault("_stage_ranks", {})
-            if stage not in ranks:
-                ranks[stage] = self.grid.stage_to_global(stage)
-            return ranks[stage]
+            self._recvs[key] = (buf, dist.irecv(buf, self._stage_ranks[peer]))
 
         def _await_inputs(self, a) -> None:
             """Wait for the receives compute action ``a`` consumes."""

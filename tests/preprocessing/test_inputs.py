@@ -120,6 +120,9 @@ def test_jsonl_keys_match_as_csv_columns_do_and_a_missing_key_is_refused(tmp_pat
     with pytest.raises(InputError, match=r"k2.jsonl: no record has a value for the SMILES key 'smiles'; its records have \['smi'\]"):
         run_etl(str(tmp_path / "k2"), [str(tmp_path / "k2.jsonl")])
     assert json.load(open(str(tmp_path / "k2") + ".failed-report.json"))["rows_in"] == 2
+    (tmp_path / "k3.jsonl").write_text('{"Smiles": "CCO", "SMILES": "CCN"}\n')  # two keys match but for case
+    with pytest.raises(InputError, match=r"k3.jsonl line 1: 2 columns match 'smiles'"):
+        run_etl(str(tmp_path / "k3"), [str(tmp_path / "k3.jsonl")])
     pq.write_table(pa.table({"smiles": [1, 2]}), tmp_path / "int.parquet")
     with pytest.raises(InputError, match=r"int.parquet: its SMILES column 'smiles' holds int64, not strings"):
         run_etl(str(tmp_path / "int"), [str(tmp_path / "int.parquet")])
