@@ -13,12 +13,18 @@ zero coordinates RDKit writes for a molecule without a conformer) to benchmark w
 
 Times bare RDKit (parse + canonical SMILES + Murcko scaffold, plus the standardization
 calls when they are switched on) on one core, on a sample spread evenly over the input
-(``--floor-sample`` molecules, every k-th), before and after the ETL;
-runs ``molds-preprocess`` on the first N molecules in a subprocess while sampling the
+(``--floor-sample`` molecules, every k-th), before the ETL, after it, and while it runs:
+every ``--floor-every`` seconds the ETL's whole process tree is paused (SIGSTOP), the
+floor timed on the otherwise idle machine, and the tree resumed (SIGCONT); the ETL's time
+is its wall time less those pauses. A shared VM's speed drifts by 10-15 % over minutes, so
+a floor timed only at the two ends can miss what the machine gave the ETL in between; the
+floor the ratio uses is the mean of every sample, and the JSON line lists them all.
+Runs ``molds-preprocess`` on the first N molecules in a subprocess while sampling the
 resident memory of its whole process tree. Prints one JSON line:
-molecules_per_s, rdkit_floor_per_core, workers, ratio_to_floor, peak_rss_mb; and, to tell
-the machine's own contention apart, the floor per core while ``workers`` processes run
-it at once, the ratio to that, and the time of each ETL stage.
+molecules_per_s, rdkit_floor_per_core, workers, ratio_to_floor (and ratio_to_floor_ends,
+the ratio to the two end samples alone), peak_rss_mb; and, to tell the machine's own
+contention apart, the floor per core while ``workers`` processes run it at once, the ratio
+to that, and the time of each ETL stage.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import signal
 import threading
 import time
 
@@ -143,6 +150,33 @@ def write_sdf(source: str, column: str, out: str, n: int, coords: bool) -> int:
     return written
 
 
+def pause_tree(pid: int) -> list:
+    """SIGSTOP a process and its descendants (the parent first, so that it starts no new
+    worker meanwhile; the children listed again after, for one started in between)."""
+    import psutil
+
+    stopped, seen = [], set()
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return stopped
+    for _ in range(2):
+        try:
+            tree = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
+            if p.pid in seen:
+                continue
+            try:
+                p.send_signal(signal.SIGSTOP)
+                stopped.append(p)
+                seen.add(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return stopped
+
+
 def tree_rss_mb(pid: int) -> float:
     import psutil
 
@@ -167,6 +201,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=0, help="first N molecules (0: all)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--floor-sample", type=int, default=10000)
+    ap.add_argument("--floor-every", type=float, default=30.0,
+                    help="seconds of ETL between floor samples taken with the ETL paused (0: only before and after)")
     ap.add_argument("--engine", default="local")
     ap.add_argument("--write-sdf", help="write the SMILES of --input (first --n) as this SD file and exit")
     ap.add_argument("--coords", action="store_true", help="--write-sdf: 2D coordinates (slower to write)")
@@ -229,17 +265,46 @@ def main() -> None:
     peak = [0.0]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    lock = threading.Lock()  # the sampler does not read a paused tree's memory
 
     def sample_rss():
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+            with lock:
+                peak[0] = max(peak[0], tree_rss_mb(proc.pid))
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
+    during, paused, finished = [], [0.0], threading.Event()
+
+    def floor_while_paused():
+        """Every --floor-every s: pause the ETL's tree, time the floor, resume it."""
+        while not finished.wait(args.floor_every):
+            with lock:
+                if proc.poll() is not None:
+                    return
+                t0 = time.perf_counter()
+                stopped = pause_tree(proc.pid)
+                try:
+                    during.append(floor_fn(sample, standardize))
+                finally:
+                    for p in stopped:
+                        try:
+                            p.send_signal(signal.SIGCONT)
+                        except Exception:  # noqa: BLE001 - it ended meanwhile
+                            pass
+                paused[0] += time.perf_counter() - t0
+
+    pauser = threading.Thread(target=floor_while_paused, daemon=True)
+    if args.floor_every > 0:
+        pauser.start()
     out, _ = proc.communicate()
-    wall = time.perf_counter() - start
+    with lock:  # a pause under way has ended (the tree resumed) before the clock stops
+        wall = time.perf_counter() - start - paused[0]
+    finished.set()
     sampler.join()
+    if pauser.is_alive():
+        pauser.join()
     if proc.returncode:
         sys.exit(f"molds-preprocess failed with exit code {proc.returncode}")
     floor_after = floor_fn(sample, standardize)
@@ -247,7 +312,9 @@ def main() -> None:
     manifest_path = out.decode().strip().splitlines()[-1]
     manifest = json.load(open(manifest_path))
     timings = json.load(open(os.path.join(os.path.dirname(manifest_path), "report.json")))["timings_s"]
-    floor = (floor_before + floor_after) / 2
+    samples = [floor_before, *during, floor_after]
+    floor = sum(samples) / len(samples)
+    floor_ends = (floor_before + floor_after) / 2
     rows = manifest["stats"]["rows_in"]
     mps = rows / wall
     from molds.precision import cpu_description
@@ -259,8 +326,11 @@ def main() -> None:
         "molecules_per_s": round(mps, 1),
         "rdkit_floor_per_core": round(floor, 1),
         "rdkit_floor_before_after": [round(floor_before, 1), round(floor_after, 1)],
+        "rdkit_floor_during": [round(f, 1) for f in during],
+        "paused_s": round(paused[0], 2),
         "workers": args.workers,
         "ratio_to_floor": round(mps / (args.workers * floor), 3),
+        "ratio_to_floor_ends": round(mps / (args.workers * floor_ends), 3),
         "peak_rss_mb": round(peak[0], 1),
         "rdkit_floor_per_core_all_workers_busy": round(floor_parallel, 1),
         "ratio_to_busy_floor": round(mps / (args.workers * floor_parallel), 3),

@@ -26,7 +26,8 @@ CASES = {
     "dataloader": (["--seq-len", "128", "--subset", "500"], []),
     "moe_layer": (["--tokens", "256", "--hidden", "64", "--rounds", "1"],
                   ["molds_over_deepspeed_e8_top2", "molds_over_deepspeed_e64_top8"]),
-    "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100"], []),
+    "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100", "--floor-every", "0.3"],
+            ["ratio_to_floor", "ratio_to_floor_ends"]),
     "schedule_bubble": (["--quick"], ["dualpipev_over_stock_p2", "dualpipev_over_1f1b_p2"]),
 }
 
@@ -44,6 +45,54 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in keys:
         assert isinstance(out[key], float) and out[key] > 0, (key, out)
+    if name == "etl":  # the floor was also timed with the ETL paused, and those pauses are not its time
+        assert out["rdkit_floor_during"] and out["paused_s"] > 0, out
+
+
+def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():
+    """The floor timed mid-run is timed with every ETL process stopped: the parent and the
+    workers it started."""
+    import psutil
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from etl import pause_tree
+    finally:
+        sys.path.pop(0)
+    code = ("import multiprocessing as mp, time\n"
+            "def spin():\n    while True: pass\n"
+            "if __name__ == '__main__':\n"
+            "    p = mp.get_context('fork').Process(target=spin, daemon=True); p.start()\n"
+            "    print(p.pid, flush=True)\n    spin()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = psutil.Process(int(proc.stdout.readline()))
+        stopped = pause_tree(proc.pid)
+        assert {p.pid for p in stopped} == {proc.pid, child.pid}
+        for p in (psutil.Process(proc.pid), child):
+            for _ in range(50):
+                if p.status() == psutil.STATUS_STOPPED:
+                    break
+                import time
+                time.sleep(0.02)
+            assert p.status() == psutil.STATUS_STOPPED, p
+        before = child.cpu_times().user
+        import time
+        time.sleep(0.3)
+        assert child.cpu_times().user == before  # no progress while paused
+        for p in stopped:
+            p.resume()
+        time.sleep(0.3)
+        assert child.cpu_times().user > before
+    finally:  # the spinning child too: a killed parent leaves its daemon child running
+        for p in ([child] if child is not None else []):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow
