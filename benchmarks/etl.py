@@ -298,7 +298,13 @@ def main() -> None:
     pauser = threading.Thread(target=floor_while_paused, daemon=True)
     if args.floor_every > 0:
         pauser.start()
-    out, _ = proc.communicate()
+    try:
+        out, _ = proc.communicate()
+    except BaseException:  # Ctrl-C, perhaps mid-pause: no stopped ETL process is left behind
+        finished.set()
+        for p in pause_tree(proc.pid):
+            p.kill()
+        raise
     with lock:  # a pause under way has ended (the tree resumed) before the clock stops
         wall = time.perf_counter() - start - paused[0]
     finished.set()
