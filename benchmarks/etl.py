@@ -37,7 +37,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import signal
 import threading
 import time
 
@@ -150,43 +149,39 @@ def write_sdf(source: str, column: str, out: str, n: int, coords: bool) -> int:
     return written
 
 
-def pause_tree(pid: int) -> list:
-    """SIGSTOP a process and its descendants (the parent first, so that it starts no new
-    worker meanwhile; the children listed again after, for one started in between)."""
+def process_tree(pid: int) -> list:
+    """The process ``pid`` and its descendants (psutil), or [] once it has ended."""
     import psutil
 
-    stopped, seen = [], set()
     try:
         root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return stopped
+        return []
+
+
+def pause_tree(pid: int) -> list:
+    """SIGSTOP a process and its descendants (the parent first, so that it starts no new
+    worker meanwhile; the tree listed again after, for one started in between)."""
+    import psutil
+
+    stopped: dict = {}
     for _ in range(2):
-        try:
-            tree = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
-        for p in tree:
-            if p.pid in seen:
-                continue
-            try:
-                p.send_signal(signal.SIGSTOP)
-                stopped.append(p)
-                seen.add(p.pid)
-            except psutil.NoSuchProcess:
-                pass
-    return stopped
+        for p in process_tree(pid):
+            if p.pid not in stopped:
+                try:
+                    p.suspend()
+                    stopped[p.pid] = p
+                except psutil.NoSuchProcess:
+                    pass
+    return list(stopped.values())
 
 
 def tree_rss_mb(pid: int) -> float:
     import psutil
 
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc] + proc.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0.0
     total = 0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
@@ -265,7 +260,7 @@ def main() -> None:
     peak = [0.0]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    lock = threading.Lock()  # the sampler does not read a paused tree's memory
+    lock = threading.Lock()  # the memory sampler stays quiet while the floor is timed
 
     def sample_rss():
         while proc.poll() is None:
@@ -290,7 +285,7 @@ def main() -> None:
                 finally:
                     for p in stopped:
                         try:
-                            p.send_signal(signal.SIGCONT)
+                            p.resume()
                         except Exception:  # noqa: BLE001 - it ended meanwhile
                             pass
                 paused[0] += time.perf_counter() - t0
