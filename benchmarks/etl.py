@@ -34,6 +34,7 @@ import csv
 import gzip
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,7 @@ def main() -> None:
         if v:
             cmd += [f"--{k}", "true"]
     peak = [0.0]
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the floor runs in this process, never a child
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     lock = threading.Lock()  # the memory sampler stays quiet while the floor is timed
@@ -303,6 +305,8 @@ def main() -> None:
     with lock:  # a pause under way has ended (the tree resumed) before the clock stops
         wall = time.perf_counter() - start - paused[0]
     finished.set()
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # the ETL and every process it waited for
+    cpu = (reaped.ru_utime - children.ru_utime) + (reaped.ru_stime - children.ru_stime)
     sampler.join()
     if pauser.is_alive():
         pauser.join()
@@ -333,6 +337,12 @@ def main() -> None:
         "ratio_to_floor": round(mps / (args.workers * floor), 3),
         "ratio_to_floor_ends": round(mps / (args.workers * floor_ends), 3),
         "peak_rss_mb": round(peak[0], 1),
+        # where a ratio under 1 goes: CPU the ETL's processes spent per molecule against the
+        # floor's time per molecule, and how busy it kept the cores it had
+        "etl_cpu_s": round(cpu, 2),
+        "cpu_us_per_molecule": round(cpu / rows * 1e6, 1),
+        "floor_us_per_molecule": round(1e6 / floor, 1),
+        "cores_busy": round(cpu / (wall * min(args.workers, os.cpu_count() or 1)), 3),
         "rdkit_floor_per_core_all_workers_busy": round(floor_parallel, 1),
         "ratio_to_busy_floor": round(mps / (args.workers * floor_parallel), 3),
         "stage_s": timings,
