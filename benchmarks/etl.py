@@ -24,7 +24,10 @@ resident memory of its whole process tree. Prints one JSON line:
 molecules_per_s, rdkit_floor_per_core, workers, ratio_to_floor (and ratio_to_floor_ends,
 the ratio to the two end samples alone), peak_rss_mb; and, to tell the machine's own
 contention apart, the floor per core while ``workers`` processes run it at once, the ratio
-to that, and the time of each ETL stage.
+to that, and the time of each ETL stage. Where a ratio under 1 goes: etl_cpu_s (the CPU of
+every ETL process, from the resource usage of the reaped children; the floor runs in this
+process, never a child), cpu_us_per_molecule against floor_us_per_molecule, and cores_busy
+(that CPU over the ETL's wall time on ``workers`` cores).
 """
 
 from __future__ import annotations

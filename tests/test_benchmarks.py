@@ -48,6 +48,11 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
         assert isinstance(out[key], float) and out[key] > 0, (key, out)
     if name == "etl":  # the floor was also timed with the ETL paused, and those pauses are not its time
         assert out["rdkit_floor_during"] and out["paused_s"] > 0, out
+        # the ETL's CPU (its reaped process tree): at least one worker's parse of 400 records,
+        # at most every core busy through its run
+        assert out["cpu_us_per_molecule"] == pytest.approx(out["etl_cpu_s"] / out["molecules"] * 1e6, rel=0.01)
+        assert out["cpu_us_per_molecule"] > out["floor_us_per_molecule"] / 2, out
+        assert 0 < out["cores_busy"] <= 1.1 * (os.cpu_count() or 1), out
 
 
 def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():
