@@ -132,20 +132,22 @@ class _Inflate(io.RawIOBase):
         start, given = self._member
         self._raw.seek(start)
         d, out, skip = zlib.decompressobj(31), [], given
+        block = b""
         while True:
-            block = self._raw.read(_IN)
             if not block:
-                break
-            try:
-                data = d.decompress(block)
+                block = self._raw.read(_IN)
+            try:  # a bounded piece at a time, however well the member compresses
+                data = d.decompress(block, _IN * 8)
             except zlib.error as exc:
                 raise gzip.BadGzipFile(f"corrupt gzip data: {exc}") from None
+            if not block and not data:
+                return b"".join(out)
+            block = d.unconsumed_tail
             if skip >= len(data):
                 skip -= len(data)
                 continue
             out.append(data[skip:])
             skip = 0
-        return b"".join(out)
 
     def _next_member(self) -> bool:
         """After a member: skip zero padding; True when another member follows, False at

@@ -58,6 +58,7 @@ def _cases() -> dict:
         "cut in the data": data[: len(data) // 2],
         "cut in the second member": data + data[:1000],
         "cut in the header": data[:5],
+        "cut in a member of zeros": (lambda z: z[: len(z) * 3 // 5])(gzip.compress(bytes(20 << 20))),
         "not gzip": b"plain text\n" * 10,
     }
 
