@@ -18,7 +18,9 @@ from . import CHECKPOINT_HELP, new_parser, parse
 
 def build_parser():
     p = new_parser("molds-sample", "Sample molecules from a decoder checkpoint, one SMILES per line (an empty line: a "
-                                   "sample that never ended, holds a special token or decodes to no molecule).")
+                                   "sample that never ended, holds a special token, or, from a SELFIES or SAFE "
+                                   "model, decodes to no SMILES; a SMILES model's invalid SMILES is written as it "
+                                   "was sampled, and molds-eval counts it invalid).")
     p.add_argument("checkpoint", type=str, help=CHECKPOINT_HELP)
     p.add_argument("--num", type=int, default=10000, help="how many samples")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
