@@ -27,7 +27,8 @@ contention apart, the floor per core while ``workers`` processes run it at once,
 to that, and the time of each ETL stage. Where a ratio under 1 goes: etl_cpu_s (the CPU of
 every ETL process, from the resource usage of the reaped children; the floor runs in this
 process, never a child), cpu_us_per_molecule against floor_us_per_molecule, and cores_busy
-(that CPU over the ETL's wall time on ``workers`` cores).
+(that CPU over the ETL's wall time on ``workers`` cores; with ``--engine local``: Ray's
+worker processes are not the ETL's children, so under ``--engine ray`` they are not counted).
 """
 
 from __future__ import annotations
