@@ -327,6 +327,7 @@ def main() -> None:
     rows = manifest["stats"]["rows_in"]
     mps = rows / wall
     from molds.precision import cpu_description
+    from molds.preprocessing.inflate import backend as inflate_backend
 
     print(json.dumps({"cpu": cpu_description(),
         "molecules": rows,
@@ -352,6 +353,7 @@ def main() -> None:
         "stage_s": timings,
         "standardize": standardize,
         "engine": args.engine,
+        "gzip_inflate": inflate_backend(),  # isal or zlib: what read a .gz input
         "input": args.input,
         "input_format": "sdf" if sdf else "smiles",
         "floor": "RDKit ForwardSDMolSupplier (through gzip for a .gz input) + canonical SMILES + scaffold" if sdf

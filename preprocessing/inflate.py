@@ -40,7 +40,7 @@ _CUT = "Compressed file ended before the end-of-stream marker was reached"
 
 
 def backend() -> str:
-    """Which inflate runs: ``isal`` or ``zlib`` (for reports and benchmarks)."""
+    """Which inflate runs: ``isal`` or ``zlib`` (``benchmarks/etl.py`` reports it)."""
     return "zlib" if _zlib is zlib else "isal"
 
 
@@ -58,9 +58,8 @@ class _Inflate(io.RawIOBase):
         self._input = b""  # compressed bytes the decompressor has not taken yet
         self._pos = 0
         self._read = 0  # bytes read from the raw stream
-        self._member = (0, 0)  # where the current member starts in the raw stream, and its output so far
+        self._member = (0, 0)  # where the current member starts: in the raw stream, in the output
         self._tail = None  # at a cut: the bytes zlib inflates past what ISA-L gave, then EOFError
-        self._fed = False  # whether the file had any byte
 
     def readable(self) -> bool:
         return True
@@ -85,7 +84,6 @@ class _Inflate(io.RawIOBase):
     def _fill(self) -> bytes:
         block = self._raw.read(_IN)
         self._read += len(block)
-        self._fed = self._fed or bool(block)
         return block
 
     def readinto(self, b) -> int:
@@ -105,10 +103,9 @@ class _Inflate(io.RawIOBase):
                 raise gzip.BadGzipFile(f"corrupt gzip data: {exc}") from None
             self._input = self._d.unconsumed_tail
             if out:
-                self._member = (self._member[0], self._member[1] + len(out))
                 return self._give(b, out)
             if ended and not self._d.eof:
-                if not self._fed:  # an empty .gz is empty, as for gzip.GzipFile
+                if not self._read:  # an empty .gz is empty, as for gzip.GzipFile
                     return 0
                 if self._lib is zlib:
                     raise EOFError(_CUT)
@@ -129,9 +126,9 @@ class _Inflate(io.RawIOBase):
 
     def _exact_tail(self) -> bytes:
         """The bytes of the cut member past those given so far, inflated again by zlib."""
-        start, given = self._member
+        start, began = self._member
         self._raw.seek(start)
-        d, out, skip = zlib.decompressobj(31), [], given
+        d, out, skip = zlib.decompressobj(31), [], self._pos - began
         block = b""
         while True:
             if not block:
@@ -167,7 +164,7 @@ class _Inflate(io.RawIOBase):
             raise gzip.BadGzipFile(f"Not a gzipped file ({rest[:2]!r})")
         self._d = self._lib.decompressobj(31)
         self._input = rest
-        self._member = (self._read - len(rest), 0)
+        self._member = (self._read - len(rest), self._pos)
         return True
 
     def close(self) -> None:
