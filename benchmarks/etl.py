@@ -23,8 +23,10 @@ Runs ``molds-preprocess`` on the first N molecules in a subprocess while samplin
 resident memory of its whole process tree. Prints one JSON line:
 molecules_per_s, rdkit_floor_per_core, workers, ratio_to_floor (and ratio_to_floor_ends,
 the ratio to the two end samples alone), peak_rss_mb; and, to tell the machine's own
-contention apart, the floor per core while ``workers`` processes run it at once, the ratio
-to that, and the time of each ETL stage. Where a ratio under 1 goes: etl_cpu_s (the CPU of
+contention apart, the floor per core while ``workers`` processes run it at once (timed at
+the same moments: before, at every pause, after), the ratio to that (ratio_to_busy_floor:
+the ETL's workers against as many bare RDKit scripts sharing the machine as they do), and
+the time of each ETL stage. Where a ratio under 1 goes: etl_cpu_s (the CPU of
 every ETL process, from the resource usage of the reaped children; the floor runs in this
 process, never a child), cpu_us_per_molecule against floor_us_per_molecule, and cores_busy
 (that CPU over the ETL's wall time on ``workers`` cores; with ``--engine local``: Ray's
@@ -100,12 +102,11 @@ def rdkit_sd_floor(sample: dict, standardize: dict) -> float:
     return len(records) / (time.perf_counter() - start)
 
 
-def parallel_floor(sample: list, standardize: dict, workers: int, floor=rdkit_floor) -> float:
-    """Per-core floor with ``workers`` processes running it at once (machine contention)."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(workers) as pool:
-        rates = list(pool.map(floor, [sample] * workers, [standardize] * workers))
+def parallel_floor(pool, sample, standardize: dict, workers: int, floor=rdkit_floor) -> float:
+    """Per-core floor with ``workers`` processes of ``pool`` running it at once: what bare
+    RDKit scripts get from the machine when they keep ``workers`` cores busy together, as the
+    ETL's workers do (cores that share caches, or a host's hyperthreads, slow each other)."""
+    rates = list(pool.map(floor, [sample] * workers, [standardize] * workers))
     return sum(rates) / workers
 
 
@@ -255,7 +256,12 @@ def main() -> None:
         del everything
         floor_fn = rdkit_floor
 
+    from concurrent.futures import ProcessPoolExecutor
+
+    # the busy floor's processes: children of this process, reaped after the ETL's CPU is read
+    busy_pool = ProcessPoolExecutor(args.workers)
     floor_before = floor_fn(sample, standardize)
+    busy_before = parallel_floor(busy_pool, sample, standardize, args.workers, floor_fn)
     cmd = [sys.executable, "-m", "molds.preprocessing.cli", "--input", data, "--smiles_column", args.smiles_column,
            "--output", os.path.join(tmp, "out"), "--workers", str(args.workers), "--engine", args.engine,
            "--progress", "false"]
@@ -276,10 +282,11 @@ def main() -> None:
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
-    during, paused, finished = [], [0.0], threading.Event()
+    during, busy_during, paused, finished = [], [], [0.0], threading.Event()
 
     def floor_while_paused():
-        """Every --floor-every s: pause the ETL's tree, time the floor, resume it."""
+        """Every --floor-every s: pause the ETL's tree, time the floor (one process, then
+        ``workers`` at once), resume it."""
         while not finished.wait(args.floor_every):
             with lock:
                 if proc.poll() is not None:
@@ -288,6 +295,7 @@ def main() -> None:
                 stopped = pause_tree(proc.pid)
                 try:
                     during.append(floor_fn(sample, standardize))
+                    busy_during.append(parallel_floor(busy_pool, sample, standardize, args.workers, floor_fn))
                 finally:
                     for p in stopped:
                         try:
@@ -317,7 +325,10 @@ def main() -> None:
     if proc.returncode:
         sys.exit(f"molds-preprocess failed with exit code {proc.returncode}")
     floor_after = floor_fn(sample, standardize)
-    floor_parallel = parallel_floor(sample, standardize, args.workers, floor_fn)
+    busy_after = parallel_floor(busy_pool, sample, standardize, args.workers, floor_fn)
+    busy_pool.shutdown()
+    busy = [busy_before, *busy_during, busy_after]
+    floor_parallel = sum(busy) / len(busy)
     manifest_path = out.decode().strip().splitlines()[-1]
     manifest = json.load(open(manifest_path))
     timings = json.load(open(os.path.join(os.path.dirname(manifest_path), "report.json")))["timings_s"]
@@ -349,6 +360,7 @@ def main() -> None:
         "floor_us_per_molecule": round(1e6 / floor, 1),
         "cores_busy": round(cpu / (wall * min(args.workers, os.cpu_count() or 1)), 3),
         "rdkit_floor_per_core_all_workers_busy": round(floor_parallel, 1),
+        "rdkit_busy_floor_before_during_after": [round(f, 1) for f in busy],
         "ratio_to_busy_floor": round(mps / (args.workers * floor_parallel), 3),
         "stage_s": timings,
         "standardize": standardize,

@@ -28,7 +28,7 @@ CASES = {
     "moe_layer": (["--tokens", "256", "--hidden", "64", "--rounds", "1"],
                   ["molds_over_deepspeed_e8_top2", "molds_over_deepspeed_e64_top8"]),
     "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100", "--floor-every", "0.3"],
-            ["ratio_to_floor", "ratio_to_floor_ends"]),
+            ["ratio_to_floor", "ratio_to_floor_ends", "ratio_to_busy_floor"]),
     "schedule_bubble": (["--quick"], ["dualpipev_over_stock_p2", "dualpipev_over_1f1b_p2"]),
 }
 
@@ -48,6 +48,8 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
         assert isinstance(out[key], float) and out[key] > 0, (key, out)
     if name == "etl":  # the floor was also timed with the ETL paused, and those pauses are not its time
         assert out["rdkit_floor_during"] and out["paused_s"] > 0, out
+        # the busy floor (as many bare scripts at once as workers) at the same moments
+        assert len(out["rdkit_busy_floor_before_during_after"]) == len(out["rdkit_floor_during"]) + 2, out
         # the ETL's CPU (its reaped process tree): at least one worker's parse of 400 records,
         # at most every core busy through its run
         assert out["cpu_us_per_molecule"] == pytest.approx(out["etl_cpu_s"] / out["molecules"] * 1e6, rel=0.01)

@@ -23,6 +23,51 @@ def test_canonical_and_scaffold_equal_rdkit_on_held_out_sample():
         assert got.dedupe_key == got.canonical
 
 
+# Ring systems, linkers, exocyclic double bonds, aromatic N-H after a cut side chain, charges,
+# isotopes, radicals, stereo, dummy atoms, dative bonds, metals, several fragments, no ring.
+HOSTILE = """C1CC2CCC1C2 C12C3C4C1C5C2C3C45 c1ccc2c(c1)[nH]c1ccccc12 Cn1cccc1 Cn1ccnc1 O=C1CCCCC1
+O=c1cc[nH]c(=O)[nH]1 C1CCC2(CC1)CCCC2 C[C@H]1CC[C@@H](C)CC1 [2H]c1ccccc1 [13CH3]c1ccccc1 C[N+](C)(C)c1ccccc1
+[O-][n+]1ccccc1 C1CCCCCCCCCCC1 C1CC1C1CC1 c1ccccc1CCc1ccccc1 CCO [Na+].[Cl-] c1cc2ccc3cccc4ccc(c1)c2c34
+C1C[C@H]2C[C@@H]1C=C2 C=C1CCCCC1 N#CC1CCCCC1 B1OC(C)(C)C(C)(C)O1 C[Si]1(C)CCCC1 O=P1(O)OCCO1 c1ccc2[se]ccc2c1
+Fc1ccc(cc1)[C@@H]1CC[NH2+]CC1 C1CC[C@]2(CC1)OCCO2 C1CN2CCN1CC2 C12CC3CC(C1)CC(C3)C2 O=C1C=CC(=O)C=C1
+[CH]1CCCC1 [C]1CCCC1 C1CC[N]CC1 c1ccc2c(c1)-c1ccccc1-2 C/C=C/c1ccccc1 *c1ccccc1 [*:1]C1CC1 C1CC1[Hg]C1CC1
+[NH3]->[Pt]1(<-[NH3])OC(=O)C2(CCC2)C(=O)O1 c1ccccc1.c1ccncc1 C[C@@H]1C[C@H]2CC[C@@]1(C)C2 c1cc[o+]cc1""".split()
+
+
+def _molblock_twins(smiles: str) -> list:
+    """The molecule read back from V2000 and V3000 blocks with 2D coordinates and, when it
+    embeds, with 3D ones (stereo then comes from the coordinates, as an SD record's does)."""
+    from rdkit.Chem import AllChem
+
+    mol = Chem.MolFromSmiles(smiles)
+    flat = Chem.Mol(mol)
+    AllChem.Compute2DCoords(flat)
+    blocks = [Chem.MolToMolBlock(flat), Chem.MolToV3KMolBlock(flat)]
+    solid = Chem.AddHs(mol)
+    if AllChem.EmbedMolecule(solid, randomSeed=7) == 0:
+        blocks.append(Chem.MolToMolBlock(Chem.RemoveHs(solid)))
+    return [m for m in (Chem.MolFromMolBlock(b) for b in blocks) if m is not None]
+
+
+@pytest.mark.parametrize("smiles", HOSTILE)
+def test_from_mol_equals_rdkit_from_smiles_and_mol_blocks(smiles):
+    """What an SD record gives (a molecule read from a mol block, with 2D or 3D coordinates)
+    against RDKit called directly on an untouched copy: canonical SMILES, Murcko scaffold,
+    and the InChIKey (InChI reads stereo from the coordinates)."""
+    plain = Canonicalizer(ChemOptions())
+    keyed = Canonicalizer(ChemOptions(dedupe_key="inchikey"))
+    for mol in [Chem.MolFromSmiles(smiles), *_molblock_twins(smiles)]:
+        want_scaffold = Chem.MolToSmiles(MurckoScaffold.GetScaffoldForMol(Chem.Mol(mol)), isomericSmiles=False)
+        got = plain.from_mol(Chem.Mol(mol))
+        assert isinstance(got, Molecule), got
+        assert (got.canonical, got.scaffold) == (Chem.MolToSmiles(mol), want_scaffold)
+        keyed_got, want_key = keyed.from_mol(Chem.Mol(mol)), Chem.MolToInchiKey(mol)
+        if want_key:
+            assert (keyed_got.dedupe_key, keyed_got.scaffold) == (want_key, want_scaffold)
+        else:  # dummy atoms, dative bonds: InChI has no key for them
+            assert keyed_got == "inchi_error"
+
+
 @pytest.mark.parametrize("smiles,reason", [
     ("", "empty"), ("  \t", "empty"), ("C1CC", "parse_error"), ("CC O", "parse_error"), ("Xx", "parse_error"),
     ("C(C)(C)(C)(C)C", "valence_error"), ("c1cccc1", "kekulize_error"), ("C" * 501, "too_long"),
