@@ -118,6 +118,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as fh:
         json.dump({"engine": cfg.engine, "workers": cfg.workers or os.cpu_count(),
                    "timings_s": {k: round(v, 3) for k, v in timings.items()},
+                   # glibc's malloc settings the run had (molds-preprocess raises tcache_count)
+                   "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
                    "rejected_examples": stats.examples}, fh, indent=2)
     return path
 

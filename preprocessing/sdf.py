@@ -120,6 +120,13 @@ def resolve_tag(wanted: str, present) -> str | None:
     return folded[0] if len(folded) == 1 else None
 
 
+class Misaligned(Exception):
+    """A supplier over several records gave more or fewer molecules than records."""
+
+
+_END_OF_SUPPLY = object()
+
+
 class SDRecordParser:
     """SD records (bytes) to ``(mol or reason, message, id, raw label values)`` each.
 
@@ -146,29 +153,47 @@ class SDRecordParser:
         except Exception:  # noqa: BLE001 - RDKit raises on some malformed input: refused records
             return []
 
-    def parse(self, records: list[bytes], first_lines: list[int]) -> list[tuple]:
-        """Every record of a chunk. One supplier reads them all, and its molecules are taken
+    def parse(self, records: list[bytes], first_lines: list[int], together: bool = True) -> list[tuple]:
+        """Every record of a batch. One supplier reads them all, and its molecules are taken
         as the records' when there are as many as records: RDKit splits at the same $$$$
         lines, and a record it misreads can only swallow the next one (an empty record
         followed by another: it reads the next title as the empty one's counts line), never
-        split one, so equal counts mean aligned. Otherwise each record is read alone."""
-        mols = self._read(b"".join(records)) if records else []
+        split one, so equal counts mean aligned. Otherwise (or with ``together`` false) each
+        record is read alone."""
+        mols = self._read(b"".join(records)) if records and together else []
         if len(mols) != len(records):
             mols = [next(iter(self._read(r)), None) for r in records]
-        out = []
-        for data, line, mol in zip(records, first_lines, mols):
-            note = None
-            if mol is None:
-                shifted = _without_leading_blank_lines(data)
-                if shifted is not None:
-                    mol = next(iter(self._read(shifted)), None)
-                    note = LEADING_BLANK_LINES if mol is not None else None
-            if mol is None:
-                reason, message = self._classify(data, line)
-                out.append((reason, message, None, None))
-            else:
-                out.append((mol, note, self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]))
-        return out
+        return [self._result(data, line, mol) for data, line, mol in zip(records, first_lines, mols)]
+
+    def stream(self, records: list[bytes], first_lines: list[int]):
+        """``parse``'s results one at a time, each record's molecule handed on as soon as the
+        supplier has read it (so it is used, and freed, while it is in cache: the way a
+        bare RDKit loop runs). Alignment is only known at the end: when the supplier gives
+        more or fewer molecules than records, or raises, ``Misaligned`` is raised after
+        the last record, and the caller discards what it made of them and calls ``parse``
+        with ``together=False``."""
+        try:
+            supplier = iter(self._supplier(b"".join(records)))
+            for data, line in zip(records, first_lines):
+                mol = next(supplier)
+                yield self._result(data, line, mol)
+            extra = next(supplier, _END_OF_SUPPLY)
+        except Exception as exc:  # noqa: BLE001 - StopIteration (fewer molecules) or RDKit's error
+            raise Misaligned from exc
+        if extra is not _END_OF_SUPPLY:
+            raise Misaligned
+
+    def _result(self, data: bytes, line: int, mol) -> tuple:
+        note = None
+        if mol is None:
+            shifted = _without_leading_blank_lines(data)
+            if shifted is not None:
+                mol = next(iter(self._read(shifted)), None)
+                note = LEADING_BLANK_LINES if mol is not None else None
+        if mol is None:
+            reason, message = self._classify(data, line)
+            return reason, message, None, None
+        return mol, note, self._prop(mol, self.id_tag), [self._prop(mol, t) for t in self.label_tags]
 
     def title(self, mol) -> str:
         """The record's title line (for the report's examples of refused rows)."""

@@ -35,7 +35,7 @@ NUM_BUCKETS = 4096
 _BUCKET_SHIFT = np.uint64(64 - 12)
 _GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
-_SD_BATCH = 64  # SD records RDKit reads together (one supplier) before they are canonicalized
+_SD_BATCH = 64  # SD records one RDKit supplier reads, each canonicalized as soon as it is read
 SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
                  "randomized_token_ids", "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
 
@@ -152,9 +152,7 @@ class MapStage:
         rejected_before = sum(stats.rejected.values())
         accepted = []
         sdf = chunk.kind == "sdf"
-        if sdf:  # RDKit reads the records _SD_BATCH at a time, each batch used while it is in cache
-            readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
-            next_batch, parsed_sd = 0, {}
+        sd_rows = self._sd_rows(chunk) if sdf else None  # pos -> its outcome, every SD record with bytes
         for pos, row in enumerate(chunk.rows):
             source = f"{chunk.path}:{row} (record {chunk.records[pos]})" if sdf else f"{chunk.path}:{row}"
             stats.rows_in += 1
@@ -162,41 +160,25 @@ class MapStage:
             if raw is None:
                 stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
                 continue
-            cid, label_values = chunk.ids[pos], chunk.labels[pos]
             if sdf:
-                if pos not in parsed_sd:
-                    batch = readable[next_batch:next_batch + _SD_BATCH]
-                    next_batch += len(batch)
-                    parsed_sd = dict(zip(batch, self._sd().parse([chunk.smiles[p] for p in batch],
-                                                                 [chunk.rows[p] for p in batch])))
-                parsed, title, cid, label_values = parsed_sd[pos]
-                if isinstance(parsed, str):
-                    stats.reject(parsed, source, title)  # RDKit's message, the line made absolute
-                    continue
-                if title is not None:  # read after a repair (blank lines before the header): counted
+                reason, kept, repaired = sd_rows[pos]
+                if repaired:  # read after a repair (blank lines before the header): counted
                     stats.sd_repaired += 1
-                if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
-                    # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
-                    # refuses such a row (not as a bad label)
-                    stats.reject("non_utf8", source, self._sd().title(parsed))
+                if reason is not None:
+                    stats.reject(reason, source, kept)
                     continue
-            labels = None
-            if opts.num_labels:
-                labels = parse_labels(label_values, opts.decimal)
-                if labels is None:
-                    stats.reject("bad_label", source, label_values)
-                    continue
-            if sdf:
-                raw = self._sd_raw(parsed)
-                mol = self.canonicalize.from_mol(parsed, check_length=True)
+                raw, mol, cid, labels, text = kept
             else:
+                cid = chunk.ids[pos]
+                labels = self._labels(chunk.labels[pos])
+                if labels is False:
+                    stats.reject("bad_label", source, chunk.labels[pos])
+                    continue
                 mol = self.canonicalize(raw)
-            if not isinstance(mol, Molecule):
-                stats.reject(mol, source, self._sd().title(parsed) if sdf else raw)
-                continue
-            text = None
-            if self.represent is not None:
-                text, reason = self._represent(mol.canonical)
+                if not isinstance(mol, Molecule):
+                    stats.reject(mol, source, raw)
+                    continue
+                reason, text = self._text(mol)
                 if reason is not None:
                     stats.reject(reason, source, mol.canonical)
                     continue
@@ -220,6 +202,66 @@ class MapStage:
         if len(cols["order"]) >= self.spill_rows:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
+
+    def _labels(self, values):
+        """The row's labels (None without label columns), or False for a bad label."""
+        if not self.options.num_labels:
+            return None
+        labels = parse_labels(values, self.options.decimal)
+        return False if labels is None else labels
+
+    def _text(self, mol: Molecule) -> tuple:
+        """(None, the representation's string or None for SMILES) or (reason, None)."""
+        if self.represent is None:
+            return None, None
+        text, reason = self._represent(mol.canonical)
+        return (reason, None) if reason is not None else (None, text)
+
+    def _sd_rows(self, chunk: RawChunk) -> dict:
+        """pos -> ``(reason, example, repaired)`` or ``(None, (raw, Molecule, id, labels,
+        text), repaired)`` for every SD record of the chunk that has bytes. RDKit reads
+        ``_SD_BATCH`` records through one supplier, and each molecule is canonicalized as soon
+        as it is read (used and freed while in cache, as a bare RDKit loop does); when the
+        supplier turns out not to have given one molecule per record, what was made of the
+        batch is dropped and its records are read one at a time (``SDRecordParser.parse``)."""
+        from .sdf import Misaligned
+
+        parser = self._sd()
+        readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
+        out = {}
+        for start in range(0, len(readable), _SD_BATCH):
+            batch = readable[start:start + _SD_BATCH]
+            records, lines = [chunk.smiles[p] for p in batch], [chunk.rows[p] for p in batch]
+            notes = self.stats.notes.copy()  # the representation's counts, kept only for what is kept
+            try:
+                done = [self._sd_row(parsed) for parsed in parser.stream(records, lines)]
+            except Misaligned:
+                self.stats.notes = notes
+                done = [self._sd_row(parsed) for parsed in parser.parse(records, lines, together=False)]
+            out.update(zip(batch, done))
+        return out
+
+    def _sd_row(self, parsed: tuple) -> tuple:
+        """One SD record's outcome (see ``_sd_rows``) from ``SDRecordParser``'s result."""
+        mol, title, cid, label_values = parsed
+        repaired = title is not None and not isinstance(mol, str)
+        if isinstance(mol, str):
+            return mol, title, False  # RDKit's message, the line made absolute
+        if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
+            # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
+            # refuses such a row (not as a bad label)
+            return "non_utf8", self._sd().title(mol), repaired
+        labels = self._labels(label_values)
+        if labels is False:
+            return "bad_label", label_values, repaired
+        raw = self._sd_raw(mol)
+        molecule = self.canonicalize.from_mol(mol, check_length=True)
+        if not isinstance(molecule, Molecule):
+            return molecule, self._sd().title(mol), repaired
+        reason, text = self._text(molecule)
+        if reason is not None:
+            return reason, molecule.canonical, repaired
+        return None, (raw, molecule, cid, labels, text), repaired
 
     def _sd(self):
         """The SD record parser (RDKit), built at the first SD chunk."""

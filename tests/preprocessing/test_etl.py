@@ -168,3 +168,28 @@ def test_report_lists_reasons_with_examples(dirty_run):
         assert f"**{reason}**" in report
     assert "vendor.csv.gz:" in report  # examples name the file and row
     assert json.load(open(os.path.join(out, "manifest.json")))["format_version"] == 1
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
+def test_the_command_runs_with_glibcs_larger_malloc_cache_unless_the_user_set_one(tmp_path):
+    """molds-preprocess re-runs itself once with tcache_count=256 added to GLIBC_TUNABLES (its
+    forked workers inherit it); a tcache_count the user set stands; report.json says which."""
+    import json
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.csv"
+    src.write_text("smiles\nCCO\nc1ccccc1O\nCC(=O)Nc1ccccc1\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    for given, want in ((None, "glibc.malloc.tcache_count=256"),
+                        ("glibc.malloc.mxfast=64", "glibc.malloc.mxfast=64:glibc.malloc.tcache_count=256"),
+                        ("glibc.malloc.tcache_count=9", "glibc.malloc.tcache_count=9")):
+        out = tmp_path / f"out{len(want)}"
+        run_env = dict(env, **({"GLIBC_TUNABLES": given} if given else {}))
+        proc = subprocess.run([sys.executable, "-m", "molds.preprocessing.cli", "--input", str(src), "--output",
+                               str(out), "--workers", "1", "--progress", "false"], env=run_env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().endswith("manifest.json"), proc.stdout  # printed once: one run, not two
+        assert proc.stdout.count("manifest.json") == 1, proc.stdout
+        assert json.load(open(out / "report.json"))["glibc_tunables"] == want

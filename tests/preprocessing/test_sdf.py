@@ -336,3 +336,54 @@ def test_blank_lines_between_records_keep_every_record_and_are_counted(tmp_path)
     # no V2000 counts line to realign on: RDKit's read as it is, its line 4 (the comment line,
     # blank) named in the file's numbering
     assert f"Counts line too short: '' on line {first + 2}" in message, message
+
+
+def test_a_batch_the_supplier_misreads_is_read_again_record_by_record_counting_once(hostile_sdf, tmp_path):
+    """Molecules are canonicalized as the supplier reads them; a batch where it gave more or
+    fewer molecules than records (an empty or three-line record swallows the next) is read
+    again one record at a time, and the representation's counts (its notes) made from the
+    misread batch are dropped, so every kept row is counted once."""
+    from molds.chem import ChemOptions
+    from molds.preprocessing import stages
+    from molds.preprocessing.readers import Columns, read_chunks
+
+    class Counting:  # a representation that notes every molecule it writes
+        name, notes = "counting", None
+
+        def __init__(self):
+            from collections import Counter
+
+            self.notes = Counter()
+
+        def encode(self, canonical):
+            self.notes["written"] += 1
+            return canonical, None
+
+        def decode(self, text):
+            return text
+
+    paths, good, bad = hostile_sdf
+    cols = Columns("smiles", "_Name", ("pIC50",))
+    options = stages.StageOptions(chem=ChemOptions(), split="scaffold", seed=0, num_labels=1, check_regex=False,
+                                  two_stage=False, columns=cols)
+    kept = {}
+    for batch in (64, 3, 1):  # one batch, several misread ones among good ones, one record per supplier
+        stage = stages.MapStage(options, str(tmp_path), f"b{batch}")
+        stage.represent = Counting()
+        calls = []
+        misread = stage._sd().parse
+        stage._sd().parse = lambda *a, **k: calls.append(1) or misread(*a, **k)
+        import molds.preprocessing.stages as module
+
+        old, module._SD_BATCH = module._SD_BATCH, batch
+        try:
+            for chunk in read_chunks(0, paths[0], "sdf", cols, 4096):
+                stage.process(chunk)
+        finally:
+            module._SD_BATCH = old
+        rows = len(stage._cols["order"])
+        assert stage.stats.notes["written"] == rows, (batch, stage.stats.notes, rows)
+        if batch > 1:
+            assert calls, "no batch of the hostile file was misread: the fallback went untested"
+        kept[batch] = (sorted(stage._cols["compound_id"]), dict(stage.stats.rejected), stage.stats.rows_in)
+    assert kept[64] == kept[3] == kept[1]
