@@ -331,7 +331,8 @@ def main() -> None:
     floor_parallel = sum(busy) / len(busy)
     manifest_path = out.decode().strip().splitlines()[-1]
     manifest = json.load(open(manifest_path))
-    timings = json.load(open(os.path.join(os.path.dirname(manifest_path), "report.json")))["timings_s"]
+    report = json.load(open(os.path.join(os.path.dirname(manifest_path), "report.json")))
+    timings = report["timings_s"]
     samples = [floor_before, *during, floor_after]
     floor = sum(samples) / len(samples)
     floor_ends = (floor_before + floor_after) / 2
@@ -366,6 +367,10 @@ def main() -> None:
         "standardize": standardize,
         "engine": args.engine,
         "gzip_inflate": inflate_backend(),  # isal or zlib: what read a .gz input
+        # glibc's malloc settings the ETL ran with (molds-preprocess raises tcache_count); the
+        # floor runs with this process's own, glibc's defaults unless GLIBC_TUNABLES was set
+        "etl_glibc_tunables": report.get("glibc_tunables"),
+        "floor_glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "input": args.input,
         "input_format": "sdf" if sdf else "smiles",
         "floor": "RDKit ForwardSDMolSupplier (through gzip for a .gz input) + canonical SMILES + scaffold" if sdf

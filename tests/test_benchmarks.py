@@ -50,6 +50,8 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
         assert out["rdkit_floor_during"] and out["paused_s"] > 0, out
         # the busy floor (as many bare scripts at once as workers) at the same moments
         assert len(out["rdkit_busy_floor_before_during_after"]) == len(out["rdkit_floor_during"]) + 2, out
+        # the malloc settings each side ran with are stated (molds-preprocess raises glibc's tcache)
+        assert "etl_glibc_tunables" in out and "floor_glibc_tunables" in out, out
         # the ETL's CPU (its reaped process tree): at least one worker's parse of 400 records,
         # at most every core busy through its run
         assert out["cpu_us_per_molecule"] == pytest.approx(out["etl_cpu_s"] / out["molecules"] * 1e6, rel=0.01)

@@ -193,3 +193,28 @@ def test_the_command_runs_with_glibcs_larger_malloc_cache_unless_the_user_set_on
         assert proc.stdout.strip().endswith("manifest.json"), proc.stdout  # printed once: one run, not two
         assert proc.stdout.count("manifest.json") == 1, proc.stdout
         assert json.load(open(out / "report.json"))["glibc_tunables"] == want
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
+def test_the_command_re_runs_itself_at_most_once(monkeypatch):
+    """A re-run that did not get the setting (something between reset GLIBC_TUNABLES) goes on
+    as it is instead of re-running again; the first run re-runs with the same command line."""
+    import sys
+
+    from molds.preprocessing import cli
+
+    execs = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append((path, argv, dict(os.environ))))
+    for name in ("GLIBC_TUNABLES", cli._RERUN):  # what the calls below set is undone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "molds.preprocessing.cli", "--input", "x.csv"])
+    cli._with_malloc_cache()
+    assert len(execs) == 1
+    path, argv, env = execs[0]
+    assert (path, argv) == (sys.executable, sys.orig_argv)
+    assert env["GLIBC_TUNABLES"] == cli._TCACHE and env[cli._RERUN] == "1"
+    # the re-run whose GLIBC_TUNABLES was lost on the way: no second re-run, the marker gone
+    del os.environ["GLIBC_TUNABLES"]
+    cli._with_malloc_cache()
+    assert len(execs) == 1 and cli._RERUN not in os.environ
