@@ -153,25 +153,16 @@ class SDRecordParser:
         except Exception:  # noqa: BLE001 - RDKit raises on some malformed input: refused records
             return []
 
-    def parse(self, records: list[bytes], first_lines: list[int], together: bool = True) -> list[tuple]:
-        """Every record of a batch. One supplier reads them all, and its molecules are taken
-        as the records' when there are as many as records: RDKit splits at the same $$$$
-        lines, and a record it misreads can only swallow the next one (an empty record
-        followed by another: it reads the next title as the empty one's counts line), never
-        split one, so equal counts mean aligned. Otherwise (or with ``together`` false) each
-        record is read alone."""
-        mols = self._read(b"".join(records)) if records and together else []
-        if len(mols) != len(records):
-            mols = [next(iter(self._read(r)), None) for r in records]
-        return [self._result(data, line, mol) for data, line, mol in zip(records, first_lines, mols)]
-
     def stream(self, records: list[bytes], first_lines: list[int]):
-        """``parse``'s results one at a time, each record's molecule handed on as soon as the
-        supplier has read it (so it is used, and freed, while it is in cache: the way a
-        bare RDKit loop runs). Alignment is only known at the end: when the supplier gives
-        more or fewer molecules than records, or raises, ``Misaligned`` is raised after
-        the last record, and the caller discards what it made of them and calls ``parse``
-        with ``together=False``."""
+        """The records of a batch, read by one supplier, each result handed on as soon as the
+        supplier has read its molecule (so the caller uses it, and frees it, while it is in
+        cache, the way a bare RDKit loop runs). The molecules are the records' when there
+        are as many as records: RDKit splits at the same $$$$ lines, and a record it
+        misreads can only swallow the next one (an empty record followed by another: it
+        reads the next title as the empty one's counts line), never split one, so equal
+        counts mean aligned. That is known only at the end: when the supplier runs out
+        early, gives more molecules than records, or raises, ``Misaligned`` is raised, and
+        the caller drops what it made of this batch and calls ``read_each``."""
         try:
             supplier = iter(self._supplier(b"".join(records)))
             for data, line in zip(records, first_lines):
@@ -182,6 +173,11 @@ class SDRecordParser:
             raise Misaligned from exc
         if extra is not _END_OF_SUPPLY:
             raise Misaligned
+
+    def read_each(self, records: list[bytes], first_lines: list[int]) -> list[tuple]:
+        """The records of a batch, each read by a supplier of its own."""
+        return [self._result(data, line, next(iter(self._read(data)), None))
+                for data, line in zip(records, first_lines)]
 
     def _result(self, data: bytes, line: int, mol) -> tuple:
         note = None

@@ -223,7 +223,7 @@ class MapStage:
         ``_SD_BATCH`` records through one supplier, and each molecule is canonicalized as soon
         as it is read (used and freed while in cache, as a bare RDKit loop does); when the
         supplier turns out not to have given one molecule per record, what was made of the
-        batch is dropped and its records are read one at a time (``SDRecordParser.parse``)."""
+        batch is dropped and its records are read one at a time (``SDRecordParser.read_each``)."""
         from .sdf import Misaligned
 
         parser = self._sd()
@@ -237,7 +237,7 @@ class MapStage:
                 done = [self._sd_row(parsed) for parsed in parser.stream(records, lines)]
             except Misaligned:
                 self.stats.notes = notes
-                done = [self._sd_row(parsed) for parsed in parser.parse(records, lines, together=False)]
+                done = [self._sd_row(parsed) for parsed in parser.read_each(records, lines)]
             out.update(zip(batch, done))
         return out
 

@@ -371,8 +371,8 @@ def test_a_batch_the_supplier_misreads_is_read_again_record_by_record_counting_o
         stage = stages.MapStage(options, str(tmp_path), f"b{batch}")
         stage.represent = Counting()
         calls = []
-        misread = stage._sd().parse
-        stage._sd().parse = lambda *a, **k: calls.append(1) or misread(*a, **k)
+        misread = stage._sd().read_each
+        stage._sd().read_each = lambda *a, **k: calls.append(1) or misread(*a, **k)
         import molds.preprocessing.stages as module
 
         old, module._SD_BATCH = module._SD_BATCH, batch
