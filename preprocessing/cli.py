@@ -88,52 +88,13 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-# glibc's per-thread cache of freed blocks holds 7 a size by default. RDKit allocates and
-# frees dozens of same-sized objects a molecule; with 256 most of those calls stay in the
-# cache: 11 % fewer instructions in MapStage.process on SD records (cachegrind), and, with
-# molecules canonicalized as the supplier reads them, process ~15 % faster (README).
-_TCACHE = "glibc.malloc.tcache_count=256"
-_RERUN = "MOLDS_PREPROCESS_RERUN"  # set for the re-run: one re-run at most
-
-
-def _with_malloc_cache() -> None:
-    """Run this command again, at once, with ``_TCACHE`` added to ``GLIBC_TUNABLES``: glibc
-    reads it only when a process starts, and the ETL's workers are forked from this one.
-    Nothing happens off glibc, when ``GLIBC_TUNABLES`` already sets ``tcache_count`` (the
-    user's value stands), in the re-run whatever it was given (one re-run at most), or when
-    the command cannot be re-run as it was started (``sys.orig_argv``); report.json records
-    the setting in effect."""
-    import os
-    import platform
-
-    rerun = os.environ.pop(_RERUN, None)  # this is the re-run (not handed on to the workers)
-    current = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.tcache_count" in current or platform.libc_ver()[0] != "glibc":
-        return
-    if rerun:  # re-run once already and the setting did not arrive (something between
-        return  # resets GLIBC_TUNABLES): go on as it is, never loop
-    argv = list(getattr(sys, "orig_argv", []))
-    if not argv or not sys.executable:
-        return
-    os.environ["GLIBC_TUNABLES"] = f"{current}:{_TCACHE}" if current else _TCACHE
-    os.environ[_RERUN] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execv(sys.executable, argv)
-    except OSError:  # not re-runnable here: go on with glibc's defaults, as recorded
-        os.environ.pop(_RERUN, None)
-        if current:
-            os.environ["GLIBC_TUNABLES"] = current
-        else:
-            os.environ.pop("GLIBC_TUNABLES", None)
-
-
 def main(argv: list[str] | None = None) -> int:
     from molds.errors import run_cli
 
-    if argv is None:  # the command itself, not a caller in Python
-        _with_malloc_cache()
+    if argv is None:  # the command itself, not a caller in Python: RDKit's allocations
+        from molds.allocator import rerun_with_malloc_cache  # noqa: PLC0415
+
+        rerun_with_malloc_cache()  # returns only when it does not re-run; report.json says what ran
     return run_cli("molds-preprocess", _run, argv)
 
 

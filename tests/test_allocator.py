@@ -65,3 +65,34 @@ def test_system_allocator_opt_out_is_reported(monkeypatch):
     monkeypatch.setenv("MOLDS_SYSTEM_ALLOCATOR", "1")
     assert a.retain_freed_memory() == "system"
     monkeypatch.setattr(a, "_state", None)
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
+def test_the_etl_command_re_runs_itself_once_with_the_malloc_cache(monkeypatch):
+    """rerun_with_malloc_cache re-runs the command line as it was started, with the tcache
+    tunable added; the re-run goes on (it never loops, even when the setting was lost on the
+    way); a user's tcache_count and MOLDS_SYSTEM_ALLOCATOR=1 are left alone."""
+    from molds import allocator
+
+    execs = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append((path, argv, dict(os.environ))))
+    for name in ("GLIBC_TUNABLES", allocator._RERUN, "MOLDS_SYSTEM_ALLOCATOR"):
+        monkeypatch.setenv(name, "")  # whatever the calls below set is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "molds.preprocessing.cli", "--input", "x.csv"])
+    allocator.rerun_with_malloc_cache()
+    assert len(execs) == 1
+    path, argv, env = execs[0]
+    assert (path, argv) == (sys.executable, sys.orig_argv)
+    assert env["GLIBC_TUNABLES"] == allocator.TCACHE_TUNABLE and env[allocator._RERUN] == "1"
+    # the re-run: the setting arrived, and the marker is not handed on
+    assert allocator.rerun_with_malloc_cache() == "in force" and allocator._RERUN not in os.environ
+    # the re-run whose GLIBC_TUNABLES was lost on the way: no second re-run
+    os.environ[allocator._RERUN] = "1"
+    del os.environ["GLIBC_TUNABLES"]
+    assert allocator.rerun_with_malloc_cache() == "lost" and len(execs) == 1
+    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.tcache_count=9"
+    assert allocator.rerun_with_malloc_cache() == "user"
+    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.mxfast=64"
+    os.environ["MOLDS_SYSTEM_ALLOCATOR"] = "1"
+    assert allocator.rerun_with_malloc_cache() == "system" and len(execs) == 1

@@ -173,19 +173,22 @@ def test_report_lists_reasons_with_examples(dirty_run):
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
 def test_the_command_runs_with_glibcs_larger_malloc_cache_unless_the_user_set_one(tmp_path):
     """molds-preprocess re-runs itself once with tcache_count=256 added to GLIBC_TUNABLES (its
-    forked workers inherit it); a tcache_count the user set stands; report.json says which."""
+    forked workers inherit it); a tcache_count the user set, or MOLDS_SYSTEM_ALLOCATOR=1,
+    stands; report.json says what ran."""
     import json
     import subprocess
     import sys
 
     src = tmp_path / "in.csv"
     src.write_text("smiles\nCCO\nc1ccccc1O\nCC(=O)Nc1ccccc1\n")
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    for given, want in ((None, "glibc.malloc.tcache_count=256"),
-                        ("glibc.malloc.mxfast=64", "glibc.malloc.mxfast=64:glibc.malloc.tcache_count=256"),
-                        ("glibc.malloc.tcache_count=9", "glibc.malloc.tcache_count=9")):
-        out = tmp_path / f"out{len(want)}"
-        run_env = dict(env, **({"GLIBC_TUNABLES": given} if given else {}))
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MOLDS_SYSTEM_ALLOCATOR")}
+    for n, (given, system, want) in enumerate((
+            (None, "0", "glibc.malloc.tcache_count=256"),
+            ("glibc.malloc.mxfast=64", "0", "glibc.malloc.mxfast=64:glibc.malloc.tcache_count=256"),
+            ("glibc.malloc.tcache_count=9", "0", "glibc.malloc.tcache_count=9"),
+            (None, "1", None))):  # MOLDS_SYSTEM_ALLOCATOR=1: the C library's defaults
+        out = tmp_path / f"out{n}"
+        run_env = dict(env, MOLDS_SYSTEM_ALLOCATOR=system, **({"GLIBC_TUNABLES": given} if given else {}))
         proc = subprocess.run([sys.executable, "-m", "molds.preprocessing.cli", "--input", str(src), "--output",
                                str(out), "--workers", "1", "--progress", "false"], env=run_env, capture_output=True,
                               text=True, timeout=300)
@@ -193,28 +196,3 @@ def test_the_command_runs_with_glibcs_larger_malloc_cache_unless_the_user_set_on
         assert proc.stdout.strip().endswith("manifest.json"), proc.stdout  # printed once: one run, not two
         assert proc.stdout.count("manifest.json") == 1, proc.stdout
         assert json.load(open(out / "report.json"))["glibc_tunables"] == want
-
-
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
-def test_the_command_re_runs_itself_at_most_once(monkeypatch):
-    """A re-run that did not get the setting (something between reset GLIBC_TUNABLES) goes on
-    as it is instead of re-running again; the first run re-runs with the same command line."""
-    import sys
-
-    from molds.preprocessing import cli
-
-    execs = []
-    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append((path, argv, dict(os.environ))))
-    for name in ("GLIBC_TUNABLES", cli._RERUN):  # what the calls below set is undone after the test
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "molds.preprocessing.cli", "--input", "x.csv"])
-    cli._with_malloc_cache()
-    assert len(execs) == 1
-    path, argv, env = execs[0]
-    assert (path, argv) == (sys.executable, sys.orig_argv)
-    assert env["GLIBC_TUNABLES"] == cli._TCACHE and env[cli._RERUN] == "1"
-    # the re-run whose GLIBC_TUNABLES was lost on the way: no second re-run, the marker gone
-    del os.environ["GLIBC_TUNABLES"]
-    cli._with_malloc_cache()
-    assert len(execs) == 1 and cli._RERUN not in os.environ
