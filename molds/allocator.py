@@ -1,4 +1,6 @@
-"""Host memory allocator policy of a training process: keep freed memory for reuse.
+"""Host memory allocator policies: a training process keeps freed memory for reuse
+(``retain_freed_memory``); the ETL command runs with glibc's larger per-thread cache
+(``rerun_with_malloc_cache``, below).
 
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves blocks above its
 mmap threshold (128 KiB, raised on the fly up to 32 MiB) with fresh ``mmap`` calls and
