@@ -115,4 +115,3 @@ def rerun_with_malloc_cache() -> str:
         else:
             os.environ.pop("GLIBC_TUNABLES", None)
         return f"unavailable ({exc.__class__.__name__})"
-    return "in force"  # not reached: execv does not return

@@ -160,28 +160,14 @@ class MapStage:
             if raw is None:
                 stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
                 continue
-            if sdf:
-                reason, kept, repaired = sd_rows[pos]
-                if repaired:  # read after a repair (blank lines before the header): counted
-                    stats.sd_repaired += 1
-                if reason is not None:
-                    stats.reject(reason, source, kept)
-                    continue
-                raw, mol, cid, labels, text = kept
-            else:
-                cid = chunk.ids[pos]
-                labels = self._labels(chunk.labels[pos])
-                if labels is False:
-                    stats.reject("bad_label", source, chunk.labels[pos])
-                    continue
-                mol = self.canonicalize(raw)
-                if not isinstance(mol, Molecule):
-                    stats.reject(mol, source, raw)
-                    continue
-                reason, text = self._text(mol)
-                if reason is not None:
-                    stats.reject(reason, source, mol.canonical)
-                    continue
+            outcome = sd_rows[pos] if sdf else self._smiles_row(raw, chunk.ids[pos], chunk.labels[pos])
+            reason, kept, repaired = outcome
+            if repaired:  # an SD record read after a repair (blank lines before the header): counted
+                stats.sd_repaired += 1
+            if reason is not None:
+                stats.reject(reason, source, kept)
+                continue
+            raw, mol, cid, labels, text = kept
             accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
                              text))
         if self.canonicalize.cxsmiles:
@@ -202,6 +188,19 @@ class MapStage:
         if len(cols["order"]) >= self.spill_rows:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
+
+    def _smiles_row(self, raw: str, cid, label_values) -> tuple:
+        """One SMILES row's outcome, shaped as an SD record's (see ``_sd_rows``)."""
+        labels = self._labels(label_values)
+        if labels is False:
+            return "bad_label", label_values, False
+        mol = self.canonicalize(raw)
+        if not isinstance(mol, Molecule):
+            return mol, raw, False
+        reason, text = self._text(mol)
+        if reason is not None:
+            return reason, mol.canonical, False
+        return None, (raw, mol, cid, labels, text), False
 
     def _labels(self, values):
         """The row's labels (None without label columns), or False for a bad label."""
@@ -244,9 +243,9 @@ class MapStage:
     def _sd_row(self, parsed: tuple) -> tuple:
         """One SD record's outcome (see ``_sd_rows``) from ``SDRecordParser``'s result."""
         mol, title, cid, label_values = parsed
-        repaired = title is not None and not isinstance(mol, str)
         if isinstance(mol, str):
             return mol, title, False  # RDKit's message, the line made absolute
+        repaired = title is not None
         if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
             # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
             # refuses such a row (not as a bad label)
