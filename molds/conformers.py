@@ -17,6 +17,10 @@ for keeps its ETKDG geometry, counted), within a time budget per molecule. The l
 a unit like any molecule: never split across rows, truncated in place when longer than a
 row (counted, as for every molecule).
 
+Or made by ``molds-preprocess --unit_template`` from JSON-lines records that already hold a
+conformer (``UnitTemplate``): the template names the record's fields, the unit is checked
+against the row's molecule and written in the same form as an ETKDG unit.
+
 ``bond_check``: how far a decoded conformer's bond lengths are from those of the MMFF-
 relaxed geometry of the same molecule (``molds-eval --conformers``).
 """
@@ -24,22 +28,23 @@ relaxed geometry of the same molecule (``molds-eval --conformers``).
 from __future__ import annotations
 
 import re
+import string
 import time
 
 TAGS = ("[SMILES]", "[/SMILES]", "[CONFORMER]", "[/CONFORMER]")
 UNIT = re.compile(r"^\[SMILES\](.+?)\[/SMILES\]\[CONFORMER\](.*?)\[/CONFORMER\]$", re.S)
-_NUMBER = re.compile(r"^-?\d+\.\d+$")
+_NUM = r"-?\d+(?:\.\d+)?"  # a coordinate as ``format_unit`` writes it (no point with 0 decimals)
+_BODY = re.compile(rf"{_NUM},{_NUM},{_NUM}(?:;{_NUM},{_NUM},{_NUM})*")
+_NEGATIVE_ZERO = re.compile(r"(^|[,;])-(0(?:\.0+)?)(?=[,;]|$)")
 BOND_TOLERANCE = 0.1  # Å: a sampled bond within this of the MMFF-relaxed geometry's is right
 
 
 def format_unit(smiles: str, positions, decimals: int) -> str:
     """The unit string of a SMILES and its heavy atoms' coordinates (rows in SMILES order)."""
-    def number(v: float) -> str:
-        text = f"{v:.{decimals}f}"
-        return "0." + "0" * decimals if text.strip("-0.") == "" else text  # no "-0.00"
-
-    atoms = ";".join(",".join(number(float(c)) for c in row) for row in positions)
-    return f"[SMILES]{smiles}[/SMILES][CONFORMER]{atoms}[/CONFORMER]"
+    atom = f"%.{decimals}f,%.{decimals}f,%.{decimals}f"
+    body = ";".join(atom % (float(x), float(y), float(z)) for x, y, z in positions)
+    body = _NEGATIVE_ZERO.sub(r"\1\2", body)  # no "-0.00": a value that rounds to zero is "0.00"
+    return f"[SMILES]{smiles}[/SMILES][CONFORMER]{body}[/CONFORMER]"
 
 
 def parse_unit(text: str):
@@ -49,15 +54,214 @@ def parse_unit(text: str):
     if m is None:
         return None
     smiles, body = m.group(1), m.group(2)
-    if not body:
+    if not _BODY.fullmatch(body):
         return None
-    rows = []
-    for atom in body.split(";"):
-        parts = atom.split(",")
-        if len(parts) != 3 or not all(_NUMBER.match(p) for p in parts):
+    values = [float(v) for v in body.replace(";", ",").split(",")]
+    return smiles, [values[i:i + 3] for i in range(0, len(values), 3)]
+
+
+#: ``--unit_template``'s refusals (``molds.representation.REASONS`` says each one in words)
+UNIT_REASONS = ("unit_missing_field", "unit_malformed", "unit_smiles_mismatch", "unit_atom_count", "unit_geometry")
+_COORDINATE_MAX = 10_000.0  # Å: no molecule's coordinate frame reaches this; beyond it, not Å or not a number
+_BOND_RANGE = (0.9, 3.2)  # Å: every bond between heavy atoms (N#N 1.10 to Sn-Sn 2.8) lies inside
+_CLASH = 0.5  # Å: two heavy atoms this close are one atom written twice
+_SMILES_MAX = 20_000  # characters: a unit's SMILES longer than --max_smiles_length can be is not parsed
+
+
+class UnitTemplate:
+    """``--unit_template``: conformer units from the fields of JSON-lines records.
+
+    The template is the unit with ``{field}`` where a record's top-level key goes, e.g.
+    ``[SMILES]{smiles}[/SMILES][CONFORMER]{xyz}[/CONFORMER]``, or ``{unit}`` for a field
+    that holds whole units; keys are matched as ``--smiles_column`` is (exactly, else but for
+    case). Text outside the fields may only be the unit's tags, in their order. A field's
+    value is put in as it is when it is a string; a list of [x, y, z] number triples is
+    written as ``x,y,z;...``. The result must read as a unit whose SMILES is the row's
+    molecule and whose conformer has one x,y,z per heavy atom of *that* SMILES, in its atom
+    order (the SMILES may be any spelling: the coordinates are put in the canonical
+    SMILES' order). Then the unit is written as an ETKDG unit is: the canonical SMILES,
+    ``decimals`` digits, and with ``frame`` "canonical" the centroid at the origin and the
+    principal axes along x, y, z (RDKit's ``CanonicalizeConformer``; "as_given" keeps the
+    record's frame, e.g. a docking pose in its pocket).
+
+    ``build`` returns (unit, None, None) or (None, reason, example), reasons
+    ``UNIT_REASONS``: ``unit_missing_field`` (a field absent or null), ``unit_malformed``
+    (a value of another type; tags, separators or numbers not as above; a coordinate not
+    finite or beyond 10,000 Å), ``unit_smiles_mismatch`` (the unit's SMILES does not parse,
+    or is another molecule than the row's after standardization), ``unit_atom_count`` (not
+    one x,y,z per heavy atom; explicit hydrogens are no heavy atoms), ``unit_geometry`` (a
+    bond between heavy atoms outside 0.9-3.2 Å, or two atoms within 0.5 Å: coordinates in
+    another atom order than the SMILES', or not in Å)."""
+
+    def __init__(self, template: str, decimals: int = 2, frame: str = "canonical", keep_stereo: bool = True):
+        if not isinstance(template, str) or not template.strip():
+            raise ValueError("unit_template: give the unit with {field} for each JSONL key, e.g. "
+                             "'[SMILES]{smiles}[/SMILES][CONFORMER]{conformer}[/CONFORMER]'")
+        if frame not in ("canonical", "as_given"):
+            raise ValueError(f"conformer_frame: 'canonical' or 'as_given', not {frame!r}")
+        if not 0 <= decimals <= 4:
+            raise ValueError("conformer_decimals must be in [0, 4]")
+        self.template, self.decimals, self.frame, self.keep_stereo = template, decimals, frame, keep_stereo
+        self.pieces: list[tuple[str, str | None]] = []  # (literal text, field after it or None)
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise ValueError(f"unit_template {template!r}: {exc} (write a literal brace as {{{{ or }}}})") from None
+        for literal, name, spec, conversion in parsed:
+            if name is not None and (not name or spec or conversion):
+                raise ValueError(f"unit_template {template!r}: each field is a plain {{key}} (no format spec, "
+                                 f"conversion or empty name); got {{{name or ''}{'!' + conversion if conversion else ''}"
+                                 f"{':' + spec if spec else ''}}}")
+            self.pieces.append((literal, name))
+        self.fields = tuple(dict.fromkeys(name for _, name in self.pieces if name is not None))
+        if not self.fields:
+            raise ValueError(f"unit_template {template!r} names no field: put each JSONL key in braces, e.g. {{smiles}}")
+        tag = "|".join(map(re.escape, TAGS))
+        literal_tags = [t for literal, _ in self.pieces for t in re.findall(tag, literal)]
+        if (any(re.fullmatch(f"(?:{tag})*", literal) is None for literal, _ in self.pieces)
+                or literal_tags != sorted(set(literal_tags), key=TAGS.index)):
+            raise ValueError(f"unit_template {template!r}: the text outside the {{fields}} may only be the unit's tags "
+                             f"{' '.join(TAGS)}, each at most once and in that order; the unit is "
+                             f"[SMILES]<SMILES>[/SMILES][CONFORMER]x,y,z;...[/CONFORMER]")
+
+    def describe(self) -> dict:
+        return {"template": self.template, "fields": list(self.fields), "frame": self.frame}
+
+    def build(self, canonical: str, values: dict):
+        """The unit of a row (canonical SMILES, {field: the record's value or None})."""
+        import numpy as np
+
+        missing = [name for name in self.fields if values.get(name) is None]
+        if missing:
+            return None, "unit_missing_field", f"no value for {', '.join(map(repr, missing))}"
+        parts, arrays = [], {}
+        for literal, name in self.pieces:
+            parts.append(literal)
+            if name is not None:
+                value = _field_value(values[name])
+                if value is None or (isinstance(value, str) and "\0" in value):
+                    kind = type(values[name]).__name__
+                    return None, "unit_malformed", f"{name!r} holds {kind}: {_short(values[name])}"
+                if isinstance(value, str):
+                    parts.append(value)
+                else:  # a list of triples: used as numbers, spelled only where the text needs them
+                    arrays[f"\0{name}\0"] = value
+                    parts.append(f"\0{name}\0")
+        text = "".join(parts)
+        m = UNIT.match(text.strip())
+        if m is None:
+            shown = text
+            for key, array in arrays.items():
+                shown = shown.replace(key, _spelled(array))
+            return None, "unit_malformed", f"not [SMILES]...[/SMILES][CONFORMER]...[/CONFORMER]: {_short(shown)}"
+        smiles, body = m.group(1).strip(), m.group(2).strip()
+        rows = arrays.get(body)
+        if rows is None:
+            for key, array in arrays.items():
+                body = body.replace(key, _spelled(array))
+            rows = _read_coordinates(body)
+            if isinstance(rows, str):
+                return None, "unit_malformed", rows
+        if not (np.isfinite(rows).all() and np.abs(rows).max() <= _COORDINATE_MAX):
+            return None, "unit_malformed", f"a coordinate is not finite or beyond {_COORDINATE_MAX:,.0f} A"
+        from rdkit import Chem
+
+        mol = Chem.MolFromSmiles(smiles) if len(smiles) <= _SMILES_MAX else None
+        written = Chem.MolToSmiles(mol, isomericSmiles=self.keep_stereo) if mol is not None else None
+        if written != canonical:
+            return None, "unit_smiles_mismatch", f"unit SMILES {_short(smiles)} is {written!r}, the row {canonical!r}"
+        if len(rows) != mol.GetNumAtoms():
+            return None, "unit_atom_count", f"{len(rows)} x,y,z for {mol.GetNumAtoms()} heavy atoms of {_short(smiles)}"
+        order = list(mol.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])
+        positions = rows[order]  # atom k of the canonical SMILES is atom order[k] of the unit's
+        placed = _placed(canonical, positions)
+        problem = _geometry_problem(placed)
+        if problem:
+            return None, "unit_geometry", f"{problem} (atoms of {_short(canonical)})"
+        if self.frame == "canonical":
+            from rdkit.Chem import rdMolTransforms
+
+            rdMolTransforms.CanonicalizeConformer(placed.GetConformer())
+            positions = placed.GetConformer().GetPositions()
+        return format_unit(canonical, positions.tolist(), self.decimals), None, None
+
+
+def _short(value, limit: int = 80) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _field_value(value):
+    """A field's value: a string as it is, a list of [x, y, z] numbers as an (n, 3) array,
+    anything else None."""
+    import numpy as np
+
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(atom, list) and len(atom) == 3
+            and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in atom) for atom in value):
+        try:
+            return np.array(value, dtype=np.float64)
+        except OverflowError:  # an integer beyond float64: no coordinate
             return None
-        rows.append([float(p) for p in parts])
-    return smiles, rows
+    return None
+
+
+def _spelled(array) -> str:
+    return ";".join(",".join(repr(float(c)) for c in atom) for atom in array)
+
+
+_IN = r"\s*[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\s*"  # a number as records spell them
+_INPUT_BODY = re.compile(rf"{_IN},{_IN},{_IN}(?:;{_IN},{_IN},{_IN})*")
+
+
+def _read_coordinates(body: str):
+    """The (n, 3) array of a conformer as a record spells it (``x,y,z;...``, numbers in any
+    decimal or exponent form, spaces around them), or what is wrong with it."""
+    import numpy as np
+
+    if not body:
+        return "no coordinates"
+    if _INPUT_BODY.fullmatch(body) is None:
+        for n, atom in enumerate(body.split(";")):
+            if not re.fullmatch(f"{_IN},{_IN},{_IN}", atom):
+                return f"atom {n} is {atom.strip()[:40]!r}, not x,y,z"
+        return f"not x,y,z;...: {_short(body)}"
+    return np.array([float(v) for v in body.replace(";", ",").split(",")]).reshape(-1, 3)
+
+
+def _placed(smiles: str, positions):
+    """The molecule of ``smiles`` with one 3D conformer at ``positions`` (its atom order)."""
+    from rdkit import Chem
+    from rdkit.Geometry import Point3D
+
+    mol = Chem.MolFromSmiles(smiles)
+    conf = Chem.Conformer(mol.GetNumAtoms())
+    for i, (x, y, z) in enumerate(positions.tolist()):
+        conf.SetAtomPosition(i, Point3D(x, y, z))
+    conf.Set3D(True)
+    mol.AddConformer(conf, assignId=True)
+    return mol
+
+
+def _geometry_problem(mol) -> str | None:
+    """What makes ``mol``'s conformer no geometry of it: a bond outside ``_BOND_RANGE``, two
+    atoms within ``_CLASH``; None when nothing does."""
+    import numpy as np
+    from rdkit import Chem
+
+    distance = Chem.Get3DDistanceMatrix(mol)
+    low, high = _BOND_RANGE
+    for bond in mol.GetBonds():
+        i, j = bond.GetBeginAtomIdx(), bond.GetEndAtomIdx()
+        if not low <= distance[i, j] <= high:
+            return f"bond {i}-{j} is {distance[i, j]:.2f} A (not in {low}-{high} A)"
+    np.fill_diagonal(distance, np.inf)
+    if distance.min() < _CLASH:
+        i, j = np.unravel_index(int(distance.argmin()), distance.shape)
+        return f"atoms {min(i, j)} and {max(i, j)} are {distance[i, j]:.2f} A apart"
+    return None
 
 
 #: RDKit's own (wall-clock) embedding timeout, in multiples of the per-molecule CPU budget

@@ -13,7 +13,8 @@ it, so every metric is computed on molecules.
   for, or a SMILES feature it does not take) and ``selfies_roundtrip`` (the string decodes
   to another molecule: SELFIES' constraints change a valence, or stereo is lost).
 - ``conformer``: conformer units (``molds.conformers``), the canonical SMILES and one 3D
-  conformer as text, made by ``molds-preprocess --conformers etkdg``.
+  conformer as text, made by ``molds-preprocess --conformers etkdg``, or taken from
+  JSON-lines fields with ``--unit_template`` (``encode_fields``).
 - ``safe`` (Noutahi et al. 2024, SAFE-GPT, the ``safe-mol`` package): the molecule cut at
   its BRICS bonds into fragments written one after another (``.``), each cut bond a
   ring-closure digit shared by its two fragments; a SMILES-compatible string. The SMILES
@@ -49,6 +50,14 @@ REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.RE
     "conformer_error": "RDKit's ETKDGv3 found no 3D embedding of the molecule (--conformers etkdg)",
     "conformer_timeout": "the conformer took longer than --conformer_timeout_s (ETKDG's own timeout included)",
     "conformer_roundtrip": "the conformer unit does not decode back to the molecule and its coordinates",
+    "unit_missing_field": "a JSONL key --unit_template names is absent or null in the record",
+    "unit_malformed": "the record's fields, put in --unit_template, do not spell a unit "
+                      "([SMILES]...[/SMILES][CONFORMER]x,y,z;...[/CONFORMER], finite coordinates within 10,000 A)",
+    "unit_smiles_mismatch": "the unit's SMILES does not parse, or is another molecule than the row's "
+                            "(after standardization)",
+    "unit_atom_count": "the unit's conformer does not give one x,y,z per heavy atom of its SMILES",
+    "unit_geometry": "a bond of the unit's conformer is outside 0.9-3.2 A, or two atoms lie within 0.5 A "
+                     "(coordinates in another atom order than the SMILES', or not in A)",
 }
 _PACKAGES = {"selfies": ("selfies", "selfies"), "safe": ("safe", "safe-mol")}  # module, pip name
 
@@ -173,22 +182,48 @@ class ConformerUnits(Representation):
     name = "conformer"
     pattern = CONFORMER_PATTERN
 
-    def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2):
+    def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
+                 template: str | None = None, frame: str = "canonical", keep_stereo: bool = True):
         self.options = {"seed": seed, "mmff": mmff, "timeout_s": timeout_s, "decimals": decimals}
         self._embedder = None
+        self.template = None
+        if template is not None:  # units from the input's fields (--unit_template), checked up front
+            from .conformers import UnitTemplate
+
+            self.template = UnitTemplate(template, decimals, frame, keep_stereo)
+            self.options = {"decimals": decimals}
         self.notes: list[str] = []
 
     def encode(self, canonical):
-        from .conformers import Embedder, parse_unit
+        from .conformers import Embedder
 
+        if self.template is not None:
+            raise ValueError("these conformer units come from the input's fields: encode_fields, not encode")
         if self._embedder is None:
             self._embedder = Embedder(**self.options)
         unit, reason, notes = self._embedder(canonical)
         self.notes += notes
         if reason is not None:
             return None, reason
+        return self._checked(canonical, unit)
+
+    def encode_fields(self, canonical: str, fields: dict):
+        """``--unit_template``: the unit of a record's fields ({key: value}), or (what is
+        wrong, reason)."""
+        if self.template is None:
+            raise ValueError("these conformer units are embedded (--conformers etkdg): encode, not encode_fields")
+        unit, reason, detail = self.template.build(canonical, fields)
+        if reason is not None:
+            return detail, reason
+        return self._checked(canonical, unit)
+
+    def _checked(self, canonical: str, unit: str):
+        """The unit, if it reads back as the canonical SMILES and the very numbers written
+        (exact to its precision), else (None, ``conformer_roundtrip``)."""
+        from .conformers import format_unit, parse_unit
+
         parsed = parse_unit(unit)
-        if parsed is None or parsed[0] != canonical:
+        if parsed is None or parsed[0] != canonical or format_unit(*parsed, self.options["decimals"]) != unit:
             return None, "conformer_roundtrip"
         return unit, None
 
@@ -201,10 +236,14 @@ class ConformerUnits(Representation):
     def describe(self):
         import rdkit
 
+        unit = ("[SMILES]<canonical SMILES>[/SMILES][CONFORMER]x,y,z;... (heavy atoms in SMILES order, Å, "
+                + ("the input's frame" if self.template is not None and self.template.frame == "as_given"
+                   else "centroid at the origin, principal axes along x, y, z") + ")[/CONFORMER]")
+        if self.template is not None:
+            return {"name": self.name, "method": "the input's conformers (--unit_template)",
+                    "rdkit_version": rdkit.__version__, **self.options, **self.template.describe(), "unit": unit}
         return {"name": self.name, "method": "RDKit ETKDGv3" + (" + MMFF94" if self.options["mmff"] else ""),
-                "rdkit_version": rdkit.__version__, **self.options,
-                "unit": "[SMILES]<canonical SMILES>[/SMILES][CONFORMER]x,y,z;... (heavy atoms in SMILES order, Å, "
-                        "centroid at the origin, principal axes along x, y, z)[/CONFORMER]"}
+                "rdkit_version": rdkit.__version__, **self.options, "unit": unit}
 
 
 def get(name: str | None, **options) -> Representation:

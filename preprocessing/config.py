@@ -104,6 +104,22 @@ class PreprocessConfig:
     conformer_decimals: int = 2
     """Digits after the point of each coordinate in Å (0 to 4; 2: within 0.005 Å)."""
 
+    unit_template: Optional[str] = None
+    """Conformer units from JSON-lines records that already hold a conformer: the unit with
+    ``{key}`` for each record field, e.g. ``[SMILES]{smiles}[/SMILES][CONFORMER]{xyz}[/CONFORMER]``
+    (a field holds text ``x,y,z;...`` or a list of [x, y, z]; ``{unit}`` a whole unit). Each
+    unit is checked against the row's molecule (its SMILES, any spelling; one x,y,z per heavy
+    atom in that SMILES' atom order; bond lengths) and written as ``--conformers etkdg`` writes
+    one (canonical SMILES and atom order, ``--conformer_decimals``, ``--conformer_frame``).
+    Refused rows: ``unit_missing_field``, ``unit_malformed``, ``unit_smiles_mismatch``,
+    ``unit_atom_count``, ``unit_geometry``. JSONL input only; needs ``representation smiles``
+    and ``conformers none``."""
+
+    conformer_frame: Literal["canonical", "as_given"] = "canonical"
+    """``--unit_template``'s coordinates: ``canonical`` moves them as ETKDG units are (centroid at
+    the origin, principal axes along x, y, z); ``as_given`` keeps the record's frame (a pose in
+    its pocket)."""
+
     randomized_variants: int = 0
     """Also write K randomized SMILES of every training molecule (Arus-Pous et al. 2019's
     restricted form: atoms renumbered at random, RDKit's non-canonical writer), tokenized, as

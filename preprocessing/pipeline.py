@@ -63,15 +63,28 @@ def _validate(cfg: PreprocessConfig) -> None:
         raise ValueError("--bpe_vocab_size must be in (16, 65535]")
     if not 0 <= cfg.randomized_variants <= 64:
         raise ValueError(f"--randomized_variants must be in [0, 64], got {cfg.randomized_variants}")
-    if cfg.randomized_variants and (cfg.representation != "smiles" or cfg.conformers != "none"):
-        raise ValueError("--randomized_variants writes randomized SMILES: it needs --representation smiles and "
-                         "--conformers none")
+    if cfg.randomized_variants and (cfg.representation != "smiles" or cfg.conformers != "none"
+                                    or cfg.unit_template is not None):
+        raise ValueError("--randomized_variants writes randomized SMILES: it needs --representation smiles, "
+                         "--conformers none and no --unit_template")
+    if cfg.conformer_frame != "canonical" and cfg.unit_template is None:
+        raise ValueError("--conformer_frame as_given keeps the frame of a conformer the input holds: it needs "
+                         "--unit_template (ETKDG's frame is arbitrary; its units are always in the canonical one)")
     _chem_options(cfg)  # the chemistry caps, checked before anything is created
     _representation(cfg)  # the representation's package, asked for by name when it is missing
 
 
 def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
     """(name, options) of what the tokens spell: the representation, or conformer units."""
+    if cfg.unit_template is not None:
+        if cfg.conformers != "none":
+            raise ValueError(f"--unit_template takes the conformers from the input and --conformers {cfg.conformers} "
+                             f"makes them: give one of the two")
+        if cfg.representation != "smiles":
+            raise ValueError(f"--unit_template writes SMILES conformer units: it needs --representation smiles, "
+                             f"not {cfg.representation}")
+        return "conformer", (("decimals", cfg.conformer_decimals), ("template", cfg.unit_template),
+                             ("frame", cfg.conformer_frame), ("keep_stereo", cfg.keep_stereo))
     if cfg.conformers == "none":
         return cfg.representation, ()
     if cfg.representation != "smiles":
@@ -80,6 +93,15 @@ def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
     options = (("seed", cfg.seed), ("mmff", cfg.conformer_mmff), ("timeout_s", cfg.conformer_timeout_s),
                ("decimals", cfg.conformer_decimals))
     return "conformer", options
+
+
+def unit_fields(cfg: PreprocessConfig) -> tuple[str, ...]:
+    """The JSONL keys ``--unit_template`` names (none without it)."""
+    if cfg.unit_template is None:
+        return ()
+    from molds.conformers import UnitTemplate
+
+    return UnitTemplate(cfg.unit_template).fields
 
 
 def _representation(cfg: PreprocessConfig):
@@ -92,6 +114,8 @@ def _representation(cfg: PreprocessConfig):
         return get(name, **dict(options))
     except MissingPackage as exc:
         raise InputError(f"--representation {cfg.representation}: {exc}") from None
+    except ValueError as exc:  # the unit template's own checks, by option name
+        raise ValueError(f"--{exc}") from None
 
 
 def _chem_options(cfg: PreprocessConfig) -> ChemOptions:
@@ -196,6 +220,9 @@ def run(cfg: PreprocessConfig) -> str:
     started = time.time()
     paths = expand_inputs(cfg.input)
     inputs = [(i, p, detect_format(p, cfg.input_format)) for i, p in enumerate(paths)]
+    if cfg.unit_template is not None and any(fmt != "jsonl" for _, _, fmt in inputs):
+        other = next((p, fmt) for _, p, fmt in inputs if fmt != "jsonl")
+        raise InputError(f"--unit_template reads the fields of JSON-lines records; {other[0]} is {other[1]}")
     final_dir = os.path.abspath(cfg.output)
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise FileExistsError(f"--output {cfg.output} exists; pass --overwrite true to replace it")
@@ -211,7 +238,8 @@ def run(cfg: PreprocessConfig) -> str:
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
                            check_regex=cfg.tokenizer == "regex",
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
-                           columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns)),
+                           columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns),
+                                           unit_fields(cfg)),
                            representation=spelled, representation_options=spelled_options, decimal=cfg.decimal)
     cols = options.columns
     engine = _make_engine(cfg)

@@ -41,7 +41,7 @@ def _read_file_batches(batch):
 
     from .readers import Columns, InputError
 
-    def table(file_index, path, rows, smiles, ids, labels, reasons, kind, records):
+    def table(file_index, path, rows, smiles, ids, labels, reasons, kind, records, units=None):
         return pa.table({
             "file_index": pa.array([file_index] * len(rows), pa.int64()),
             "path": pa.array([path] * len(rows), pa.string()),
@@ -53,19 +53,21 @@ def _read_file_batches(batch):
             "reason": pa.array(reasons, pa.string()),
             "kind": pa.array([kind] * len(rows), pa.string()),
             "record": pa.array(records, pa.int64()),
+            # --unit_template: each record's {key: value} as JSON (the values came from JSON)
+            "units": pa.array([json.dumps(u) for u in units] if units else [None] * len(rows), pa.string()),
         })
 
     rows = zip(*(batch.column(c).to_pylist() for c in ("file_index", "path", "format", "options")))
     for file_index, path, fmt, opts in rows:
         o = json.loads(opts)
-        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]))
+        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]), tuple(o.get("units", ())))
         last = None
         try:
             for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
                                                      o["delimiter"], o["smi_header"]), o["on_truncated"]):
                 yield table(chunk.file_index, chunk.path, chunk.rows, chunk.smiles, chunk.ids, chunk.labels,
                             [chunk.reasons.get(i) for i in range(len(chunk))], chunk.kind,
-                            chunk.records or [None] * len(chunk))
+                            chunk.records or [None] * len(chunk), chunk.units)
                 last = chunk.rows[-1]
         except InputError as exc:
             yield table(int(file_index), str(path), [-1 if last is None else last], [str(exc)], [None], [None],
@@ -102,6 +104,8 @@ def _chunks_of(table) -> list[RawChunk]:
         c.smiles.append(text.encode("latin-1") if key[2] == "sdf" and text is not None else text)
         c.ids.append(cols["id"][i])
         c.labels.append(None if cols["labels"][i] is None else json.loads(cols["labels"][i]))
+        if cols["units"][i] is not None:
+            c.units.append(json.loads(cols["units"][i]))
     return list(chunks.values())
 
 
@@ -162,7 +166,7 @@ class RayEngine:
         ctx.enable_progress_bars = bool(cfg.progress)
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
-        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels),
+        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units),
                            "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
                            "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}

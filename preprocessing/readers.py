@@ -62,6 +62,7 @@ class RawChunk:
     # ``records`` their record numbers, the worker reads id and labels from the record
     kind: str = "smiles"
     records: list = field(default_factory=list)
+    units: list = field(default_factory=list)  # ``--unit_template``: {key: value} of each record, else empty
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -72,6 +73,7 @@ class Columns:
     smiles: str
     id: str | None = None
     labels: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()  # JSONL keys ``--unit_template`` names
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -259,7 +261,7 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
     chunk = RawChunk(file_index, path, kind=kind)
     last = [0, None, 0]  # the last record's row, reason and record number
 
-    def add(row, text, cid, labels, reason, number=None):
+    def add(row, text, cid, labels, reason, number=None, unit=None):
         if reason is not None:
             chunk.reasons[len(chunk.rows)] = reason
             text = None
@@ -269,6 +271,8 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
         chunk.labels.append(labels)
         if number is not None:
             chunk.records.append(number)
+        if unit is not None or chunk.units:  # one {key: value} per record once a chunk has them
+            chunk.units.append(unit or {})
         last[:] = [row, reason, number]
 
     try:
@@ -276,6 +280,8 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
             if kind == "sdf":
                 row, number, text, reason = record
                 add(row, text, None, None, reason, number)
+            elif len(record) == 6:  # JSONL with --unit_template: the fields it names
+                add(*record[:5], unit=record[5])
             else:
                 add(*record)
             if len(chunk.rows) >= chunk_rows:
@@ -364,7 +370,9 @@ def _read_jsonl(path, cols: Columns):
     """Records of a JSON-lines file. Keys are matched as CSV columns are (exactly, else the
     record's one key that matches but for case); a SMILES value that is no string is a
     ``malformed_row``; a file where no record has the SMILES key is refused at its end,
-    naming the keys its records have (a misspelt ``--smiles-column``)."""
+    naming the keys its records have (a misspelt ``--smiles-column``), and so is one where
+    no record has a key ``--unit_template`` names. With ``cols.units``, each record comes
+    with the values of those keys ({key: value}, None where absent) as a sixth item."""
     def value(rec: dict, wanted: str):
         if wanted in rec:
             return rec[wanted]
@@ -372,40 +380,52 @@ def _read_jsonl(path, cols: Columns):
         found = _matching(f"{path} line {row}", keys, wanted)
         return None if found is None else rec[keys[found]]
 
-    found, seen, records = False, set(), 0
+    units = cols.units
+    bad = (None, None, None, "malformed_row") + (({},) if units else ())
+    found, seen, records, unit_found = False, set(), 0, set()
     with _open_text(path) as fh:
         for n, line in enumerate(fh):
             if not line.strip():
                 continue
             row = n + 1  # 1-based line number
             if not is_clean(line):
-                yield row, None, None, None, "non_utf8"
+                yield (row, None, None, None, "non_utf8") + (({},) if units else ())
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 rec = None
             if not isinstance(rec, dict):
-                yield row, None, None, None, "malformed_row"
+                yield (row,) + bad
                 continue
             records += 1
+            if len(seen) < 1000 and (not found or len(unit_found) < len(units)):
+                seen.update(map(str, rec))
             smiles = value(rec, cols.smiles)
             if smiles is None:
-                if not found and len(seen) < 1000:
-                    seen.update(map(str, rec))
-                yield row, None, None, None, "missing_field"
+                yield (row, None, None, None, "missing_field") + (({},) if units else ())
                 continue
             found = True
             if not isinstance(smiles, str):
-                yield row, None, None, None, "malformed_row"
+                yield (row,) + bad
                 continue
             cid = value(rec, cols.id) if cols.id else None
             labels = [value(rec, name) for name in cols.labels] if cols.labels else None
-            yield row, smiles, None if cid is None else str(cid), labels, None
+            out = (row, smiles, None if cid is None else str(cid), labels, None)
+            if units:
+                fields = {name: value(rec, name) for name in units}
+                unit_found.update(name for name, v in fields.items() if v is not None)
+                out += (fields,)
+            yield out
+    shown = sorted(seen)[:40]
+    more = " ..." if len(seen) > 40 else ""
     if records and not found:
-        shown = sorted(seen)[:40]
         raise InputError(f"{path}: no record has a value for the SMILES key {cols.smiles!r}; its records have {shown}"
-                         f"{' ...' if len(seen) > 40 else ''}")
+                         f"{more}")
+    if records and len(unit_found) < len(units):
+        missing = [name for name in units if name not in unit_found]
+        raise InputError(f"{path}: no record has a value for the key(s) {missing} that --unit_template names; its "
+                         f"records have {shown}{more}")
 
 
 def _check_smiles_type(path: str, schema, cols: Columns) -> None:

@@ -160,7 +160,8 @@ class MapStage:
             if raw is None:
                 stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
                 continue
-            outcome = sd_rows[pos] if sdf else self._smiles_row(raw, chunk.ids[pos], chunk.labels[pos])
+            outcome = sd_rows[pos] if sdf else self._smiles_row(raw, chunk.ids[pos], chunk.labels[pos],
+                                                                chunk.units[pos] if chunk.units else None)
             reason, kept, repaired = outcome
             if repaired:  # an SD record read after a repair (blank lines before the header): counted
                 stats.sd_repaired += 1
@@ -189,17 +190,18 @@ class MapStage:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
 
-    def _smiles_row(self, raw: str, cid, label_values) -> tuple:
-        """One SMILES row's outcome, shaped as an SD record's (see ``_sd_rows``)."""
+    def _smiles_row(self, raw: str, cid, label_values, unit=None) -> tuple:
+        """One SMILES row's outcome, shaped as an SD record's (see ``_sd_rows``); ``unit``:
+        the record's ``--unit_template`` fields."""
         labels = self._labels(label_values)
         if labels is False:
             return "bad_label", label_values, False
         mol = self.canonicalize(raw)
         if not isinstance(mol, Molecule):
             return mol, raw, False
-        reason, text = self._text(mol)
+        reason, text = self._text(mol, unit)
         if reason is not None:
-            return reason, mol.canonical, False
+            return reason, mol.canonical if text is None else f"{mol.canonical} ({text})", False
         return None, (raw, mol, cid, labels, text), False
 
     def _labels(self, values):
@@ -209,12 +211,12 @@ class MapStage:
         labels = parse_labels(values, self.options.decimal)
         return False if labels is None else labels
 
-    def _text(self, mol: Molecule) -> tuple:
-        """(None, the representation's string or None for SMILES) or (reason, None)."""
+    def _text(self, mol: Molecule, unit=None) -> tuple:
+        """(None, the representation's string or None for SMILES) or (reason, what to show)."""
         if self.represent is None:
             return None, None
-        text, reason = self._represent(mol.canonical)
-        return (reason, None) if reason is not None else (None, text)
+        text, reason = self._represent(mol.canonical, unit)
+        return (reason, text) if reason is not None else (None, text)
 
     def _sd_rows(self, chunk: RawChunk) -> dict:
         """pos -> ``(reason, example, repaired)`` or ``(None, (raw, Molecule, id, labels,
@@ -259,7 +261,7 @@ class MapStage:
             return molecule, self._sd().title(mol), repaired
         reason, text = self._text(molecule)
         if reason is not None:
-            return reason, molecule.canonical, repaired
+            return reason, molecule.canonical if text is None else f"{molecule.canonical} ({text})", repaired
         return None, (raw, molecule, cid, labels, text), repaired
 
     def _sd(self):
@@ -279,15 +281,19 @@ class MapStage:
             return self.canonicalize._chem.MolToSmiles(mol)
         return None
 
-    def _represent(self, canonical: str) -> tuple[str | None, str | None]:
+    def _represent(self, canonical: str, unit=None) -> tuple[str | None, str | None]:
         """The row in the manifest's representation, decoded back and compared with its
-        canonical SMILES: (text, None) or (None, reason)."""
-        text, reason = self.represent.encode(canonical)
+        canonical SMILES: (text, None) or (None or what to show for the refusal, reason);
+        ``unit``: the record's ``--unit_template`` fields."""
+        if unit is None:
+            text, reason = self.represent.encode(canonical)
+        else:
+            text, reason = self.represent.encode_fields(canonical, unit)
         if self.represent.notes:  # counts that are no refusal (conformers: mmff_unparameterized)
             self.stats.notes.update(self.represent.notes)
             self.represent.notes.clear()
         if reason is not None:
-            return None, reason
+            return text, reason
         Chem = self.canonicalize._chem
         decoded = self.represent.decode(text)
         mol = Chem.MolFromSmiles(decoded) if decoded else None

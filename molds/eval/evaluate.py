@@ -140,7 +140,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
 def _conformer_metrics(texts: list, representation) -> dict:
     if representation.name != "conformer":
         raise MoldsError(f"--conformers: the model spells {representation.name}, not conformer units "
-                         f"(molds-preprocess --conformers etkdg)")
+                         f"(molds-preprocess --conformers etkdg or --unit-template)")
     from ..conformers import conformer_metrics
 
     return conformer_metrics(texts)

@@ -103,3 +103,29 @@ def test_ray_engine_stores_the_local_engines_randomized_spellings(local_ray, dir
     remote = run_etl(str(tmp_path / "ray"), [dirty_csv[0]], engine="ray", **options)
     assert local["randomized"]["variants"] == 2 and remote["randomized"] == local["randomized"]
     assert remote["splits"] == local["splits"]
+
+
+def test_ray_engine_builds_the_local_engines_conformer_units_from_jsonl_fields(local_ray, tmp_path):
+    """--unit_template: the records' fields travel through Ray Data's reader to the actors,
+    so the units, the refusals and the shards are the local engine's."""
+    import json
+
+    from rdkit import Chem
+    from rdkit.Chem import AllChem
+
+    from .conftest import sample_smiles
+    from .test_unit_template import TEMPLATE
+
+    rows = []
+    for i, smiles in enumerate(sample_smiles(12, offset=3000)):
+        mol = Chem.AddHs(Chem.MolFromSmiles(smiles))
+        AllChem.EmbedMolecule(mol, randomSeed=i)
+        rows.append({"smiles": smiles, "xyz": Chem.RemoveHs(mol).GetConformer().GetPositions().tolist()})
+    rows.append({"smiles": "CCO"})  # unit_missing_field
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    local = run_etl(str(tmp_path / "local"), [str(path)], unit_template=TEMPLATE)
+    remote = run_etl(str(tmp_path / "ray"), [str(path)], unit_template=TEMPLATE, engine="ray")
+    assert local["stats"]["rejected"] == {"unit_missing_field": 1} and local["stats"]["rows_out"] == 12
+    assert manifest_hash(remote) == manifest_hash(local)
+    assert remote["splits"] == local["splits"]

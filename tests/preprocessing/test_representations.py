@@ -137,7 +137,7 @@ def test_a_missing_package_is_asked_for_by_name(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("options, match", [
     (dict(representation="selfies", randomized_variants=2), "needs --representation smiles"),
-    (dict(conformers="etkdg", randomized_variants=2), "needs --representation smiles and --conformers none"),
+    (dict(conformers="etkdg", randomized_variants=2), "needs --representation smiles, --conformers none"),
     (dict(randomized_variants=65), r"--randomized_variants must be in \[0, 64\]"),
     (dict(randomized_variants=-1), r"--randomized_variants must be in \[0, 64\]"),
 ])
