@@ -61,7 +61,8 @@ def parse_unit(text: str):
 
 
 #: ``--unit_template``'s refusals (``molds.representation.REASONS`` says each one in words)
-UNIT_REASONS = ("unit_missing_field", "unit_malformed", "unit_smiles_mismatch", "unit_atom_count", "unit_geometry")
+UNIT_REASONS = ("unit_missing_field", "unit_malformed", "unit_smiles_mismatch", "unit_atom_count", "unit_geometry",
+                "unit_stereo")
 _COORDINATE_MAX = 10_000.0  # Å: no molecule's coordinate frame reaches this; beyond it, not Å or not a number
 _BOND_RANGE = (0.9, 3.2)  # Å: every bond between heavy atoms (N#N 1.10 to Sn-Sn 2.8) lies inside
 _CLASH = 0.5  # Å: two heavy atoms this close are one atom written twice
@@ -91,7 +92,9 @@ class UnitTemplate:
     or is another molecule than the row's after standardization), ``unit_atom_count`` (not
     one x,y,z per heavy atom; explicit hydrogens are no heavy atoms), ``unit_geometry`` (a
     bond between heavy atoms outside 0.9-3.2 Å, or two atoms within 0.5 Å: coordinates in
-    another atom order than the SMILES', or not in Å)."""
+    another atom order than the SMILES', or not in Å), ``unit_stereo`` (a stereocentre or
+    double bond the SMILES specifies has the other configuration in 3D: a mirror image, a
+    cis conformer of a trans SMILES)."""
 
     def __init__(self, template: str, decimals: int = 2, frame: str = "canonical", keep_stereo: bool = True):
         if not isinstance(template, str) or not template.strip():
@@ -178,6 +181,9 @@ class UnitTemplate:
         problem = _geometry_problem(placed)
         if problem:
             return None, "unit_geometry", f"{problem} (atoms of {_short(canonical)})"
+        problem = _stereo_problem(placed) if any(c in canonical for c in "@/\\") else None
+        if problem:
+            return None, "unit_stereo", f"{problem} (atoms of {_short(canonical)})"
         if self.frame == "canonical":
             from rdkit.Chem import rdMolTransforms
 
@@ -243,6 +249,30 @@ def _placed(smiles: str, positions):
     conf.Set3D(True)
     mol.AddConformer(conf, assignId=True)
     return mol
+
+
+def _stereo_problem(mol) -> str | None:
+    """A stereocentre (CIP label) or double bond (E/Z) that ``mol``'s SMILES specifies and
+    its conformer has the other way round; stereo the SMILES leaves open is not checked."""
+    from rdkit import Chem
+
+    want = Chem.Mol(mol)
+    Chem.AssignStereochemistry(want, cleanIt=True, force=True)
+    got = Chem.Mol(mol)
+    Chem.AssignStereochemistryFrom3D(got)
+    for atom in want.GetAtoms():
+        if atom.HasProp("_CIPCode"):
+            other = got.GetAtomWithIdx(atom.GetIdx())
+            label = other.GetProp("_CIPCode") if other.HasProp("_CIPCode") else "no stereocentre"
+            if label != atom.GetProp("_CIPCode"):
+                return f"atom {atom.GetIdx()} is {label} in 3D, {atom.GetProp('_CIPCode')} in the SMILES"
+    double = (Chem.BondStereo.STEREOE, Chem.BondStereo.STEREOZ)
+    for bond in want.GetBonds():
+        if bond.GetStereo() in double and got.GetBondWithIdx(bond.GetIdx()).GetStereo() != bond.GetStereo():
+            return (f"bond {bond.GetBeginAtomIdx()}-{bond.GetEndAtomIdx()} is "
+                    f"{got.GetBondWithIdx(bond.GetIdx()).GetStereo().name[-1]} in 3D, "
+                    f"{bond.GetStereo().name[-1]} in the SMILES")
+    return None
 
 
 def _geometry_problem(mol) -> str | None:

@@ -58,6 +58,8 @@ REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.RE
     "unit_atom_count": "the unit's conformer does not give one x,y,z per heavy atom of its SMILES",
     "unit_geometry": "a bond of the unit's conformer is outside 0.9-3.2 A, or two atoms lie within 0.5 A "
                      "(coordinates in another atom order than the SMILES', or not in A)",
+    "unit_stereo": "a stereocentre or double bond the unit's SMILES specifies has the other configuration in "
+                   "its conformer (a mirror image, a cis conformer of a trans SMILES)",
 }
 _PACKAGES = {"selfies": ("selfies", "selfies"), "safe": ("safe", "safe-mol")}  # module, pip name
 

@@ -109,11 +109,11 @@ class PreprocessConfig:
     ``{key}`` for each record field, e.g. ``[SMILES]{smiles}[/SMILES][CONFORMER]{xyz}[/CONFORMER]``
     (a field holds text ``x,y,z;...`` or a list of [x, y, z]; ``{unit}`` a whole unit). Each
     unit is checked against the row's molecule (its SMILES, any spelling; one x,y,z per heavy
-    atom in that SMILES' atom order; bond lengths) and written as ``--conformers etkdg`` writes
-    one (canonical SMILES and atom order, ``--conformer_decimals``, ``--conformer_frame``).
-    Refused rows: ``unit_missing_field``, ``unit_malformed``, ``unit_smiles_mismatch``,
-    ``unit_atom_count``, ``unit_geometry``. JSONL input only; needs ``representation smiles``
-    and ``conformers none``."""
+    atom in that SMILES' atom order; bond lengths; the stereo the SMILES specifies) and
+    written as ``--conformers etkdg`` writes one (canonical SMILES and atom order,
+    ``--conformer_decimals``, ``--conformer_frame``). Refused rows: ``unit_missing_field``,
+    ``unit_malformed``, ``unit_smiles_mismatch``, ``unit_atom_count``, ``unit_geometry``,
+    ``unit_stereo``. JSONL input only; needs ``representation smiles`` and ``conformers none``."""
 
     conformer_frame: Literal["canonical", "as_given"] = "canonical"
     """``--unit_template``'s coordinates: ``canonical`` moves them as ETKDG units are (centroid at

@@ -56,6 +56,7 @@ def records():
     duplicate = {"smiles": first, "xyz": again.GetConformer().GetPositions().tolist(), "id": "DUP"}
     with_h, heavy = _embedded("CCOC(=O)c1ccccc1", seed=1)
     pos = heavy.GetConformer().GetPositions().tolist()
+    _, alanine = _embedded("N[C@@H](C)C(=O)O", seed=1)  # L-alanine
     bad = {
         "unit_missing_field": {"smiles": "CCOC(=O)c1ccccc1", "id": "B1"},  # no conformer at all
         "unit_malformed": {"smiles": "CCOC(=O)c1ccccc1", "xyz": _text(pos).replace(";", ",", 1), "id": "B2"},
@@ -64,6 +65,8 @@ def records():
                             "xyz": with_h.GetConformer().GetPositions().tolist(), "id": "B4"},
         "unit_geometry": {"smiles": "CCOC(=O)c1ccccc1", "xyz": [[x / 10, y / 10, z / 10] for x, y, z in pos],
                           "id": "B5"},  # nm, not Å
+        "unit_stereo": {"smiles": "N[C@@H](C)C(=O)O", "id": "B6",  # its mirror image: D-alanine's geometry
+                        "xyz": [[-x, y, z] for x, y, z in alanine.GetConformer().GetPositions().tolist()]},
     }
     return good, duplicate, bad
 
@@ -256,6 +259,32 @@ def test_what_a_field_may_hold(value, reason, detail):
     if reason is None:
         smiles, coords = parse_unit(unit)
         assert smiles == "CCO" and len(coords) == 3
+
+
+def test_stereo_the_smiles_specifies_must_be_the_conformers():
+    """A mirror image of a chiral molecule, or the cis geometry under a trans SMILES, is
+    refused; stereo the SMILES leaves open, and E/Z under a mirror, is not."""
+    from rdkit import Chem
+
+    from molds.conformers import UnitTemplate
+
+    template = UnitTemplate(TEMPLATE)
+
+    def positions(smiles):
+        return _embedded(smiles, seed=2)[1].GetConformer().GetPositions().tolist()
+
+    def build(smiles, xyz):
+        return template.build(Chem.MolToSmiles(Chem.MolFromSmiles(smiles)), {"smiles": smiles, "xyz": xyz})
+
+    chiral, trans, cis = positions("N[C@@H](C)C(=O)O"), positions("C/C=C/C(=O)O"), positions("C/C=C\\C(=O)O")
+    mirror = [[-x, y, z] for x, y, z in chiral]
+    assert build("N[C@@H](C)C(=O)O", chiral)[1] is None
+    unit, reason, example = build("N[C@@H](C)C(=O)O", mirror)
+    assert reason == "unit_stereo" and "is R in 3D, S in the SMILES" in example
+    assert build("NC(C)C(=O)O", mirror)[1] is None  # no stereo written: either hand is the molecule
+    assert build("C/C=C/C(=O)O", [[-x, y, z] for x, y, z in trans])[1] is None
+    unit, reason, example = build("C/C=C/C(=O)O", cis)
+    assert reason == "unit_stereo" and "is Z in 3D, E in the SMILES" in example
 
 
 def test_a_unit_smiles_that_does_not_parse_or_is_too_long_is_a_mismatch():
