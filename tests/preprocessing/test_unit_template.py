@@ -71,6 +71,12 @@ def records():
     return good, duplicate, bad
 
 
+def _given(record) -> list:
+    """A good record's conformer as numbers (it holds a list, or text with 4 decimals)."""
+    xyz = record["xyz"]
+    return xyz if isinstance(xyz, list) else [list(map(float, atom.split(","))) for atom in xyz.split(";")]
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -117,7 +123,7 @@ def test_each_unit_is_the_input_conformer_in_the_canonical_smiles_atom_order(rec
         smiles, coords = parse_unit(row["text"])
         assert smiles == row["canonical_smiles"] == Chem.MolToSmiles(Chem.MolFromSmiles(g["smiles"]))
         assert format_unit(smiles, coords, 2) == row["text"]  # exact to its precision
-        given = g["xyz"] if isinstance(g["xyz"], list) else [list(map(float, a.split(","))) for a in g["xyz"].split(";")]
+        given = _given(g)
         rms = rdMolAlign.GetBestRMS(placed(smiles, coords), placed(g["smiles"], given))
         assert rms < 0.006, (g["id"], rms)  # 2 decimals: each coordinate within 0.005 Å
         center = [sum(c[k] for c in coords) / len(coords) for k in range(3)]
@@ -150,7 +156,7 @@ def test_the_frame_as_given_keeps_the_records_coordinates(records, tmp_path):
     assert m["representation"]["frame"] == "as_given" and m["representation"]["decimals"] == 3
     for row in _kept(out, m):
         g = next(g for g in good if Chem.MolToSmiles(Chem.MolFromSmiles(g["smiles"])) == row["canonical_smiles"])
-        given = g["xyz"] if isinstance(g["xyz"], list) else [list(map(float, a.split(","))) for a in g["xyz"].split(";")]
+        given = _given(g)
         mol = Chem.MolFromSmiles(g["smiles"])
         Chem.MolToSmiles(mol)
         order = list(mol.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])
