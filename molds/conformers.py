@@ -76,8 +76,8 @@ class UnitTemplate:
     ``[SMILES]{smiles}[/SMILES][CONFORMER]{xyz}[/CONFORMER]``, or ``{unit}`` for a field
     that holds whole units; keys are matched as ``--smiles_column`` is (exactly, else but for
     case). Text outside the fields may only be the unit's tags, in their order. A field's
-    value is put in as it is when it is a string; a list of [x, y, z] number triples is
-    written as ``x,y,z;...``. The result must read as a unit whose SMILES is the row's
+    value is put in as it is when it is a string; a list of [x, y, z] number triples is the
+    conformer's numbers (spelled ``x,y,z;...`` only when other text shares its tags). The result must read as a unit whose SMILES is the row's
     molecule and whose conformer has one x,y,z per heavy atom of *that* SMILES, in its atom
     order (the SMILES may be any spelling: the coordinates are put in the canonical
     SMILES' order). Then the unit is written as an ETKDG unit is: the canonical SMILES,

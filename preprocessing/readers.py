@@ -381,7 +381,7 @@ def _read_jsonl(path, cols: Columns):
         return None if found is None else rec[keys[found]]
 
     units = cols.units
-    bad = (None, None, None, "malformed_row") + (({},) if units else ())
+    no_fields = ({},) if units else ()  # a refused record's (empty) fields, when they are read
     found, seen, records, unit_found = False, set(), 0, set()
     with _open_text(path) as fh:
         for n, line in enumerate(fh):
@@ -389,25 +389,25 @@ def _read_jsonl(path, cols: Columns):
                 continue
             row = n + 1  # 1-based line number
             if not is_clean(line):
-                yield (row, None, None, None, "non_utf8") + (({},) if units else ())
+                yield (row, None, None, None, "non_utf8") + no_fields
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 rec = None
             if not isinstance(rec, dict):
-                yield (row,) + bad
+                yield (row, None, None, None, "malformed_row") + no_fields
                 continue
             records += 1
             if len(seen) < 1000 and (not found or len(unit_found) < len(units)):
                 seen.update(map(str, rec))
             smiles = value(rec, cols.smiles)
             if smiles is None:
-                yield (row, None, None, None, "missing_field") + (({},) if units else ())
+                yield (row, None, None, None, "missing_field") + no_fields
                 continue
             found = True
             if not isinstance(smiles, str):
-                yield (row,) + bad
+                yield (row, None, None, None, "malformed_row") + no_fields
                 continue
             cid = value(rec, cols.id) if cols.id else None
             labels = [value(rec, name) for name in cols.labels] if cols.labels else None

@@ -201,7 +201,7 @@ class MapStage:
             return mol, raw, False
         reason, text = self._text(mol, unit)
         if reason is not None:
-            return reason, mol.canonical if text is None else f"{mol.canonical} ({text})", False
+            return reason, text, False
         return None, (raw, mol, cid, labels, text), False
 
     def _labels(self, values):
@@ -212,11 +212,14 @@ class MapStage:
         return False if labels is None else labels
 
     def _text(self, mol: Molecule, unit=None) -> tuple:
-        """(None, the representation's string or None for SMILES) or (reason, what to show)."""
+        """(None, the representation's string or None for SMILES), or (reason, the example
+        the report shows: the canonical SMILES, with what is wrong when the refusal says)."""
         if self.represent is None:
             return None, None
         text, reason = self._represent(mol.canonical, unit)
-        return (reason, text) if reason is not None else (None, text)
+        if reason is None:
+            return None, text
+        return reason, mol.canonical if text is None else f"{mol.canonical} ({text})"
 
     def _sd_rows(self, chunk: RawChunk) -> dict:
         """pos -> ``(reason, example, repaired)`` or ``(None, (raw, Molecule, id, labels,
@@ -261,7 +264,7 @@ class MapStage:
             return molecule, self._sd().title(mol), repaired
         reason, text = self._text(molecule)
         if reason is not None:
-            return reason, molecule.canonical if text is None else f"{molecule.canonical} ({text})", repaired
+            return reason, text, repaired
         return None, (raw, molecule, cid, labels, text), repaired
 
     def _sd(self):
