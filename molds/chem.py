@@ -119,6 +119,8 @@ class Molecule:
     canonical: str
     scaffold: str
     dedupe_key: str
+    mol: object = dataclasses.field(default=None, repr=False, compare=False)
+    """The RDKit molecule behind ``canonical``, only where ``from_mol`` was asked to keep it."""
 
 
 class Canonicalizer:
@@ -189,10 +191,11 @@ class Canonicalizer:
             self._cx.allowCXSMILES, self._cx.strictCXSMILES, self._cx.parseName = True, True, False
         return self._cx
 
-    def from_mol(self, mol, check_length: bool = False) -> Molecule | str:
+    def from_mol(self, mol, check_length: bool = False, keep_mol: bool = False) -> Molecule | str:
         """The steps after parsing, for a molecule RDKit has already read (an SD record).
         ``check_length``: hold the canonical SMILES to ``max_smiles_length`` (a SMILES input
-        is held to it before parsing)."""
+        is held to it before parsing). ``keep_mol``: the standardized molecule (with the
+        record's coordinates) goes with the result as ``Molecule.mol``."""
         opts, Chem = self.options, self._chem
         if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:  # exact, before the costly steps (the scaffold
             return "too_many_heavy_atoms"  # of a huge molecule takes RDKit time cubic in its size)
@@ -228,7 +231,7 @@ class Canonicalizer:
                 return "inchi_error"
         else:
             key = canonical
-        return Molecule(canonical, scaffold, key)
+        return Molecule(canonical, scaffold, key, mol if keep_mol else None)
 
     def _classify_failure(self, smiles: str) -> str:
         """Only failed rows pay for this second, unsanitized parse."""

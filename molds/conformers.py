@@ -19,7 +19,9 @@ row (counted, as for every molecule).
 
 Or made by ``molds-preprocess --unit_template`` from JSON-lines records that already hold a
 conformer (``UnitTemplate``): the template names the record's fields, the unit is checked
-against the row's molecule and written in the same form as an ETKDG unit.
+against the row's molecule and written in the same form as an ETKDG unit. Or by
+``molds-preprocess --conformers sd`` from the 3D coordinates of SD records
+(``unit_of_record``), checked and written the same way.
 
 ``bond_check``: how far a decoded conformer's bond lengths are from those of the MMFF-
 relaxed geometry of the same molecule (``molds-eval --conformers``).
@@ -69,6 +71,12 @@ _CLASH = 0.5  # Å: two heavy atoms this close are one atom written twice
 _SMILES_MAX = 20_000  # characters: a unit's SMILES longer than --max_smiles_length can be is not parsed
 
 
+def check_frame(frame: str) -> None:
+    """The frame of units from the input: ``canonical`` (ETKDG units' frame) or ``as_given``."""
+    if frame not in ("canonical", "as_given"):
+        raise ValueError(f"conformer_frame: 'canonical' or 'as_given', not {frame!r}")
+
+
 class UnitTemplate:
     """``--unit_template``: conformer units from the fields of JSON-lines records.
 
@@ -100,8 +108,7 @@ class UnitTemplate:
         if not isinstance(template, str) or not template.strip():
             raise ValueError("unit_template: give the unit with {field} for each JSONL key, e.g. "
                              "'[SMILES]{smiles}[/SMILES][CONFORMER]{conformer}[/CONFORMER]'")
-        if frame not in ("canonical", "as_given"):
-            raise ValueError(f"conformer_frame: 'canonical' or 'as_given', not {frame!r}")
+        check_frame(frame)
         if not 0 <= decimals <= 4:
             raise ValueError("conformer_decimals must be in [0, 4]")
         self.template, self.decimals, self.frame, self.keep_stereo = template, decimals, frame, keep_stereo
@@ -170,26 +177,89 @@ class UnitTemplate:
         from rdkit import Chem
 
         mol = Chem.MolFromSmiles(smiles) if len(smiles) <= _SMILES_MAX else None
-        written = Chem.MolToSmiles(mol, isomericSmiles=self.keep_stereo) if mol is not None else None
+        if mol is not None and not self.keep_stereo:  # as the ETL's canonical SMILES drops it (isotopes stay)
+            Chem.RemoveStereochemistry(mol)
+        written = Chem.MolToSmiles(mol) if mol is not None else None
         if written != canonical:
             return None, "unit_smiles_mismatch", f"unit SMILES {_short(smiles)} is {written!r}, the row {canonical!r}"
         if len(rows) != mol.GetNumAtoms():
             return None, "unit_atom_count", f"{len(rows)} x,y,z for {mol.GetNumAtoms()} heavy atoms of {_short(smiles)}"
-        order = list(mol.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])
-        positions = rows[order]  # atom k of the canonical SMILES is atom order[k] of the unit's
-        placed = _placed(canonical, positions)
-        problem = _geometry_problem(placed)
-        if problem:
-            return None, "unit_geometry", f"{problem} (atoms of {_short(canonical)})"
-        problem = _stereo_problem(placed) if any(c in canonical for c in "@/\\") else None
-        if problem:
-            return None, "unit_stereo", f"{problem} (atoms of {_short(canonical)})"
-        if self.frame == "canonical":
-            from rdkit.Chem import rdMolTransforms
+        return _unit_at(canonical, _placed(canonical, rows[_output_order(mol)]), None, self.decimals, self.frame)
 
-            rdMolTransforms.CanonicalizeConformer(placed.GetConformer())
-            positions = placed.GetConformer().GetPositions()
-        return format_unit(canonical, positions.tolist(), self.decimals), None, None
+
+def unit_of_record(canonical: str, mol, decimals: int = 2, frame: str = "canonical"):
+    """``--conformers sd``: the unit of an SD record's own 3D coordinates. ``mol`` is the
+    molecule the ETL made of the record (hydrogens removed, standardized: RDKit's fragment,
+    charge and normalization steps keep each remaining atom's coordinates) and ``canonical``
+    its canonical SMILES. (unit, None, None) or (None, reason, what is wrong): ``sd_not_3d``
+    (the record's coordinates are 2D or absent), ``unit_malformed`` (a coordinate not
+    finite or beyond 10,000 A), ``unit_geometry``, ``unit_stereo`` (as ``UnitTemplate``)."""
+    import numpy as np
+    from rdkit import Chem
+
+    if mol.GetNumConformers() == 0 or not mol.GetConformer().Is3D():
+        return None, "sd_not_3d", "the record's coordinates are 2D (dimension code 2D, or every z is 0)"
+    drawing = _drawing(mol)
+    if drawing:
+        return None, "sd_not_3d", f"a drawing: 3D header, but every z 0 ({drawing})"
+    if Chem.MolToSmiles(mol) != canonical:  # the ETL's own molecule: never, unless a step lost an atom's place
+        return None, "unit_smiles_mismatch", f"the record's molecule is {Chem.MolToSmiles(mol)!r}, the row {canonical!r}"
+    rows = mol.GetConformer().GetPositions()
+    if not (np.isfinite(rows).all() and np.abs(rows).max() <= _COORDINATE_MAX):
+        return None, "unit_malformed", f"a coordinate is not finite or beyond {_COORDINATE_MAX:,.0f} A"
+    return _unit_at(canonical, mol, _output_order(mol), decimals, frame)  # checked in the record's own atom order
+
+
+def _drawing(mol) -> str | None:
+    """Why a conformer whose every z is 0 is a drawing and no geometry (RDKit reads a record
+    whose header says 3D as 3D, whatever its z): an atom that cannot lie in one plane with
+    its heavy neighbours (sp3, three or more of them), or single and multiple bonds all of
+    one length (a drawing's; C-C 1.5 and C=O 1.2 A in any geometry). A molecule that can be
+    flat, drawn with bonds of several lengths, is left to the bond range."""
+    import numpy as np
+    from rdkit import Chem
+
+    positions = mol.GetConformer().GetPositions()
+    if np.abs(positions[:, 2]).max() >= 5e-5:  # the molfile's 4 decimals: some z is not 0
+        return None
+    for atom in mol.GetAtoms():
+        if atom.GetHybridization() == Chem.HybridizationType.SP3 and atom.GetDegree() >= 3:
+            return f"atom {atom.GetIdx()}: sp3, {atom.GetDegree()} heavy neighbours"
+    orders = {bond.GetBondType() == Chem.BondType.SINGLE for bond in mol.GetBonds()}
+    if len(orders) == 2:
+        lengths = [np.linalg.norm(positions[b.GetBeginAtomIdx()] - positions[b.GetEndAtomIdx()])
+                   for b in mol.GetBonds()]
+        if max(lengths) - min(lengths) < 0.05:
+            return f"single and multiple bonds all {np.mean(lengths):.2f} A"
+    return None
+
+
+def _output_order(mol) -> list[int]:
+    """Atom k of the SMILES RDKit last wrote of ``mol`` is ``mol``'s atom ``order[k]``."""
+    return list(mol.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])
+
+
+def _unit_at(canonical: str, placed, order, decimals: int, frame: str):
+    """The unit of ``canonical`` with the geometry of ``placed`` (a molecule of it with one
+    3D conformer; its atom ``order[k]`` is the canonical SMILES' atom k, or the same atom
+    when ``order`` is None) once the geometry and the stereo the SMILES specifies check out:
+    (unit, None, None) or (None, ``unit_geometry`` / ``unit_stereo``, what is wrong, its atom
+    numbers ``placed``'s)."""
+    atoms = f"atoms of {_short(canonical)}" if order is None else "the record's heavy atoms from 0"
+    problem = _geometry_problem(placed)
+    if problem:
+        return None, "unit_geometry", f"{problem} ({atoms})"
+    problem = _stereo_problem(placed) if any(c in canonical for c in "@/\\") else None
+    if problem:
+        return None, "unit_stereo", f"{problem} ({atoms})"
+    if frame == "canonical":
+        from rdkit.Chem import rdMolTransforms
+
+        rdMolTransforms.CanonicalizeConformer(placed.GetConformer())
+    positions = placed.GetConformer().GetPositions()
+    if order is not None:
+        positions = positions[order]
+    return format_unit(canonical, positions.tolist(), decimals), None, None
 
 
 def _short(value, limit: int = 80) -> str:

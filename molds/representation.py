@@ -60,6 +60,8 @@ REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.RE
                      "(coordinates in another atom order than the SMILES', or not in A)",
     "unit_stereo": "a stereocentre or double bond the unit's SMILES specifies has the other configuration in "
                    "its conformer (a mirror image, a cis conformer of a trans SMILES)",
+    "sd_not_3d": "--conformers sd: the SD record's coordinates are 2D or absent (dimension code 2D, or every z is 0), "
+                 "no conformer",
 }
 _PACKAGES = {"selfies": ("selfies", "selfies"), "safe": ("safe", "safe-mol")}  # module, pip name
 
@@ -185,22 +187,32 @@ class ConformerUnits(Representation):
     pattern = CONFORMER_PATTERN
 
     def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
-                 template: str | None = None, frame: str = "canonical", keep_stereo: bool = True):
+                 template: str | None = None, frame: str = "canonical", keep_stereo: bool = True,
+                 from_sd: bool = False):
         self.options = {"seed": seed, "mmff": mmff, "timeout_s": timeout_s, "decimals": decimals}
         self._embedder = None
         self.template = None
+        self.from_sd = from_sd  # units of the SD records' own coordinates (--conformers sd)
+        self.frame = frame
+        if template is not None and from_sd:
+            raise ValueError("conformer units come from --unit_template or from SD records, not both")
         if template is not None:  # units from the input's fields (--unit_template), checked up front
             from .conformers import UnitTemplate
 
             self.template = UnitTemplate(template, decimals, frame, keep_stereo)
+        if from_sd:
+            from .conformers import check_frame
+
+            check_frame(frame)
+        if template is not None or from_sd:
             self.options = {"decimals": decimals}
         self.notes: list[str] = []
 
     def encode(self, canonical):
         from .conformers import Embedder
 
-        if self.template is not None:
-            raise ValueError("these conformer units come from the input's fields: encode_fields, not encode")
+        if self.template is not None or self.from_sd:
+            raise ValueError("these conformer units come from the input: encode_fields or encode_mol, not encode")
         if self._embedder is None:
             self._embedder = Embedder(**self.options)
         unit, reason, notes = self._embedder(canonical)
@@ -215,6 +227,18 @@ class ConformerUnits(Representation):
         if self.template is None:
             raise ValueError("these conformer units are embedded (--conformers etkdg): encode, not encode_fields")
         unit, reason, detail = self.template.build(canonical, fields)
+        if reason is not None:
+            return detail, reason
+        return self._checked(canonical, unit)
+
+    def encode_mol(self, canonical: str, mol):
+        """``--conformers sd``: the unit of the molecule the ETL read from an SD record, with
+        that record's coordinates, or (what is wrong, reason)."""
+        from .conformers import unit_of_record
+
+        if not self.from_sd:
+            raise ValueError("these conformer units are not the SD records' (--conformers sd): encode_mol is theirs")
+        unit, reason, detail = unit_of_record(canonical, mol, self.options["decimals"], self.frame)
         if reason is not None:
             return detail, reason
         return self._checked(canonical, unit)
@@ -238,9 +262,13 @@ class ConformerUnits(Representation):
     def describe(self):
         import rdkit
 
+        given = self.template is not None or self.from_sd
         unit = ("[SMILES]<canonical SMILES>[/SMILES][CONFORMER]x,y,z;... (heavy atoms in SMILES order, Å, "
-                + ("the input's frame" if self.template is not None and self.template.frame == "as_given"
+                + ("the input's frame" if given and self.frame == "as_given"
                    else "centroid at the origin, principal axes along x, y, z") + ")[/CONFORMER]")
+        if self.from_sd:
+            return {"name": self.name, "method": "the SD records' 3D coordinates (--conformers sd)",
+                    "rdkit_version": rdkit.__version__, **self.options, "frame": self.frame, "unit": unit}
         if self.template is not None:
             return {"name": self.name, "method": "the input's conformers (--unit_template)",
                     "rdkit_version": rdkit.__version__, **self.options, **self.template.describe(), "unit": unit}

@@ -87,11 +87,15 @@ class PreprocessConfig:
     ``safe-mol``). Each row is decoded back and compared with its canonical SMILES; rows that do
     not round-trip are rejected with the reason. Sampling and evaluation decode through it."""
 
-    conformers: Literal["none", "etkdg"] = "none"
+    conformers: Literal["none", "etkdg", "sd"] = "none"
     """``etkdg``: write each molecule as a conformer unit, its canonical SMILES and one 3D
     conformer as text (``[SMILES]...[/SMILES][CONFORMER]x,y,z;...[/CONFORMER]``, heavy atoms in
     SMILES order): RDKit ETKDGv3, seeded per molecule; molecules it cannot embed in time are
-    rejected (``conformer_error``, ``conformer_timeout``). Needs ``representation smiles``."""
+    rejected (``conformer_error``, ``conformer_timeout``). ``sd``: the unit of each SD record's
+    own 3D coordinates (docking poses, a vendor's 3D library), checked and written as
+    ``--unit_template`` units are (``--conformer_frame``); a record with 2D coordinates is
+    refused (``sd_not_3d``), as are bad geometry and stereo (``unit_geometry``,
+    ``unit_stereo``). SD input only. Needs ``representation smiles``."""
 
     conformer_mmff: bool = True
     """Relax each conformer with MMFF94 (a molecule MMFF has no parameters for keeps its ETKDG
@@ -116,9 +120,9 @@ class PreprocessConfig:
     ``unit_stereo``. JSONL input only; needs ``representation smiles`` and ``conformers none``."""
 
     conformer_frame: Literal["canonical", "as_given"] = "canonical"
-    """``--unit_template``'s coordinates: ``canonical`` moves them as ETKDG units are (centroid at
-    the origin, principal axes along x, y, z); ``as_given`` keeps the record's frame (a pose in
-    its pocket)."""
+    """The input's coordinates (``--unit_template``, ``--conformers sd``): ``canonical`` moves
+    them as ETKDG units are (centroid at the origin, principal axes along x, y, z); ``as_given``
+    keeps the record's frame (a pose in its pocket)."""
 
     randomized_variants: int = 0
     """Also write K randomized SMILES of every training molecule (Arus-Pous et al. 2019's

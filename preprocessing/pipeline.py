@@ -67,9 +67,19 @@ def _validate(cfg: PreprocessConfig) -> None:
                                     or cfg.unit_template is not None):
         raise ValueError("--randomized_variants writes randomized SMILES: it needs --representation smiles, "
                          "--conformers none and no --unit_template")
-    if cfg.conformer_frame != "canonical" and cfg.unit_template is None:
+    given = cfg.unit_template is not None or cfg.conformers == "sd"  # conformers the input holds
+    if cfg.conformer_frame != "canonical" and not given:
         raise ValueError("--conformer_frame as_given keeps the frame of a conformer the input holds: it needs "
-                         "--unit_template (ETKDG's frame is arbitrary; its units are always in the canonical one)")
+                         "--unit_template or --conformers sd (ETKDG's frame is arbitrary; its units are always in "
+                         "the canonical one)")
+    embeds = {"conformer_mmff": (cfg.conformer_mmff, True), "conformer_timeout_s": (cfg.conformer_timeout_s, 2)}
+    unused = [key for key, (value, default) in embeds.items() if value != default]
+    if unused and cfg.conformers != "etkdg":  # an option that would change nothing is refused, not ignored
+        raise ValueError(f"--{unused[0]} sets how --conformers etkdg embeds; "
+                         + ("these conformers come from the input" if given else "no conformers are made"))
+    if cfg.conformer_decimals != 2 and cfg.conformers == "none" and cfg.unit_template is None:
+        raise ValueError("--conformer_decimals sets the digits of conformer units: it needs --conformers or "
+                         "--unit_template")
     _chem_options(cfg)  # the chemistry caps, checked before anything is created
     _representation(cfg)  # the representation's package, asked for by name when it is missing
 
@@ -90,6 +100,8 @@ def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
     if cfg.representation != "smiles":
         raise ValueError(f"--conformers {cfg.conformers} writes SMILES conformer units: it needs --representation "
                          f"smiles, not {cfg.representation}")
+    if cfg.conformers == "sd":
+        return "conformer", (("decimals", cfg.conformer_decimals), ("from_sd", True), ("frame", cfg.conformer_frame))
     options = (("seed", cfg.seed), ("mmff", cfg.conformer_mmff), ("timeout_s", cfg.conformer_timeout_s),
                ("decimals", cfg.conformer_decimals))
     return "conformer", options
@@ -223,6 +235,9 @@ def run(cfg: PreprocessConfig) -> str:
     if cfg.unit_template is not None and any(fmt != "jsonl" for _, _, fmt in inputs):
         other = next((p, fmt) for _, p, fmt in inputs if fmt != "jsonl")
         raise InputError(f"--unit_template reads the fields of JSON-lines records; {other[0]} is {other[1]}")
+    if cfg.conformers == "sd" and any(fmt != "sdf" for _, _, fmt in inputs):
+        other = next((p, fmt) for _, p, fmt in inputs if fmt != "sdf")
+        raise InputError(f"--conformers sd reads the 3D coordinates of SD records; {other[0]} is {other[1]}")
     final_dir = os.path.abspath(cfg.output)
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise FileExistsError(f"--output {cfg.output} exists; pass --overwrite true to replace it")

@@ -135,6 +135,8 @@ class MapStage:
             from molds.representation import get
 
             self.represent = get(options.representation, **dict(options.representation_options))
+        # --conformers sd: an SD row's unit is made of the molecule read from it, coordinates and all
+        self._sd_units = bool(getattr(self.represent, "from_sd", False))
         self.grammar = GRAMMARS[options.representation]
         self.stats = Stats()
         self.tokens = Counter()
@@ -213,7 +215,8 @@ class MapStage:
 
     def _text(self, mol: Molecule, unit=None) -> tuple:
         """(None, the representation's string or None for SMILES), or (reason, the example
-        the report shows: the canonical SMILES, with what is wrong when the refusal says)."""
+        the report shows: the canonical SMILES, with what is wrong when the refusal says).
+        ``unit``: what the input gives of the row's conformer (see ``_represent``)."""
         if self.represent is None:
             return None, None
         text, reason = self._represent(mol.canonical, unit)
@@ -259,10 +262,11 @@ class MapStage:
         if labels is False:
             return "bad_label", label_values, repaired
         raw = self._sd_raw(mol)
-        molecule = self.canonicalize.from_mol(mol, check_length=True)
+        molecule = self.canonicalize.from_mol(mol, check_length=True, keep_mol=self._sd_units)
         if not isinstance(molecule, Molecule):
             return molecule, self._sd().title(mol), repaired
-        reason, text = self._text(molecule)
+        reason, text = self._text(molecule, molecule.mol)
+        molecule.mol = None  # not held past its unit
         if reason is not None:
             return reason, text, repaired
         return None, (raw, molecule, cid, labels, text), repaired
@@ -287,11 +291,14 @@ class MapStage:
     def _represent(self, canonical: str, unit=None) -> tuple[str | None, str | None]:
         """The row in the manifest's representation, decoded back and compared with its
         canonical SMILES: (text, None) or (None or what to show for the refusal, reason);
-        ``unit``: the record's ``--unit_template`` fields."""
+        ``unit``: the record's ``--unit_template`` fields (a dict), or the RDKit molecule read
+        from an SD record with its coordinates (``--conformers sd``)."""
         if unit is None:
             text, reason = self.represent.encode(canonical)
-        else:
+        elif isinstance(unit, dict):
             text, reason = self.represent.encode_fields(canonical, unit)
+        else:
+            text, reason = self.represent.encode_mol(canonical, unit)
         if self.represent.notes:  # counts that are no refusal (conformers: mmff_unparameterized)
             self.stats.notes.update(self.represent.notes)
             self.represent.notes.clear()

@@ -129,3 +129,27 @@ def test_ray_engine_builds_the_local_engines_conformer_units_from_jsonl_fields(l
     assert local["stats"]["rejected"] == {"unit_missing_field": 1} and local["stats"]["rows_out"] == 12
     assert manifest_hash(remote) == manifest_hash(local)
     assert remote["splits"] == local["splits"]
+
+
+def test_ray_engine_builds_the_local_engines_conformer_units_from_sd_coordinates(local_ray, tmp_path):
+    """--conformers sd: the SD records' bytes carry their coordinates to the actors, so the
+    units, the 2D refusal and the shards are the local engine's."""
+    import random
+
+    from rdkit import Chem
+    from rdkit.Chem import AllChem
+
+    from .conftest import sample_smiles
+    from .test_sd_conformers import _block, _conformer
+
+    rng = random.Random(1)
+    text = "".join(_block(_conformer(s, i, rng), f"M{i}") for i, s in enumerate(sample_smiles(12, offset=3100)))
+    flat = Chem.MolFromSmiles("CCOC(=O)c1ccccc1")
+    AllChem.Compute2DCoords(flat)
+    path = tmp_path / "in.sdf"
+    path.write_text(text + _block(flat, "flat"))
+    local = run_etl(str(tmp_path / "local"), [str(path)], conformers="sd", id_column="_Name")
+    remote = run_etl(str(tmp_path / "ray"), [str(path)], conformers="sd", id_column="_Name", engine="ray")
+    assert local["stats"]["rejected"] == {"sd_not_3d": 1} and local["stats"]["rows_out"] == 12
+    assert manifest_hash(remote) == manifest_hash(local)
+    assert remote["splits"] == local["splits"]

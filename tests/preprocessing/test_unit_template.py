@@ -301,3 +301,22 @@ def test_a_unit_smiles_that_does_not_parse_or_is_too_long_is_a_mismatch():
         "unit_smiles_mismatch")
     assert template.build("CCO", {"unit": f"[SMILES]{'C' * 30000}[/SMILES][CONFORMER]0,0,0[/CONFORMER]"})[1] == (
         "unit_smiles_mismatch")
+
+
+def test_without_stereo_an_isotope_labelled_molecule_keeps_its_label(tmp_path):
+    """``--keep_stereo false`` drops stereo from the canonical SMILES and keeps isotopes
+    (a 13C or deuterium label); the unit's SMILES is held to the same rule, so a labelled
+    record is kept, stereo or not."""
+    from rdkit import Chem
+
+    rows = []
+    for i, smiles in enumerate(["[13CH3]OC(=O)c1ccccc1", "[2H]C([2H])([2H])N[C@@H](C)C(=O)O", "C/C=C/C(=O)OC"]):
+        mol, _ = _embedded(smiles, seed=i)
+        heavy = Chem.RemoveHs(mol)  # the deuteriums stay: isotopes are no plain hydrogens
+        rows.append({"smiles": smiles, "xyz": heavy.GetConformer().GetPositions().tolist()})
+    out = str(tmp_path / "out")
+    m = run_etl(out, [_write(tmp_path / "in.jsonl", rows)], unit_template=TEMPLATE, keep_stereo=False,
+                split_fractions=[1.0, 0.0, 0.0])
+    assert not m["stats"]["rejected"]
+    assert sorted(parse_unit(r["text"])[0] for r in _kept(out, m)) == sorted(
+        ["[13CH3]OC(=O)c1ccccc1", "[2H]C([2H])([2H])NC(C)C(=O)O", "CC=CC(=O)OC"])
