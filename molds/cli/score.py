@@ -21,8 +21,9 @@ from . import new_parser, parse
 def build_parser():
     p = new_parser("molds-score", "Score molecules with a scoring definition (a JSON file or a PMO oracle).")
     p.add_argument("--input", type=str, default=None,
-                   help="molecules: a .smi / .txt file (the first field of each line) or a .csv (--smiles_column)")
-    p.add_argument("--smiles_column", type=str, default="smiles", help="the SMILES column of a .csv input")
+                   help="molecules: a .smi / .txt file (the first field of each line) or a .csv / .tsv "
+                        "(--smiles_column), gzipped or not")
+    p.add_argument("--smiles_column", type=str, default="smiles", help="the SMILES column of a .csv / .tsv input")
     p.add_argument("--scoring", type=str, default=None, help="a JSON file holding a scoring definition")
     p.add_argument("--oracle", type=str, default=None,
                    help="a PMO oracle by name (molds.scoring.pmo.ORACLES), instead of --scoring")
@@ -33,26 +34,12 @@ def build_parser():
 
 def read_smiles(path: str, column: str) -> list[str]:
     """The molecules of a .smi / .txt (first whitespace field; an empty line is an empty
-    molecule) or .csv file (``column``, matched exactly, else case-insensitively)."""
-    import csv
+    molecule) or .csv / .tsv file (``column``, matched exactly, else case-insensitively),
+    gzipped or not: molds-eval's reader (``molds.eval.evaluate.smiles_cells``)."""
+    from ..eval.evaluate import smiles_cells
 
-    from ..errors import MoldsError
-
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            if path.lower().endswith(".csv"):
-                reader = csv.reader(fh)
-                header = next(reader, None) or []
-                match = [i for i, h in enumerate(header) if h == column] or \
-                    [i for i, h in enumerate(header) if h.lower() == column.lower()]
-                if len(match) != 1:
-                    raise MoldsError(f"{path}: no column {column!r} (it has {header}); give --smiles_column")
-                return [row[match[0]] if len(row) > match[0] else "" for row in reader]
-            return [(line.split() or [""])[0] for line in fh.read().splitlines()]
-    except OSError as exc:
-        raise MoldsError(f"--input {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise MoldsError(f"--input {path}: not UTF-8 text ({exc})") from None
+    table, cells = smiles_cells(path, "molecules", need_column=True, column=column)
+    return cells if table else [(cell.split() or [""])[0] for cell in cells]
 
 
 def run(argv: list[str]) -> int:

@@ -27,11 +27,12 @@ def moses_reference(manifest, split: str, reference_file: str | None = None):
     return ReferenceSet(reference_smiles(manifest, split, limit=1 << 30))
 
 
-def _smiles_cells(path: str, what: str, *, need_column: bool) -> tuple[bool, list[str]]:
+def smiles_cells(path: str, what: str, *, need_column: bool, column: str | None = None) -> tuple[bool, list[str]]:
     """The cells of a SMILES file, gzipped or not (MOSES ships test.csv.gz): a ``.csv`` /
-    ``.tsv`` by its header's SMILES column (else its first column, or refused with
+    ``.tsv`` by its SMILES column (``column``, matched exactly, else but for case; None: a
+    column called SMILES in any case, else the first column, or refused with
     ``need_column``), any other file by its lines; each cell stripped, an empty one ''.
-    Returns (whether it was a table, the cells)."""
+    Returns (whether it was a table, the cells). molds-eval's and molds-score's reader."""
     import csv
     import gzip
 
@@ -45,11 +46,17 @@ def _smiles_cells(path: str, what: str, *, need_column: bool) -> tuple[bool, lis
             header = next(rows, None)
             if header is None:
                 raise MoldsError(f"{path}: no {what}")
-            names = [h.strip().lower() for h in header]
-            if "smiles" not in names and need_column:
-                raise MoldsError(f"{path}: a {plain.rsplit('.', 1)[-1]} file of {what} needs a SMILES column; "
-                                 f"its header is {header}")
-            col = names.index("smiles") if "smiles" in names else 0
+            names = [h.strip() for h in header]
+            wanted = column if column is not None else "smiles"
+            match = [i for i, h in enumerate(names) if h == wanted] or \
+                [i for i, h in enumerate(names) if h.lower() == wanted.lower()]
+            if len(match) != 1 and column is not None:
+                found = "columns that match" if match else "no column"
+                raise MoldsError(f"{path}: {found} {column!r} (its header is {header}); give --smiles_column")
+            if len(match) != 1 and need_column:
+                raise MoldsError(f"{path}: a {plain.rsplit('.', 1)[-1]} file of {what} needs "
+                                 f"{'one' if match else 'a'} SMILES column; its header is {header}")
+            col = match[0] if len(match) == 1 else 0
             return True, [r[col].strip() if len(r) > col else "" for r in rows if r]
     except UnicodeDecodeError as exc:
         raise MoldsError(f"{path}: not UTF-8 text ({exc})") from exc
@@ -60,7 +67,7 @@ def _smiles_cells(path: str, what: str, *, need_column: bool) -> tuple[bool, lis
 def read_smiles_file(path: str) -> list[str]:
     """A reference set: the SMILES of a CSV column, or the first field of each line of a
     ``.smi`` (a name may follow); empty rows skipped."""
-    table, cells = _smiles_cells(path, "SMILES", need_column=False)
+    table, cells = smiles_cells(path, "SMILES", need_column=False)
     return [c if table else c.split()[0] for c in cells if c]
 
 
@@ -68,7 +75,7 @@ def read_samples_file(path: str) -> list:
     """Samples, one per line, or a ``.csv`` / ``.tsv`` by its SMILES column (what MOSES's
     scripts and many tools write). Every line or row is a sample, an empty one a sample that
     failed (None): none is dropped, so validity counts the failures."""
-    _, cells = _smiles_cells(path, "samples", need_column=True)
+    _, cells = smiles_cells(path, "samples", need_column=True)
     if not cells:
         raise MoldsError(f"{path}: no samples")
     return [c or None for c in cells]

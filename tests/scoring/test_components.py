@@ -171,3 +171,26 @@ def test_molds_score_writes_every_molecule_with_its_components(tmp_path, capsys)
     assert "components[0].transform: the step transform needs low < high" in capsys.readouterr().err
     assert main(["--input", str(inp), "--oracle", "drd2"]) == 2
     assert not os.path.exists(tmp_path / "nothing.csv")
+
+
+def test_molds_score_reads_what_molds_eval_reads(tmp_path, capsys):
+    """One reader for both (``molds.eval.evaluate.smiles_cells``): a gzipped TSV by its
+    named column, a .smi by each line's first field (a name may follow), and a column that
+    is not there refused naming the file and the header."""
+    import gzip
+
+    from molds.cli.score import main, read_smiles
+
+    tsv = tmp_path / "mols.tsv.gz"
+    with gzip.open(tsv, "wt") as fh:
+        fh.write("id\tSmiles\n1\tCCO\n2\tc1ccccc1O\n")
+    assert read_smiles(str(tsv), "smiles") == ["CCO", "c1ccccc1O"]
+    smi = tmp_path / "mols.smi"
+    smi.write_text("CCO ethanol\n\nc1ccccc1O phenol\n")
+    assert read_smiles(str(smi), "smiles") == ["CCO", "", "c1ccccc1O"]
+    out = tmp_path / "scored.csv"
+    assert main(["--input", str(tsv), "--oracle", "qed", "--out", str(out)]) == 0
+    assert [r["smiles"] for r in csv.DictReader(open(out))] == ["CCO", "c1ccccc1O"]
+    assert main(["--input", str(tsv), "--smiles_column", "canonical", "--oracle", "qed"]) == 2
+    err = capsys.readouterr().err
+    assert "mols.tsv.gz: no column 'canonical' (its header is ['id', 'Smiles']); give --smiles_column" in err
