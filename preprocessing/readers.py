@@ -214,6 +214,14 @@ def _open_sd(path: str):
     return fh
 
 
+_PADDING = " \t\r\n\x00\x1a\udc80"  # NUL (also as the CSV reader's stand-in), Ctrl-Z, whitespace
+
+
+def is_padding(text: str) -> bool:
+    """A line of nothing but NUL bytes or Ctrl-Z (with whitespace): ``padding``, not a record."""
+    return bool(text.strip()) and not text.strip(_PADDING)
+
+
 def is_clean(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -336,7 +344,9 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
             if not record:
                 continue  # a blank line is not a record
             row = line
-            if len(record) != width:
+            if len(record) == 1 and is_padding(record[0]):
+                yield row, None, None, None, "padding"
+            elif len(record) != width:
                 yield row, None, None, None, "malformed_row"
             elif not all(map(is_clean, record)):
                 yield row, None, None, None, "non_utf8"
@@ -354,7 +364,9 @@ def _read_smi(path, has_header: bool):
             if not line.strip():
                 continue
             row = n + 1  # 1-based line number
-            if not is_clean(line):
+            if is_padding(line):
+                yield row, None, None, None, "padding"
+            elif not is_clean(line):
                 yield row, None, None, None, "non_utf8"
             else:
                 if "|" in line:  # ``SMILES |extension| name``: the extension belongs to the SMILES
@@ -388,6 +400,9 @@ def _read_jsonl(path, cols: Columns):
             if not line.strip():
                 continue
             row = n + 1  # 1-based line number
+            if is_padding(line):
+                yield (row, None, None, None, "padding") + no_fields
+                continue
             if not is_clean(line):
                 yield (row, None, None, None, "non_utf8") + no_fields
                 continue

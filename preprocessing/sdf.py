@@ -39,14 +39,17 @@ _BLOCK = 1 << 20
 _END = re.compile(rb"\n\$\$\$\$[ \t\r]*(?=\n)")
 _TAG = re.compile(rb"^>[^<\n]*<([^>\n]*)>", re.M)  # a data header line: ">  <TAG>  (n)"
 _RDKIT_LINE = re.compile(r" on line ?(\d+)")  # RDKit writes both "on line 7" and "on line7"
+_PADDING = b" \t\r\n\x00\x1a"  # NUL bytes and Ctrl-Z (DOS's end of file): ``padding``, not a record
+_PAD_START = (b"\x00", b"\x1a")
 LEADING_BLANK_LINES = "sdf_leading_blank_lines"  # a count in the manifest: records read after dropping them
 
 
 def read_sd_records(fh):
     """Yield ``(first line, record number, record bytes or None, reason or None)`` for every
-    record of an SD byte stream ``fh``. ``reason`` is ``empty_record``, ``record_too_large``
-    or ``truncated_input``; a stream that ends without a final ``$$$$`` ends with that
-    record (a single ``.mol`` file is one). ``EOFError`` from a cut-short archive is
+    record of an SD byte stream ``fh``. ``reason`` is ``empty_record``, ``record_too_large``,
+    ``padding`` (nothing but NUL bytes or Ctrl-Z; its bytes are given) or ``truncated_input``;
+    a stream that ends without a final ``$$$$`` ends with that record (a single ``.mol``
+    file is one). ``EOFError`` from a cut-short archive is
     re-raised after the record it cut is yielded."""
     buf = b""
     line = 1  # the line the record in ``buf`` starts on
@@ -89,6 +92,8 @@ def read_sd_records(fh):
                 skipping = None
             elif m.start() - start < 64 and not buf[start:m.start()].strip():
                 yield line, number, None, "empty_record"
+            elif buf[start:start + 1] in _PAD_START and not buf[start:m.start()].strip(_PADDING):
+                yield line, number, buf[start:end], "padding"
             else:
                 yield line, number, buf[start:end], None
             line += buf.count(b"\n", start, end)
@@ -102,6 +107,8 @@ def read_sd_records(fh):
             buf = buf[cut:] if len(buf) - cut <= 16 else b"x"
     if skipping is not None:
         yield skipping, number + 1, None, "record_too_large"
+    elif buf.strip() and not buf.strip(_PADDING):  # NUL bytes or Ctrl-Z after the last record
+        yield line, number + 1, buf, "padding"
     elif buf.strip():
         yield line, number + 1, buf, None
 

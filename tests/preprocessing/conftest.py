@@ -171,12 +171,16 @@ def hostile_sdf(tmp_path_factory):
                    ("empty record", "\n\n$$$$\n", "empty_record"),
                    # three lines and a $$$$: read with the next record, RDKit takes that record's title
                    # for this one's counts line and skips the next one entirely
-                   ("short garbage", "garbage\nmore\n\n$$$$\n", "sdf_parse_error")]
+                   ("short garbage", "garbage\nmore\n\n$$$$\n", "sdf_parse_error"),
+                   # a block of NUL bytes where records were (a copy that did not finish writing them)
+                   ("nul block", "\0" * 300 + "\n$$$$\n", "padding")]
     for k, (_, text, reason) in enumerate(bad_records):
         at = 10 + 17 * k
         parts_a.insert(at, text)
     for k, (_, text, reason) in enumerate(bad_records):
         bad[("a.sdf", parts_a.index(text) + 1)] = reason
+    parts_a.append("\x1a")  # DOS's end-of-file mark after the last record
+    bad[("a.sdf", len(parts_a))] = "padding"
     # file b: CRLF line ends, a V3000-only block, no $$$$ after its last record
     for i, smi in enumerate(SDF_SMILES[120:200]):
         parts_b.append(sd_record(smi, f"B{i}", {"pIC50": "7.5", "vendor_id": f"W{i}"}, v3000=i % 2 == 0))

@@ -424,3 +424,23 @@ def test_http_input_gives_the_local_shards(tmp_path, reference):
             else:
                 assert a.column(col).equals(b.column(col)), (split, col)
     _same_content(str(tmp_path / "out"), m, reference)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("dos.csv", "smiles,id\nCCO,1\nCCN,2\n\x1a"),  # DOS's end-of-file mark
+    ("zeroed.csv", "smiles,id\nCCO,1\n" + "\0" * 400 + "\nCCN,2\n"),  # a block of NUL bytes where rows were
+    ("dos.smi", "CCO one\nCCN two\n\x1a\r\n"),
+    ("zeroed.jsonl", '{"smiles": "CCO"}\n' + "\0" * 64 + '\n{"smiles": "CCN"}\n'),
+], ids=["csv-ctrl-z", "csv-nul", "smi-ctrl-z", "jsonl-nul"])
+def test_nul_bytes_and_ctrl_z_are_counted_as_padding_by_line(tmp_path, name, text):
+    """A line of nothing but NUL bytes or Ctrl-Z is no record and no bad molecule: it is
+    counted under ``padding``, named by file and line, and the rows around it are read."""
+    path = tmp_path / name
+    path.write_bytes(text.encode())
+    out = tmp_path / "out"
+    m = run_etl(str(out), [str(path)], split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rows_in"] == 3 and m["stats"]["rows_out"] == 2
+    assert m["stats"]["rejected"] == {"padding": 1}
+    line = text[: text.index("\0" if "\0" in text else "\x1a")].count("\n") + 1
+    examples = json.load(open(out / "report.json"))["rejected_examples"]["padding"]
+    assert [source for source, _ in examples] == [f"{path}:{line}"]
