@@ -119,6 +119,13 @@ class PreprocessConfig:
     ``unit_malformed``, ``unit_smiles_mismatch``, ``unit_atom_count``, ``unit_geometry``,
     ``unit_stereo``. JSONL input only; needs ``representation smiles`` and ``conformers none``."""
 
+    conformers_per_molecule: int = 1
+    """With conformers the input holds (``--unit_template``, ``--conformers sd``): how many
+    conformers of one molecule to keep, the first ones in input order (0: all of them). Each
+    is its own row; identical units count once; the others are counted as duplicates. The
+    conformers of a molecule share its split (grouped by scaffold, or by molecule with
+    ``--split random``)."""
+
     conformer_frame: Literal["canonical", "as_given"] = "canonical"
     """The input's coordinates (``--unit_template``, ``--conformers sd``): ``canonical`` moves
     them as ETKDG units are (centroid at the origin, principal axes along x, y, z); ``as_given``

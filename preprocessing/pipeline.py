@@ -72,6 +72,11 @@ def _validate(cfg: PreprocessConfig) -> None:
         raise ValueError("--conformer_frame as_given keeps the frame of a conformer the input holds: it needs "
                          "--unit_template or --conformers sd (ETKDG's frame is arbitrary; its units are always in "
                          "the canonical one)")
+    if cfg.conformers_per_molecule < 0:
+        raise ValueError(f"--conformers_per_molecule must be 0 (all) or more, got {cfg.conformers_per_molecule}")
+    if cfg.conformers_per_molecule != 1 and not given:
+        raise ValueError("--conformers_per_molecule keeps several conformers the input holds for one molecule: it "
+                         "needs --unit_template or --conformers sd (ETKDG makes one)")
     embeds = {"conformer_mmff": (cfg.conformer_mmff, True), "conformer_timeout_s": (cfg.conformer_timeout_s, 2)}
     unused = [key for key, (value, default) in embeds.items() if value != default]
     if unused and cfg.conformers != "etkdg":  # an option that would change nothing is refused, not ignored
@@ -255,7 +260,8 @@ def run(cfg: PreprocessConfig) -> str:
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
                            columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns),
                                            unit_fields(cfg)),
-                           representation=spelled, representation_options=spelled_options, decimal=cfg.decimal)
+                           representation=spelled, representation_options=spelled_options, decimal=cfg.decimal,
+                           per_molecule=cfg.conformers_per_molecule)
     cols = options.columns
     engine = _make_engine(cfg)
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed

@@ -52,6 +52,7 @@ class StageOptions:
     representation: str = "smiles"  # what the tokens spell (molds.representation)
     representation_options: tuple = ()  # (key, value) pairs: the conformer units' embedding options
     decimal: str = "."  # the decimal mark of label values
+    per_molecule: int = 1  # conformer units of one molecule kept (0: all; the input's conformers)
 
 
 @dataclass
@@ -378,16 +379,28 @@ def read_pieces(pieces) -> pa.Table | None:
     return pa.concat_tables(parts) if parts else None
 
 
-def _first_of_each(table: pa.Table, key: str) -> tuple[pa.Table, int]:
-    """Keep the earliest input row (by ``order``) of each distinct ``key``."""
+def _first_of_each(table: pa.Table, key: str, per_key: int = 1, unit: str | None = None) -> tuple[pa.Table, int]:
+    """Keep the earliest input rows (by ``order``) of each distinct ``key``: one, or with
+    ``unit`` (a column: a molecule's conformer units) the first ``per_key`` distinct units
+    (0: all of them). Returns (the rows kept, sorted by key and order; how many were not)."""
+    rows = len(table)
+    if unit is not None:  # identical units of one molecule count once, the earliest kept
+        table, _ = _first_of_each(table.append_column("_both", pc.binary_join_element_wise(
+            table.column(key), table.column(unit), "\x1f")), "_both")
+        table = table.drop_columns(["_both"])
     table = table.sort_by([(key, "ascending"), ("order", "ascending")])
     keys = table.column(key).combine_chunks()
-    if len(keys) <= 1:
-        return table, 0
-    keep = np.ones(len(keys), dtype=bool)
-    keep[1:] = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
+    if len(keys) <= 1 or per_key == 0:
+        return table, rows - len(table)
+    starts = np.ones(len(keys), dtype=bool)
+    starts[1:] = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
+    if per_key == 1:
+        keep = starts
+    else:  # each row's place among its key's rows: its index less its run's first index
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(keys)), 0))
+        keep = np.arange(len(keys)) - first < per_key
     kept = table.filter(pa.array(keep))
-    return kept, len(keys) - len(kept)
+    return kept, rows - len(kept)
 
 
 def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, stage: str):
@@ -403,7 +416,8 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
     dedupe_here = stage == "regroup" or not options.two_stage
     if dedupe_here:
         key = "dedupe_key" if options.chem.dedupe_key != "canonical" else "canonical_smiles"
-        table, duplicates = _first_of_each(table, key)
+        table, duplicates = _first_of_each(table, key, options.per_molecule,
+                                           "text" if options.per_molecule != 1 else None)
     if stage == "regroup":
         buckets = (table.column("group_hash").to_numpy() >> _BUCKET_SHIFT).astype(np.uint16)
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))
