@@ -88,6 +88,28 @@ def run_etl(output: str, inputs, **overrides) -> dict:
         return json.load(fh)
 
 
+def shard_rows(output: str, manifest: dict, split: str = "train") -> list[dict]:
+    """Every row of one split of an ETL output, shard by shard."""
+    import pyarrow.parquet as pq
+
+    return [r for s in manifest["splits"][split] for r in pq.read_table(os.path.join(output, s["uri"])).to_pylist()]
+
+
+def placed(smiles: str, positions):
+    """RDKit's molecule of ``smiles`` with one 3D conformer at ``positions`` (its atom order),
+    built here and not by the code under test."""
+    from rdkit import Chem
+    from rdkit.Geometry import Point3D
+
+    mol = Chem.MolFromSmiles(smiles)
+    conf = Chem.Conformer(mol.GetNumAtoms())
+    for i, p in enumerate(positions):
+        conf.SetAtomPosition(i, Point3D(*p))
+    conf.Set3D(True)
+    mol.AddConformer(conf)
+    return mol
+
+
 @pytest.fixture(scope="session")
 def dirty_run(dirty_csv, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("etl") / "dirty")

@@ -10,13 +10,12 @@ import json
 import os
 import random
 
-import pyarrow.parquet as pq
 import pytest
 
 from molds.conformers import parse_unit
 from molds.data.manifest import manifest_hash
 
-from .conftest import run_etl, sample_smiles
+from .conftest import run_etl, sample_smiles, shard_rows
 from .test_unit_template import TEMPLATE, _embedded
 
 
@@ -53,8 +52,7 @@ def _moved(mol, dx: float):
 
 
 def _rows(out, m):
-    return {split: [r for s in m["splits"][split] for r in pq.read_table(os.path.join(out, s["uri"])).to_pylist()]
-            for split in m["splits"]}
+    return {split: shard_rows(out, m, split) for split in m["splits"]}
 
 
 @pytest.mark.parametrize("per_molecule", [0, 2])

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import random
 
-import pyarrow.parquet as pq
 import pytest
 
 from molds.conformers import format_unit, parse_unit
 
-from .conftest import run_etl, sample_smiles
+from .conftest import placed, run_etl, sample_smiles, shard_rows
 
 
 def _conformer(smiles: str, seed: int, rng: random.Random):
@@ -92,10 +91,6 @@ def records():
     return good, salt, bad, text
 
 
-def _kept(out, manifest):
-    return [r for s in manifest["splits"]["train"] for r in pq.read_table(os.path.join(out, s["uri"])).to_pylist()]
-
-
 @pytest.fixture(scope="module")
 def etl(records, tmp_path_factory):
     *_, text = records
@@ -104,20 +99,7 @@ def etl(records, tmp_path_factory):
     out = str(d / "out")
     m = run_etl(out, [str(d / "in.sdf")], conformers="sd", id_column="_Name", largest_fragment=True,
                 split_fractions=[1.0, 0.0, 0.0])
-    return out, m, {r["compound_id"]: r for r in _kept(out, m)}
-
-
-def _placed(smiles, positions):
-    from rdkit import Chem
-    from rdkit.Geometry import Point3D
-
-    mol = Chem.MolFromSmiles(smiles)
-    conf = Chem.Conformer(mol.GetNumAtoms())
-    for i, p in enumerate(positions):
-        conf.SetAtomPosition(i, Point3D(*p))
-    conf.Set3D(True)
-    mol.AddConformer(conf)
-    return mol
+    return out, m, {r["compound_id"]: r for r in shard_rows(out, m)}
 
 
 def test_each_unit_is_the_records_geometry_on_the_canonical_smiles(records, etl):
@@ -134,7 +116,7 @@ def test_each_unit_is_the_records_geometry_on_the_canonical_smiles(records, etl)
         smiles, coords = parse_unit(row["text"])
         assert smiles == row["canonical_smiles"] == Chem.MolToSmiles(heavy)
         assert format_unit(smiles, coords, 2) == row["text"]  # exact to its precision
-        rms = rdMolAlign.GetBestRMS(_placed(smiles, coords), heavy)
+        rms = rdMolAlign.GetBestRMS(placed(smiles, coords), heavy)
         assert rms < 0.006, (name, rms)  # 2 decimals: each coordinate within 0.005 Å
         center = [sum(c[k] for c in coords) / len(coords) for k in range(3)]
         assert max(map(abs, center)) < 0.01  # the canonical frame: centroid at the origin
@@ -149,7 +131,7 @@ def test_a_stripped_salt_keeps_its_fragments_coordinates(records, etl):
     smiles, coords = parse_unit(rows["SALT"]["text"])
     assert smiles == "CCN(CC)Cc1ccccc1"
     amine = max(Chem.GetMolFrags(_read(salt), asMols=True), key=lambda f: f.GetNumAtoms())
-    assert rdMolAlign.GetBestRMS(_placed(smiles, coords), amine) < 0.006
+    assert rdMolAlign.GetBestRMS(placed(smiles, coords), amine) < 0.006
 
 
 def test_every_record_is_accounted_and_each_refusal_counted_under_its_reason(records, etl):
@@ -182,11 +164,11 @@ def test_the_frame_as_given_keeps_each_atom_where_the_record_put_it(records, tmp
     m = run_etl(out, [str(path)], conformers="sd", conformer_frame="as_given", conformer_decimals=3,
                 id_column="_Name", split_fractions=[1.0, 0.0, 0.0])
     assert m["representation"]["frame"] == "as_given" and m["representation"]["decimals"] == 3
-    kept = _kept(out, m)
+    kept = shard_rows(out, m)
     assert len(kept) == len(names)
     for row in kept:
         smiles, coords = parse_unit(row["text"])
-        rms = rdMolAlign.CalcRMS(_placed(smiles, coords), _read(good[row["compound_id"]]))
+        rms = rdMolAlign.CalcRMS(placed(smiles, coords), _read(good[row["compound_id"]]))
         assert rms < 0.0006, (row["compound_id"], rms)  # 3 decimals
 
 

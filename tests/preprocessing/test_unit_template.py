@@ -11,12 +11,11 @@ import json
 import os
 import random
 
-import pyarrow.parquet as pq
 import pytest
 
 from molds.conformers import format_unit, parse_unit
 
-from .conftest import run_etl, sample_smiles
+from .conftest import placed, run_etl, sample_smiles, shard_rows
 
 TEMPLATE = "[SMILES]{smiles}[/SMILES][CONFORMER]{xyz}[/CONFORMER]"
 
@@ -82,10 +81,6 @@ def _write(path, rows):
     return str(path)
 
 
-def _kept(out, manifest):
-    return [r for s in manifest["splits"]["train"] for r in pq.read_table(os.path.join(out, s["uri"])).to_pylist()]
-
-
 @pytest.fixture(scope="module")
 def etl(records, tmp_path_factory):
     good, duplicate, bad = records
@@ -94,7 +89,7 @@ def etl(records, tmp_path_factory):
     out = str(d / "out")
     m = run_etl(out, [path], unit_template=TEMPLATE, id_column="id", largest_fragment=True,
                 split_fractions=[1.0, 0.0, 0.0])
-    return out, m, _kept(out, m)
+    return out, m, shard_rows(out, m)
 
 
 def test_each_unit_is_the_input_conformer_in_the_canonical_smiles_atom_order(records, etl):
@@ -102,21 +97,12 @@ def test_each_unit_is_the_input_conformer_in_the_canonical_smiles_atom_order(rec
     the unit's geometry on its canonical SMILES and the record's own: below the rounding."""
     from rdkit import Chem
     from rdkit.Chem import rdMolAlign
-    from rdkit.Geometry import Point3D
 
     good, _, _ = records
     out, m, rows = etl
     assert m["representation"]["name"] == "conformer" and m["representation"]["template"] == TEMPLATE
     by_id = {r["compound_id"]: r for r in rows}
     assert set(by_id) == {g["id"] for g in good}
-
-    def placed(smiles, positions):
-        mol = Chem.MolFromSmiles(smiles)
-        conf = Chem.Conformer(mol.GetNumAtoms())
-        for i, p in enumerate(positions):
-            conf.SetAtomPosition(i, Point3D(*p))
-        mol.AddConformer(conf)
-        return mol
 
     for g in good:
         row = by_id[g["id"]]
@@ -154,7 +140,7 @@ def test_the_frame_as_given_keeps_the_records_coordinates(records, tmp_path):
     m = run_etl(out, [path], unit_template=TEMPLATE, conformer_frame="as_given", conformer_decimals=3,
                 split_fractions=[1.0, 0.0, 0.0])
     assert m["representation"]["frame"] == "as_given" and m["representation"]["decimals"] == 3
-    for row in _kept(out, m):
+    for row in shard_rows(out, m):
         g = next(g for g in good if Chem.MolToSmiles(Chem.MolFromSmiles(g["smiles"])) == row["canonical_smiles"])
         given = _given(g)
         mol = Chem.MolFromSmiles(g["smiles"])
@@ -176,7 +162,7 @@ def test_a_field_holding_whole_units_and_no_decimals(records, tmp_path):
     out = str(tmp_path / "out")
     m = run_etl(out, [_write(tmp_path / "in.jsonl", rows)], unit_template="{unit}", conformer_decimals=0,
                 split_fractions=[1.0, 0.0, 0.0])
-    kept = _kept(out, m)
+    kept = shard_rows(out, m)
     assert len(kept) == 5 and not m["stats"]["rejected"]
     for row in kept:
         smiles, coords = parse_unit(row["text"])
@@ -318,5 +304,5 @@ def test_without_stereo_an_isotope_labelled_molecule_keeps_its_label(tmp_path):
     m = run_etl(out, [_write(tmp_path / "in.jsonl", rows)], unit_template=TEMPLATE, keep_stereo=False,
                 split_fractions=[1.0, 0.0, 0.0])
     assert not m["stats"]["rejected"]
-    assert sorted(parse_unit(r["text"])[0] for r in _kept(out, m)) == sorted(
+    assert sorted(parse_unit(r["text"])[0] for r in shard_rows(out, m)) == sorted(
         ["[13CH3]OC(=O)c1ccccc1", "[2H]C([2H])([2H])NC(C)C(=O)O", "CC=CC(=O)OC"])
