@@ -43,6 +43,7 @@ REJECT_REASONS = {
     "sdf_parse_error": "RDKit cannot read the SD record's molblock (counts line, atom or bond block, no M  END)",
     "empty_record": "an SD record with nothing before its $$$$ line",
     "record_too_large": "an SD record over 8 MiB without a $$$$ line (not SDF, or a lost separator): skipped unread",
+    "bad_conformer_rank": "the record's --conformer_rank_by value is missing or not a number",
     "padding": "a line, or an SD record, of nothing but NUL bytes or Ctrl-Z (DOS's end of file): NUL bytes where "
                "records should be can mean a copy or download that did not finish",
     "truncated_input": "the compressed input ends before its end marker: the record cut there (SDF), or the "

@@ -126,6 +126,13 @@ class PreprocessConfig:
     conformers of a molecule share its split (grouped by scaffold, or by molecule with
     ``--split random``)."""
 
+    conformer_rank_by: Optional[str] = None
+    """With conformers the input holds: the JSONL key or SD tag of a number to rank a
+    molecule's conformers by (an energy), lowest first: ``--conformers_per_molecule`` K then
+    keeps the K lowest (ties in input order) instead of the first K. A record without a
+    number there is refused (``bad_conformer_rank``); a key or tag no record of a file has is
+    refused naming the file."""
+
     conformer_frame: Literal["canonical", "as_given"] = "canonical"
     """The input's coordinates (``--unit_template``, ``--conformers sd``): ``canonical`` moves
     them as ETKDG units are (centroid at the origin, principal axes along x, y, z); ``as_given``

@@ -77,6 +77,11 @@ def _validate(cfg: PreprocessConfig) -> None:
     if cfg.conformers_per_molecule != 1 and not given:
         raise ValueError("--conformers_per_molecule keeps several conformers the input holds for one molecule: it "
                          "needs --unit_template or --conformers sd (ETKDG makes one)")
+    if cfg.conformer_rank_by is not None and (not given or cfg.conformers_per_molecule == 0):
+        raise ValueError("--conformer_rank_by ranks the conformers a molecule keeps: it needs --unit_template or "
+                         "--conformers sd, and --conformers_per_molecule other than 0 (0 keeps them all)")
+    if cfg.conformer_rank_by is not None and not str(cfg.conformer_rank_by).strip():
+        raise ValueError("--conformer_rank_by: give the JSONL key or SD tag of the number to rank by")
     embeds = {"conformer_mmff": (cfg.conformer_mmff, True), "conformer_timeout_s": (cfg.conformer_timeout_s, 2)}
     unused = [key for key, (value, default) in embeds.items() if value != default]
     if unused and cfg.conformers != "etkdg":  # an option that would change nothing is refused, not ignored
@@ -259,7 +264,7 @@ def run(cfg: PreprocessConfig) -> str:
                            check_regex=cfg.tokenizer == "regex",
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
                            columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns),
-                                           unit_fields(cfg)),
+                                           unit_fields(cfg), cfg.conformer_rank_by),
                            representation=spelled, representation_options=spelled_options, decimal=cfg.decimal,
                            per_molecule=cfg.conformers_per_molecule)
     cols = options.columns

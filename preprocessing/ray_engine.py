@@ -60,7 +60,7 @@ def _read_file_batches(batch):
     rows = zip(*(batch.column(c).to_pylist() for c in ("file_index", "path", "format", "options")))
     for file_index, path, fmt, opts in rows:
         o = json.loads(opts)
-        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]), tuple(o.get("units", ())))
+        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]), tuple(o.get("units", ())), o.get("rank"))
         last = None
         try:
             for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
@@ -166,7 +166,7 @@ class RayEngine:
         ctx.enable_progress_bars = bool(cfg.progress)
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
-        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units),
+        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units), "rank": cols.rank,
                            "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
                            "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}

@@ -74,6 +74,7 @@ class Columns:
     id: str | None = None
     labels: tuple[str, ...] = ()
     units: tuple[str, ...] = ()  # JSONL keys ``--unit_template`` names
+    rank: str | None = None  # the JSONL key or SD tag ``--conformer_rank_by`` names
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -392,7 +393,7 @@ def _read_jsonl(path, cols: Columns):
         found = _matching(f"{path} line {row}", keys, wanted)
         return None if found is None else rec[keys[found]]
 
-    units = cols.units
+    units = cols.units + ((cols.rank,) if cols.rank and cols.rank not in cols.units else ())
     no_fields = ({},) if units else ()  # a refused record's (empty) fields, when they are read
     found, seen, records, unit_found = False, set(), 0, set()
     with _open_text(path) as fh:
@@ -439,8 +440,8 @@ def _read_jsonl(path, cols: Columns):
                          f"{more}")
     if records and len(unit_found) < len(units):
         missing = [name for name in units if name not in unit_found]
-        raise InputError(f"{path}: no record has a value for the key(s) {missing} that --unit_template names; its "
-                         f"records have {shown}{more}")
+        raise InputError(f"{path}: no record has a value for the key(s) {missing} that --unit_template or "
+                         f"--conformer_rank_by names; its records have {shown}{more}")
 
 
 def _check_smiles_type(path: str, schema, cols: Columns) -> None:
@@ -521,7 +522,8 @@ def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
     had is refused (a misspelt ``--id-column`` / ``--label-columns``), naming the tags seen."""
     from .sdf import TITLE_TAG, read_sd_records, resolve_tag, sd_tags
 
-    wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels)
+    wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels) + \
+        ([cols.rank] if cols.rank else [])
     seen: set[str] = set()
     missing = list(wanted)
     with _open_sd(path) as fh:

@@ -138,6 +138,7 @@ class MapStage:
             self.represent = get(options.representation, **dict(options.representation_options))
         # --conformers sd: an SD row's unit is made of the molecule read from it, coordinates and all
         self._sd_units = bool(getattr(self.represent, "from_sd", False))
+        self._rank_key = options.columns.rank if options.columns else None  # --conformer_rank_by
         self.grammar = GRAMMARS[options.representation]
         self.stats = Stats()
         self.tokens = Counter()
@@ -147,7 +148,7 @@ class MapStage:
 
     def _empty(self) -> dict:
         return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "text", "scaffold", "dedupe_key",
-                                "compound_id", "source", "labels")}
+                                "compound_id", "source", "labels", "rank")}
 
     def process(self, chunk: RawChunk) -> tuple[int, int]:
         """Returns (rows, rejected) of this chunk, for progress reporting."""
@@ -171,15 +172,15 @@ class MapStage:
             if reason is not None:
                 stats.reject(reason, source, kept)
                 continue
-            raw, mol, cid, labels, text = kept
+            raw, mol, cid, labels, text, rank = kept
             accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
-                             text))
+                             text, rank))
         if self.canonicalize.cxsmiles:
             stats.cxsmiles += self.canonicalize.cxsmiles
             self.canonicalize.cxsmiles = 0
         if opts.check_regex and accepted:
             accepted = self._check_regex(accepted)
-        for order, raw, mol, cid, source, labels, text in accepted:
+        for order, raw, mol, cid, source, labels, text, rank in accepted:
             cols["order"].append(order)
             cols["raw_smiles"].append(raw)
             cols["canonical_smiles"].append(mol.canonical)
@@ -189,6 +190,7 @@ class MapStage:
             cols["compound_id"].append(cid)
             cols["source"].append(source)
             cols["labels"].append(labels)
+            cols["rank"].append(rank)
         if len(cols["order"]) >= self.spill_rows:
             self.flush()
         return len(chunk), sum(stats.rejected.values()) - rejected_before
@@ -199,13 +201,21 @@ class MapStage:
         labels = self._labels(label_values)
         if labels is False:
             return "bad_label", label_values, False
+        rank = self._rank((unit or {}).get(self._rank_key)) if self._rank_key else None
+        if rank is False:
+            return "bad_conformer_rank", f"{self._rank_key} = {(unit or {}).get(self._rank_key)!r}", False
         mol = self.canonicalize(raw)
         if not isinstance(mol, Molecule):
             return mol, raw, False
         reason, text = self._text(mol, unit)
         if reason is not None:
             return reason, text, False
-        return None, (raw, mol, cid, labels, text), False
+        return None, (raw, mol, cid, labels, text, rank), False
+
+    def _rank(self, value):
+        """A conformer's ``--conformer_rank_by`` number, or False when it is missing or no number."""
+        parsed = parse_labels([value], self.options.decimal)
+        return False if parsed is None or parsed[0] != parsed[0] else parsed[0]  # NaN: missing
 
     def _labels(self, values):
         """The row's labels (None without label columns), or False for a bad label."""
@@ -259,6 +269,12 @@ class MapStage:
             # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
             # refuses such a row (not as a bad label)
             return "non_utf8", self._sd().title(mol), repaired
+        rank = None
+        if self._rank_key:  # the parser reads the rank tag after the label tags
+            *label_values, rank_value = label_values
+            rank = self._rank(rank_value)
+            if rank is False:
+                return "bad_conformer_rank", f"{self._sd().title(mol)} ({self._rank_key} = {rank_value!r})", repaired
         labels = self._labels(label_values)
         if labels is False:
             return "bad_label", label_values, repaired
@@ -270,7 +286,7 @@ class MapStage:
         molecule.mol = None  # not held past its unit
         if reason is not None:
             return reason, text, repaired
-        return None, (raw, molecule, cid, labels, text), repaired
+        return None, (raw, molecule, cid, labels, text, rank), repaired
 
     def _sd(self):
         """The SD record parser (RDKit), built at the first SD chunk."""
@@ -278,7 +294,8 @@ class MapStage:
             from .sdf import SDRecordParser
 
             columns = self.options.columns
-            self._sd_parser = SDRecordParser(columns.id if columns else None, columns.labels if columns else ())
+            tags = (columns.labels + ((columns.rank,) if columns.rank else ())) if columns else ()
+            self._sd_parser = SDRecordParser(columns.id if columns else None, tags)
         return self._sd_parser
 
     def _sd_raw(self, mol) -> str | None:
@@ -357,6 +374,8 @@ class MapStage:
             table = table.append_column("labels", pa.array(cols["labels"], pa.list_(pa.float32())))
         if self.represent is not None:
             table = table.append_column("text", pa.array(cols["text"], pa.string()))
+        if self._rank_key:
+            table = table.append_column("rank", pa.array(cols["rank"], pa.float64()))
         self._cols = self._empty()
         path = os.path.join(self.work_dir, f"spill-{self.name}-{self._written}.arrow")
         self._written += 1
@@ -379,16 +398,18 @@ def read_pieces(pieces) -> pa.Table | None:
     return pa.concat_tables(parts) if parts else None
 
 
-def _first_of_each(table: pa.Table, key: str, per_key: int = 1, unit: str | None = None) -> tuple[pa.Table, int]:
+def _first_of_each(table: pa.Table, key: str, per_key: int = 1, unit: str | None = None,
+                   rank: str | None = None) -> tuple[pa.Table, int]:
     """Keep the earliest input rows (by ``order``) of each distinct ``key``: one, or with
     ``unit`` (a column: a molecule's conformer units) the first ``per_key`` distinct units
-    (0: all of them). Returns (the rows kept, sorted by key and order; how many were not)."""
+    (0: all of them); with ``rank`` (a column) the lowest-ranked ones first, ties by order.
+    Returns (the rows kept, sorted by key, rank and order; how many were not)."""
     rows = len(table)
     if unit is not None:  # identical units of one molecule count once, the earliest kept
         table, _ = _first_of_each(table.append_column("_both", pc.binary_join_element_wise(
             table.column(key), table.column(unit), "\x1f")), "_both")
         table = table.drop_columns(["_both"])
-    table = table.sort_by([(key, "ascending"), ("order", "ascending")])
+    table = table.sort_by([(key, "ascending")] + ([(rank, "ascending")] if rank else []) + [("order", "ascending")])
     keys = table.column(key).combine_chunks()
     if len(keys) <= 1 or per_key == 0:
         return table, rows - len(table)
@@ -417,7 +438,8 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
     if dedupe_here:
         key = "dedupe_key" if options.chem.dedupe_key != "canonical" else "canonical_smiles"
         table, duplicates = _first_of_each(table, key, options.per_molecule,
-                                           "text" if options.per_molecule != 1 else None)
+                                           "text" if options.per_molecule != 1 else None,
+                                           "rank" if "rank" in table.column_names else None)
     if stage == "regroup":
         buckets = (table.column("group_hash").to_numpy() >> _BUCKET_SHIFT).astype(np.uint16)
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))

@@ -130,3 +130,91 @@ def test_misused_options_are_refused_by_name(ensembles, tmp_path, overrides, mes
     with pytest.raises(ValueError, match=message):
         run_etl(str(tmp_path / "out"), [path], **overrides)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_ranked_by_an_energy_each_molecule_keeps_its_lowest_conformers(ensembles, tmp_path):
+    """``--conformer_rank_by energy``: the K lowest energies of each molecule (ties in input
+    order), not the first K; a record without a number there is refused under its reason."""
+    from rdkit import Chem
+
+    _, records, counts = ensembles
+    rng = random.Random(9)
+    ranked = []
+    for r in records:
+        r = dict(r, energy=round(rng.uniform(-50.0, 50.0), 1) if r["id"] != "REPEAT" else 99.0)
+        ranked.append(r)
+    ranked[3]["energy"] = ranked[7]["energy"] = -1000.0  # ties: input order decides
+    ranked[10].pop("energy")  # missing: refused
+    ranked[11]["energy"] = "n/a"  # a missing-value marker: refused too
+    ranked[12]["energy"] = "-12.5"  # a number as text: read
+    refused = {ranked[10]["id"], ranked[11]["id"]}
+    path = tmp_path / "ranked.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ranked))
+    out = str(tmp_path / "out")
+    m = run_etl(out, [str(path)], unit_template=TEMPLATE, id_column="id", conformers_per_molecule=2,
+                conformer_rank_by="energy", conformer_frame="as_given", split_fractions=[1.0, 0.0, 0.0])
+    assert m["stats"]["rejected"] == {"bad_conformer_rank": 2}
+    assert m["dedupe"]["conformers_ranked_by"] == "energy"
+    examples = json.load(open(os.path.join(out, "report.json")))["rejected_examples"]["bad_conformer_rank"]
+    assert {e[1] for e in examples} == {"energy = None", "energy = 'n/a'"}
+    kept = {r["compound_id"] for r in shard_rows(out, m)}
+    for smiles in counts:
+        canonical = Chem.MolToSmiles(Chem.MolFromSmiles(smiles))
+        mine = [(float(r["energy"]), i, r["id"]) for i, r in enumerate(ranked)
+                if Chem.MolToSmiles(Chem.MolFromSmiles(r["smiles"])) == canonical and r["id"] not in refused
+                and r["id"] != "REPEAT"]
+        assert {name for _, _, name in sorted(mine)[:2]} == {name for _, _, name in mine} & kept, smiles
+
+
+def test_an_sd_tag_ranks_and_one_conformer_a_molecule_is_the_lowest(tmp_path):
+    import math
+
+    from rdkit import Chem
+
+    from .test_sd_conformers import _conformer, _read
+
+    rng = random.Random(6)
+    blocks, lowest = [], {}
+    for i, smiles in enumerate(sample_smiles(6, offset=2700)):
+        isomer = Chem.MolToSmiles(_read(_conformer(smiles, 10 * i, rng)))
+        for k in range(3):
+            mol = _moved(_conformer(isomer, 10 * i + k, rng), 5.0 * k)
+            energy = rng.uniform(0, 10)
+            mol.SetProp("_Name", f"M{i}-c{k}")
+            mol.SetProp("E_total", f"{energy:.3f}")
+            if (i, k) == (5, 2):
+                mol.ClearProp("E_total")  # a conformer without the tag: refused
+                energy = math.inf
+            if energy < lowest.get(i, (math.inf, ""))[0]:
+                lowest[i] = (energy, f"M{i}-c{k}")
+            blocks.append(Chem.MolToMolBlock(mol) + "".join(
+                f">  <{p}>\n{mol.GetProp(p)}\n\n" for p in mol.GetPropNames()) + "$$$$\n")
+    (tmp_path / "confs.sdf").write_text("".join(blocks))
+    m = run_etl(str(tmp_path / "out"), [str(tmp_path / "confs.sdf")], conformers="sd", id_column="_Name",
+                conformer_rank_by="e_total", split_fractions=[1.0, 0.0, 0.0])  # the tag matched but for case
+    assert m["stats"]["rejected"] == {"bad_conformer_rank": 1} and m["stats"]["duplicates"] == 18 - 1 - 6
+    assert sorted(r["compound_id"] for r in shard_rows(str(tmp_path / "out"), m)) == sorted(
+        name for _, name in lowest.values())
+    from molds.preprocessing.readers import InputError
+
+    with pytest.raises(InputError, match=r"confs.sdf: no record has the SD tag\(s\) \['energy'\].*E_total"):
+        run_etl(str(tmp_path / "bad"), [str(tmp_path / "confs.sdf")], conformers="sd", conformer_rank_by="energy")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(conformer_rank_by="energy"), r"--conformer_rank_by .*needs --unit_template or --conformers sd"),
+    (dict(unit_template=TEMPLATE, conformer_rank_by="energy", conformers_per_molecule=0),
+     r"--conformer_rank_by .*other than 0"),
+])
+def test_a_rank_without_a_choice_to_make_is_refused(ensembles, tmp_path, overrides, message):
+    path, _, _ = ensembles
+    with pytest.raises(ValueError, match=message):
+        run_etl(str(tmp_path / "out"), [path], **overrides)
+
+
+def test_a_rank_key_no_record_has_is_refused_naming_the_file(ensembles, tmp_path):
+    from molds.preprocessing.readers import InputError
+
+    path, _, _ = ensembles
+    with pytest.raises(InputError, match=r"ensembles.jsonl: no record has a value for the key\(s\) \['energy'\]"):
+        run_etl(str(tmp_path / "out"), [path], unit_template=TEMPLATE, conformer_rank_by="energy")

@@ -153,3 +153,40 @@ def test_ray_engine_builds_the_local_engines_conformer_units_from_sd_coordinates
     assert local["stats"]["rejected"] == {"sd_not_3d": 1} and local["stats"]["rows_out"] == 12
     assert manifest_hash(remote) == manifest_hash(local)
     assert remote["splits"] == local["splits"]
+
+
+@pytest.mark.parametrize("fmt", ["sdf", "jsonl"])
+def test_ray_engine_keeps_the_local_engines_ranked_conformers(local_ray, tmp_path, fmt):
+    """--conformers_per_molecule with --conformer_rank_by: the rank (an SD tag, or a JSONL key
+    read beside the template's fields) travels to the actors and the reduce tasks keep the
+    local engine's conformers."""
+    import json
+    import random
+
+    from rdkit import Chem
+
+    from .conftest import sample_smiles
+    from .test_conformer_sets import _moved
+    from .test_sd_conformers import _conformer, _read
+    from .test_unit_template import TEMPLATE, _embedded
+
+    rng = random.Random(8)
+    blocks, records = [], []
+    for i, smiles in enumerate(sample_smiles(4, offset=3300)):
+        isomer = Chem.MolToSmiles(_read(_conformer(smiles, i, rng)))
+        for k in range(3):
+            mol = _moved(_conformer(isomer, 10 * i + k, rng), 4.0 * k)
+            energy = f"{rng.uniform(0, 9):.2f}"
+            blocks.append(Chem.MolToMolBlock(mol) + f">  <energy>\n{energy}\n\n$$$$\n")
+            _, heavy = _embedded(isomer, seed=10 * i + k)  # atoms in the SMILES' own order
+            records.append({"smiles": isomer, "energy": float(energy),
+                            "xyz": [[x + 4.0 * k, y, z] for x, y, z in heavy.GetConformer().GetPositions().tolist()]})
+    path = tmp_path / f"confs.{fmt}"
+    path.write_text("".join(blocks) if fmt == "sdf" else "".join(json.dumps(r) + "\n" for r in records))
+    options = dict(conformers_per_molecule=2, conformer_rank_by="energy", conformer_frame="as_given",
+                   **(dict(conformers="sd") if fmt == "sdf" else dict(unit_template=TEMPLATE)))
+    local = run_etl(str(tmp_path / "local"), [str(path)], **options)
+    remote = run_etl(str(tmp_path / "ray"), [str(path)], engine="ray", **options)
+    assert local["stats"]["rows_out"] == 8 and local["stats"]["duplicates"] == 4
+    assert manifest_hash(remote) == manifest_hash(local)
+    assert remote["splits"] == local["splits"]
