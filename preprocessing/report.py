@@ -57,11 +57,12 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         "generator": {"name": "molds-preprocess", "version": __version__},
         "inputs": {"paths": inputs, "smiles_column": cfg.smiles_column, "id_column": cfg.id_column},
         "canonicalization": chem.describe(),
-        "dedupe": {"key": cfg.dedupe_key, "keeps": "first occurrence in input order",
+        "dedupe": {"key": cfg.dedupe_key,
+                   "keeps": "first occurrence in input order" if cfg.conformer_rank_by is None else
+                   f"the lowest {cfg.conformer_rank_by} first, ties in input order",
                    **({"conformers_per_molecule": cfg.conformers_per_molecule}  # 0: all; identical units once
                       if cfg.conformers_per_molecule != 1 else {}),
-                   **({"conformers_ranked_by": cfg.conformer_rank_by, "conformer_rank": "lowest first"}
-                      if cfg.conformer_rank_by is not None else {})},
+                   **({"conformers_ranked_by": cfg.conformer_rank_by} if cfg.conformer_rank_by is not None else {})},
         "scaffold": {"kind": cfg.scaffold, "include_chirality": False},
         "split": {"method": cfg.split, "fractions": list(cfg.split_fractions), "seed": cfg.seed,
                   "group": "molecule" if cfg.split == "random" else "scaffold"},

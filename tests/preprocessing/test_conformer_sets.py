@@ -154,7 +154,7 @@ def test_ranked_by_an_energy_each_molecule_keeps_its_lowest_conformers(ensembles
     m = run_etl(out, [str(path)], unit_template=TEMPLATE, id_column="id", conformers_per_molecule=2,
                 conformer_rank_by="energy", conformer_frame="as_given", split_fractions=[1.0, 0.0, 0.0])
     assert m["stats"]["rejected"] == {"bad_conformer_rank": 2}
-    assert m["dedupe"]["conformers_ranked_by"] == "energy"
+    assert m["dedupe"]["conformers_ranked_by"] == "energy" and "the lowest energy first" in m["dedupe"]["keeps"]
     examples = json.load(open(os.path.join(out, "report.json")))["rejected_examples"]["bad_conformer_rank"]
     assert {e[1] for e in examples} == {"energy = None", "energy = 'n/a'"}
     kept = {r["compound_id"] for r in shard_rows(out, m)}
