@@ -269,15 +269,15 @@ class MapStage:
             # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
             # refuses such a row (not as a bad label)
             return "non_utf8", self._sd().title(mol), repaired
-        rank = None
+        rank_value = None
         if self._rank_key:  # the parser reads the rank tag after the label tags
             *label_values, rank_value = label_values
-            rank = self._rank(rank_value)
-            if rank is False:
-                return "bad_conformer_rank", f"{self._sd().title(mol)} ({self._rank_key} = {rank_value!r})", repaired
         labels = self._labels(label_values)
         if labels is False:
             return "bad_label", label_values, repaired
+        rank = self._rank(rank_value) if self._rank_key else None
+        if rank is False:
+            return "bad_conformer_rank", f"{self._sd().title(mol)} ({self._rank_key} = {rank_value!r})", repaired
         raw = self._sd_raw(mol)
         molecule = self.canonicalize.from_mol(mol, check_length=True, keep_mol=self._sd_units)
         if not isinstance(molecule, Molecule):
