@@ -98,8 +98,9 @@ def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
     """(name, options) of what the tokens spell: the representation, or conformer units."""
     if cfg.unit_template is not None:
         if cfg.conformers != "none":
-            raise ValueError(f"--unit_template takes the conformers from the input and --conformers {cfg.conformers} "
-                             f"makes them: give one of the two")
+            made = "makes them" if cfg.conformers == "etkdg" else "reads them from SD records"
+            raise ValueError(f"--unit_template reads the conformers from JSON-lines fields and --conformers "
+                             f"{cfg.conformers} {made}: give one of the two")
         if cfg.representation != "smiles":
             raise ValueError(f"--unit_template writes SMILES conformer units: it needs --representation smiles, "
                              f"not {cfg.representation}")

@@ -174,6 +174,7 @@ def test_the_frame_as_given_keeps_each_atom_where_the_record_put_it(records, tmp
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(conformers="sd", representation="safe"), r"--conformers sd .*--representation smiles"),
+    (dict(conformers="sd", unit_template="{unit}"), r"--unit_template .*--conformers sd reads them from SD records"),
     (dict(conformers="sd", conformer_mmff=False), r"--conformer_mmff .*etkdg.*come from the input"),
     (dict(conformers="sd", conformer_timeout_s=5), r"--conformer_timeout_s .*etkdg"),
     (dict(conformers="sd", randomized_variants=2), r"--randomized_variants .*--conformers none"),
