@@ -142,6 +142,9 @@ def _report(m, stats, finals, timings, cfg) -> str:
         f"- tokenizer: {m['tokenizer']['kind']}, {m['tokenizer']['vocab_size']} tokens "
         f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
         f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}",
+        *([f"- conformers kept a molecule: {m['dedupe'].get('conformers_per_molecule', 1) or 'all'} (its distinct "
+           f"units, {m['dedupe']['keeps']}); the molecule's other conformers are among the duplicates"]
+          if "conformers_per_molecule" in m["dedupe"] or "conformers_ranked_by" in m["dedupe"] else []),
         *[f"- **cut short** (compressed input ends early; read up to here, the rest is lost): `{where}`"
           for where in s.get("truncated_inputs", [])],
         *([f"- SD records with blank lines before their header, read without them: {s[LEADING_BLANK_LINES]:,}"]

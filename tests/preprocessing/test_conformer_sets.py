@@ -71,6 +71,8 @@ def test_the_first_k_conformers_of_each_molecule_are_kept_in_one_split(ensembles
     assert m["stats"]["rows_out"] == len(kept) == sum(want.values())
     assert m["stats"]["duplicates"] == len(records) - len(kept)  # the repeat, and those past K
     assert m["dedupe"]["conformers_per_molecule"] == per_molecule
+    assert f"- conformers kept a molecule: {per_molecule or 'all'} (its distinct units, first occurrence in input " \
+        "order)" in open(os.path.join(out, "report.md")).read()
     by_molecule = {}
     for name, split_rows in rows.items():
         for r in split_rows:
@@ -155,6 +157,9 @@ def test_ranked_by_an_energy_each_molecule_keeps_its_lowest_conformers(ensembles
                 conformer_rank_by="energy", conformer_frame="as_given", split_fractions=[1.0, 0.0, 0.0])
     assert m["stats"]["rejected"] == {"bad_conformer_rank": 2}
     assert m["dedupe"]["conformers_ranked_by"] == "energy" and "the lowest energy first" in m["dedupe"]["keeps"]
+    report = open(os.path.join(out, "report.md")).read()
+    assert ("- conformers kept a molecule: 2 (its distinct units, the lowest energy first, ties in input order); "
+            "the molecule's other conformers are among the duplicates") in report
     examples = json.load(open(os.path.join(out, "report.json")))["rejected_examples"]["bad_conformer_rank"]
     assert {e[1] for e in examples} == {"energy = None", "energy = 'n/a'"}
     kept = {r["compound_id"] for r in shard_rows(out, m)}
