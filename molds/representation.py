@@ -13,8 +13,9 @@ it, so every metric is computed on molecules.
   for, or a SMILES feature it does not take) and ``selfies_roundtrip`` (the string decodes
   to another molecule: SELFIES' constraints change a valence, or stereo is lost).
 - ``conformer``: conformer units (``molds.conformers``), the canonical SMILES and one 3D
-  conformer as text, made by ``molds-preprocess --conformers etkdg``, or taken from
-  JSON-lines fields with ``--unit_template`` (``encode_fields``).
+  conformer as text, made by ``molds-preprocess --conformers etkdg``, taken from
+  JSON-lines fields with ``--unit_template`` (``encode_fields``), or from SD records' own 3D
+  coordinates with ``--conformers sd`` (``encode_mol``).
 - ``safe`` (Noutahi et al. 2024, SAFE-GPT, the ``safe-mol`` package): the molecule cut at
   its BRICS bonds into fragments written one after another (``.``), each cut bond a
   ring-closure digit shared by its two fragments; a SMILES-compatible string. The SMILES

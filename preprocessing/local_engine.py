@@ -16,8 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 from molds.errors import InputError
 
+from .map_stage import MapStage
 from .readers import TruncatedInputError, read_chunks, warn_truncated
-from .stages import MapStage, Stats
+from .stages import Stats
 
 _POLL_S = 0.5
 

@@ -22,8 +22,9 @@ from collections import Counter
 
 import numpy as np
 
+from .map_stage import MapStage
 from .readers import RawChunk, read_chunks
-from .stages import MapStage, Stats
+from .stages import Stats
 
 _BATCH_CHUNKS = 2  # raw chunks per canonicalize batch (= per spill file)
 
@@ -166,8 +167,8 @@ class RayEngine:
         ctx.enable_progress_bars = bool(cfg.progress)
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
-        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units), "rank": cols.rank,
-                           "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
+        opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units),
+                           "rank": cols.rank, "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
                            "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}
                                      for i, p, f in inputs], override_num_blocks=max(1, len(inputs)))

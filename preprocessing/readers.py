@@ -19,7 +19,6 @@ import glob
 import io
 import itertools
 import json
-import math
 import os
 import re
 import sys
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 from molds.chem import split_cxsmiles
 from molds.errors import InputError  # a problem with an input file as a whole (names the file)
 
-MISSING_LABELS = frozenset({"", "na", "nan", "n/a", "null", "none", "-", "?"})
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 _FORMATS = {
     ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".smi": "smi", ".smiles": "smi", ".txt": "smi",
@@ -567,39 +565,3 @@ def read_chunks(file_index: int, path: str, fmt: str, cols: Columns, chunk_rows:
                                   f"{exc}") from exc
     except (OSError, csv.Error, ValueError, ImportError) as exc:
         raise InputError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from exc
-
-
-_LABEL_MAX = 3.4028234663852886e38  # float32's largest: labels are stored as float32
-
-
-def parse_labels(values: list, decimal: str = ".") -> list[float] | None:
-    """Raw label values to floats; missing markers (and a NaN value) become NaN; None if any
-    is garbage or not finite as the float32 it is stored as (``inf``, ``1e39``: a loss over it
-    is not finite). ``decimal`` ``,``: one comma is the decimal mark, and a value with a
-    ``.`` is garbage."""
-    out = []
-    for v in values:
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, (bool, int, float)):
-            value = float(v)
-            if abs(value) > _LABEL_MAX:
-                return None
-            out.append(value)
-        else:
-            text = str(v).strip()
-            if text.lower() in MISSING_LABELS:
-                out.append(math.nan)
-                continue
-            if decimal != ".":
-                if "." in text or text.count(decimal) > 1:
-                    return None
-                text = text.replace(decimal, ".")
-            try:
-                value = float(text)
-            except ValueError:
-                return None
-            if abs(value) > _LABEL_MAX:
-                return None
-            out.append(value)
-    return out

@@ -1,6 +1,7 @@
 """The ETL's stages as functions over files, shared by the local and Ray engines.
 
     map        raw chunks -> canonical rows, hashed and spilled to disk by shuffle bucket
+               (``preprocessing.map_stage``)
     reduce     one bucket range from every spill file -> deduplicated partition
                (+ its group table: group hash -> size)
     finalize   partition + split thresholds + tokenizer -> token ids, length buckets,
@@ -26,16 +27,15 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from molds.chem import Canonicalizer, ChemOptions, Molecule
-from .readers import Columns, RawChunk, is_clean, parse_labels
+from molds.chem import ChemOptions
+from .readers import Columns
 from .split import assign_split, group_major
-from .tokenizer import GRAMMARS, count_tokens, counts_of_codes, make_encoder, token_codes
+from .tokenizer import GRAMMARS, count_tokens, make_encoder
 
 NUM_BUCKETS = 4096
-_BUCKET_SHIFT = np.uint64(64 - 12)
-_GROUP_SALT = 0x5CAF_F01D
+BUCKET_SHIFT = np.uint64(64 - 12)
+GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
-_SD_BATCH = 64  # SD records one RDKit supplier reads, each canonicalized as soon as it is read
 SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
                  "randomized_token_ids", "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
 
@@ -122,266 +122,6 @@ def bucket_offsets(buckets: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.bincount(buckets, minlength=NUM_BUCKETS))]).astype(np.int64)
 
 
-# ---------------------------------------------------------------- map
-
-class MapStage:
-    """Canonicalizes raw chunks and spills rows, sorted by shuffle bucket, to disk."""
-
-    def __init__(self, options: StageOptions, work_dir: str, name: str, spill_rows: int = 200_000):
-        self.options, self.work_dir, self.name, self.spill_rows = options, work_dir, name, spill_rows
-        self.canonicalize = Canonicalizer(options.chem)
-        self._sd_parser = None
-        self.represent = None
-        if options.representation != "smiles":
-            from molds.representation import get
-
-            self.represent = get(options.representation, **dict(options.representation_options))
-        # --conformers sd: an SD row's unit is made of the molecule read from it, coordinates and all
-        self._sd_units = bool(getattr(self.represent, "from_sd", False))
-        self._rank_key = options.columns.rank if options.columns else None  # --conformer_rank_by
-        self.grammar = GRAMMARS[options.representation]
-        self.stats = Stats()
-        self.tokens = Counter()
-        self.spills: list[tuple[str, np.ndarray]] = []
-        self._written = 0
-        self._cols = self._empty()
-
-    def _empty(self) -> dict:
-        return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "text", "scaffold", "dedupe_key",
-                                "compound_id", "source", "labels", "rank")}
-
-    def process(self, chunk: RawChunk) -> tuple[int, int]:
-        """Returns (rows, rejected) of this chunk, for progress reporting."""
-        opts, stats, cols = self.options, self.stats, self._cols
-        rejected_before = sum(stats.rejected.values())
-        accepted = []
-        sdf = chunk.kind == "sdf"
-        sd_rows = self._sd_rows(chunk) if sdf else None  # pos -> its outcome, every SD record with bytes
-        for pos, row in enumerate(chunk.rows):
-            source = f"{chunk.path}:{row} (record {chunk.records[pos]})" if sdf else f"{chunk.path}:{row}"
-            stats.rows_in += 1
-            raw = chunk.smiles[pos]
-            if raw is None:
-                stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
-                continue
-            outcome = sd_rows[pos] if sdf else self._smiles_row(raw, chunk.ids[pos], chunk.labels[pos],
-                                                                chunk.units[pos] if chunk.units else None)
-            reason, kept, repaired = outcome
-            if repaired:  # an SD record read after a repair (blank lines before the header): counted
-                stats.sd_repaired += 1
-            if reason is not None:
-                stats.reject(reason, source, kept)
-                continue
-            raw, mol, cid, labels, text, rank = kept
-            accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
-                             text, rank))
-        if self.canonicalize.cxsmiles:
-            stats.cxsmiles += self.canonicalize.cxsmiles
-            self.canonicalize.cxsmiles = 0
-        if opts.check_regex and accepted:
-            accepted = self._check_regex(accepted)
-        for order, raw, mol, cid, source, labels, text, rank in accepted:
-            cols["order"].append(order)
-            cols["raw_smiles"].append(raw)
-            cols["canonical_smiles"].append(mol.canonical)
-            cols["text"].append(text)
-            cols["scaffold"].append(mol.scaffold)
-            cols["dedupe_key"].append(mol.dedupe_key)
-            cols["compound_id"].append(cid)
-            cols["source"].append(source)
-            cols["labels"].append(labels)
-            cols["rank"].append(rank)
-        if len(cols["order"]) >= self.spill_rows:
-            self.flush()
-        return len(chunk), sum(stats.rejected.values()) - rejected_before
-
-    def _smiles_row(self, raw: str, cid, label_values, unit=None) -> tuple:
-        """One SMILES row's outcome, shaped as an SD record's (see ``_sd_rows``); ``unit``:
-        the record's ``--unit_template`` fields."""
-        labels = self._labels(label_values)
-        if labels is False:
-            return "bad_label", label_values, False
-        rank = self._rank((unit or {}).get(self._rank_key)) if self._rank_key else None
-        if rank is False:
-            return "bad_conformer_rank", f"{self._rank_key} = {(unit or {}).get(self._rank_key)!r}", False
-        mol = self.canonicalize(raw)
-        if not isinstance(mol, Molecule):
-            return mol, raw, False
-        reason, text = self._text(mol, unit)
-        if reason is not None:
-            return reason, text, False
-        return None, (raw, mol, cid, labels, text, rank), False
-
-    def _rank(self, value):
-        """A conformer's ``--conformer_rank_by`` number, or False when it is missing or no number."""
-        parsed = parse_labels([value], self.options.decimal)
-        return False if parsed is None or parsed[0] != parsed[0] else parsed[0]  # NaN: missing
-
-    def _labels(self, values):
-        """The row's labels (None without label columns), or False for a bad label."""
-        if not self.options.num_labels:
-            return None
-        labels = parse_labels(values, self.options.decimal)
-        return False if labels is None else labels
-
-    def _text(self, mol: Molecule, unit=None) -> tuple:
-        """(None, the representation's string or None for SMILES), or (reason, the example
-        the report shows: the canonical SMILES, with what is wrong when the refusal says).
-        ``unit``: what the input gives of the row's conformer (see ``_represent``)."""
-        if self.represent is None:
-            return None, None
-        text, reason = self._represent(mol.canonical, unit)
-        if reason is None:
-            return None, text
-        return reason, mol.canonical if text is None else f"{mol.canonical} ({text})"
-
-    def _sd_rows(self, chunk: RawChunk) -> dict:
-        """pos -> ``(reason, example, repaired)`` or ``(None, (raw, Molecule, id, labels,
-        text), repaired)`` for every SD record of the chunk that has bytes. RDKit reads
-        ``_SD_BATCH`` records through one supplier, and each molecule is canonicalized as soon
-        as it is read (used and freed while in cache, as a bare RDKit loop does); when the
-        supplier turns out not to have given one molecule per record, what was made of the
-        batch is dropped and its records are read one at a time (``SDRecordParser.read_each``)."""
-        from .sdf import Misaligned
-
-        parser = self._sd()
-        readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
-        out = {}
-        for start in range(0, len(readable), _SD_BATCH):
-            batch = readable[start:start + _SD_BATCH]
-            records, lines = [chunk.smiles[p] for p in batch], [chunk.rows[p] for p in batch]
-            notes = self.stats.notes.copy()  # the representation's counts, kept only for what is kept
-            try:
-                done = [self._sd_row(parsed) for parsed in parser.stream(records, lines)]
-            except Misaligned:
-                self.stats.notes = notes
-                done = [self._sd_row(parsed) for parsed in parser.read_each(records, lines)]
-            out.update(zip(batch, done))
-        return out
-
-    def _sd_row(self, parsed: tuple) -> tuple:
-        """One SD record's outcome (see ``_sd_rows``) from ``SDRecordParser``'s result."""
-        mol, title, cid, label_values = parsed
-        if isinstance(mol, str):
-            return mol, title, False  # RDKit's message, the line made absolute
-        repaired = title is not None
-        if not all(v is None or is_clean(v) for v in (cid, *(label_values or ()))):
-            # an id or label tag whose bytes are not UTF-8: refused whole, as the CSV path
-            # refuses such a row (not as a bad label)
-            return "non_utf8", self._sd().title(mol), repaired
-        rank_value = None
-        if self._rank_key:  # the parser reads the rank tag after the label tags
-            *label_values, rank_value = label_values
-        labels = self._labels(label_values)
-        if labels is False:
-            return "bad_label", label_values, repaired
-        rank = self._rank(rank_value) if self._rank_key else None
-        if rank is False:
-            return "bad_conformer_rank", f"{self._sd().title(mol)} ({self._rank_key} = {rank_value!r})", repaired
-        raw = self._sd_raw(mol)
-        molecule = self.canonicalize.from_mol(mol, check_length=True, keep_mol=self._sd_units)
-        if not isinstance(molecule, Molecule):
-            return molecule, self._sd().title(mol), repaired
-        reason, text = self._text(molecule, molecule.mol)
-        molecule.mol = None  # not held past its unit
-        if reason is not None:
-            return reason, text, repaired
-        return None, (raw, molecule, cid, labels, text, rank), repaired
-
-    def _sd(self):
-        """The SD record parser (RDKit), built at the first SD chunk."""
-        if self._sd_parser is None:
-            from .sdf import SDRecordParser
-
-            columns = self.options.columns
-            tags = (columns.labels + ((columns.rank,) if columns.rank else ())) if columns else ()
-            self._sd_parser = SDRecordParser(columns.id if columns else None, tags)
-        return self._sd_parser
-
-    def _sd_raw(self, mol) -> str | None:
-        """``raw_smiles`` of an SD row: RDKit's SMILES of the record as read, before
-        standardization; ``None`` (= the canonical SMILES) when nothing changes it."""
-        chem = self.options.chem
-        if chem.standardizes or not chem.keep_stereo:
-            return self.canonicalize._chem.MolToSmiles(mol)
-        return None
-
-    def _represent(self, canonical: str, unit=None) -> tuple[str | None, str | None]:
-        """The row in the manifest's representation, decoded back and compared with its
-        canonical SMILES: (text, None) or (None or what to show for the refusal, reason);
-        ``unit``: the record's ``--unit_template`` fields (a dict), or the RDKit molecule read
-        from an SD record with its coordinates (``--conformers sd``)."""
-        if unit is None:
-            text, reason = self.represent.encode(canonical)
-        elif isinstance(unit, dict):
-            text, reason = self.represent.encode_fields(canonical, unit)
-        else:
-            text, reason = self.represent.encode_mol(canonical, unit)
-        if self.represent.notes:  # counts that are no refusal (conformers: mmff_unparameterized)
-            self.stats.notes.update(self.represent.notes)
-            self.represent.notes.clear()
-        if reason is not None:
-            return text, reason
-        Chem = self.canonicalize._chem
-        decoded = self.represent.decode(text)
-        mol = Chem.MolFromSmiles(decoded) if decoded else None
-        if mol is None or Chem.MolToSmiles(mol) != canonical:
-            return None, f"{self.represent.name}_roundtrip"
-        return text, None
-
-    def _check_regex(self, accepted: list) -> list:
-        """Reject rows whose text (canonical SMILES, or the representation's string) the
-        tokenizer regex does not cover, and count the tokens of the rest, in one batch pass
-        over the chunk."""
-        tc = token_codes([a[6] if a[6] is not None else a[2].canonical for a in accepted], self.grammar)
-        covered = tc.covered.tolist()
-        for a, ok in zip(accepted, covered):
-            if not ok:
-                self.stats.reject("tokenizer_roundtrip", a[4], a[1])
-        self.tokens.update(counts_of_codes(tc, tc.covered))
-        return [a for a, ok in zip(accepted, covered) if ok]
-
-    def flush(self) -> None:
-        cols = self._cols
-        if not cols["order"]:
-            return
-        opts = self.options
-        seed = opts.seed
-        row_hash = hash64(cols["canonical_smiles"], seed)
-        if opts.split == "random":
-            group_src = cols["dedupe_key"]
-        else:
-            group_src = cols["scaffold"]
-        group_hash = hash64(group_src, seed ^ _GROUP_SALT)
-        if opts.two_stage:
-            shuffle_hash = hash64(cols["dedupe_key"], seed)
-        else:
-            shuffle_hash = group_hash
-        table = pa.table({
-            "order": pa.array(cols["order"], pa.int64()),
-            "raw_smiles": pa.array(cols["raw_smiles"], pa.string()),
-            "canonical_smiles": pa.array(cols["canonical_smiles"], pa.string()),
-            "scaffold": pa.array(cols["scaffold"], pa.string()),
-            "compound_id": pa.array(cols["compound_id"], pa.string()),
-            "source": pa.array(cols["source"], pa.string()),
-            "row_hash": pa.array(row_hash),
-            "group_hash": pa.array(group_hash),
-            "bucket": pa.array((shuffle_hash >> _BUCKET_SHIFT).astype(np.uint16)),
-        })
-        if opts.chem.dedupe_key != "canonical":
-            table = table.append_column("dedupe_key", pa.array(cols["dedupe_key"], pa.string()))
-        if opts.num_labels:
-            table = table.append_column("labels", pa.array(cols["labels"], pa.list_(pa.float32())))
-        if self.represent is not None:
-            table = table.append_column("text", pa.array(cols["text"], pa.string()))
-        if self._rank_key:
-            table = table.append_column("rank", pa.array(cols["rank"], pa.float64()))
-        self._cols = self._empty()
-        path = os.path.join(self.work_dir, f"spill-{self.name}-{self._written}.arrow")
-        self._written += 1
-        self.spills.append(spill_sorted(table, path))
-
-
 def spill_sorted(table: pa.Table, path: str) -> tuple[str, list[int]]:
     """Write ``table`` sorted by bucket; return (path, bucket offsets as int64 array)."""
     table = table.sort_by([("bucket", "ascending"), ("order", "ascending")])
@@ -441,7 +181,7 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
                                            "text" if options.per_molecule != 1 else None,
                                            "rank" if "rank" in table.column_names else None)
     if stage == "regroup":
-        buckets = (table.column("group_hash").to_numpy() >> _BUCKET_SHIFT).astype(np.uint16)
+        buckets = (table.column("group_hash").to_numpy() >> BUCKET_SHIFT).astype(np.uint16)
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))
         spill = spill_sorted(table, os.path.join(work_dir, f"regroup-{index}.arrow"))
         return {"index": index, "rows": len(table), "duplicates": duplicates, "spill": spill}

@@ -346,7 +346,7 @@ def test_a_batch_the_supplier_misreads_is_read_again_record_by_record_counting_o
     again one record at a time, and the representation's counts (its notes) made from the
     misread batch are dropped, so every kept row is counted once."""
     from molds.chem import ChemOptions
-    from molds.preprocessing import stages
+    from molds.preprocessing import map_stage, stages
     from molds.preprocessing.readers import Columns, read_chunks
 
     class Counting:  # a representation that notes every molecule it writes
@@ -370,19 +370,17 @@ def test_a_batch_the_supplier_misreads_is_read_again_record_by_record_counting_o
                                   two_stage=False, columns=cols)
     kept = {}
     for batch in (64, 3, 1):  # one batch, several misread ones among good ones, one record per supplier
-        stage = stages.MapStage(options, str(tmp_path), f"b{batch}")
+        stage = map_stage.MapStage(options, str(tmp_path), f"b{batch}")
         stage.represent = Counting()
         calls = []
         misread = stage._sd().read_each
         stage._sd().read_each = lambda *a, **k: calls.append(1) or misread(*a, **k)
-        import molds.preprocessing.stages as module
-
-        old, module._SD_BATCH = module._SD_BATCH, batch
+        old, map_stage._SD_BATCH = map_stage._SD_BATCH, batch
         try:
             for chunk in read_chunks(0, paths[0], "sdf", cols, 4096):
                 stage.process(chunk)
         finally:
-            module._SD_BATCH = old
+            map_stage._SD_BATCH = old
         rows = len(stage._cols["order"])
         assert stage.stats.notes["written"] == rows, (batch, stage.stats.notes, rows)
         if batch > 1:

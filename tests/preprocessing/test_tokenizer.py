@@ -107,7 +107,8 @@ def test_vocab_too_big_for_uint16():
 
 def test_map_stage_rejects_what_the_regex_cannot_cover(tmp_path):
     from molds.chem import ChemOptions, Molecule
-    from molds.preprocessing.stages import MapStage, StageOptions
+    from molds.preprocessing.map_stage import MapStage
+    from molds.preprocessing.stages import StageOptions
 
     opts = StageOptions(chem=ChemOptions(), split="scaffold", seed=0, num_labels=0, check_regex=True,
                         two_stage=False)
