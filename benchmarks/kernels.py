@@ -301,25 +301,25 @@ def _torchao(device, x, w, rounds, results):
                 results, "torchao_float8_tensorwise")
 
 
-def hardware_limits(device, results):
-    """Measured HBM bandwidth (a device-to-device copy, read + write) and matrix rates."""
+def hardware_limits(device, results, copy_elements: int = 1 << 28, side: int = 8192):
+    """Measured memory bandwidth (a device-to-device copy of ``copy_elements`` float32, read
+    + write) and matrix rates (BF16 at ``side``^3; FP8 where the GPU has FP8 matrix units),
+    best of 5."""
     import torch
 
-    n = 1 << 28  # 1 GiB of float32
-    a = torch.empty(n, device=device)
+    a = torch.empty(copy_elements, device=device)
     b = torch.empty_like(a)
     t = min(time_pass(lambda: b.copy_(a), device, 5))
     results["hbm_bytes_per_s"] = 2 * a.numel() * 4 / t
     del a, b
-    s = 8192
-    x = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+    x = torch.randn(side, side, device=device, dtype=torch.bfloat16)
     t = min(time_pass(lambda: x @ x, device, 5))
-    results["bf16_matmul_tflops"] = 2 * s**3 / t / 1e12
-    if torch.cuda.get_device_capability(device) >= (8, 9):
+    results["bf16_matmul_tflops"] = 2 * side**3 / t / 1e12
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         q = x.to(torch.float8_e4m3fn)
         one = torch.ones((), device=device)
         t = min(time_pass(lambda: torch._scaled_mm(q, q.t(), one, one, out_dtype=torch.bfloat16), device, 5))
-        results["fp8_matmul_tflops"] = 2 * s**3 / t / 1e12
+        results["fp8_matmul_tflops"] = 2 * side**3 / t / 1e12
 
 
 CPU_SIZES = {"quantize": (2048, 2048), "rms_norm": (4096, 512), "swiglu": (4096, 1024),

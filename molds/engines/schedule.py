@@ -402,25 +402,41 @@ class Timeline:
         return sum(self.idle(r) for r in range(self.ranks)) / (self.ranks * span)
 
 
-def action_cost(a: Action, costs: dict, scale: float = 1.0) -> float:
+def action_cost(a: Action, costs: dict, scale: float = 1.0, b_costs: dict | None = None) -> float:
     """Seconds of a compute action: ``costs`` gives F, B (full), I, W and optionally FB
     (default F + B: nothing hidden) for one chunk; ``scale`` for chunks twice as large
-    (1F1B on P ranks holds 2P stages' work in P)."""
+    (1F1B on P ranks holds 2P stages' work in P). An F&B pair whose backward half is another
+    stage's (``b_costs``): that stage's B after this one's F, less the mean of what each
+    stage's own pair hides."""
     if a.kind == "FB":
+        if b_costs is not None and b_costs is not costs:
+            hidden = [c["F"] + c["B"] - c.get("FB", c["F"] + c["B"]) for c in (costs, b_costs)]
+            return scale * (costs["F"] + b_costs["B"] - sum(hidden) / 2)
         return scale * costs.get("FB", costs["F"] + costs["B"])
     return scale * costs[a.kind]
 
 
 def simulate(lists: list[list[Action]], layout: Layout, costs: dict | None = None, scale: float = 1.0,
-             latency: float = 0.0) -> Timeline:
+             latency: float = 0.0, stage_costs: list[dict] | None = None) -> Timeline:
     """Run every rank's list against the others under rendezvous semantics: a message is
     delivered when both its send and its receive are posted (the k-th send from a to b
     meets the k-th receive on b from a, and they must be the same message); a compute
     waits for the receives it consumes; ``COMMIT`` posts the queued operations and waits
     for all of them; the end of a list waits for everything. Raises ``ScheduleError`` on
-    a crossed message or a deadlock; returns the timeline (compute spans per rank)."""
+    a crossed message or a deadlock; returns the timeline (compute spans per rank).
+    ``stage_costs`` (one costs dict per stage of ``layout``, measured per stage) replaces
+    ``costs`` and ``scale``: each action costs what its own stage does."""
     costs = costs or {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     ranks = layout.ranks
+    if stage_costs is not None and len(stage_costs) != layout.stages:
+        raise ValueError(f"stage_costs: {len(stage_costs)} entries for a layout of {layout.stages} stages")
+
+    def cost(rank: int, a: Action) -> float:
+        if stage_costs is None:
+            return action_cost(a, costs, scale)
+        own = stage_costs[layout.stage(rank, a.chunk)]
+        return action_cost(a, own, 1.0, stage_costs[layout.stage(rank, a.b_chunk)] if a.kind == "FB" else None)
+
     commit_style = [any(a.kind == "COMMIT" for a in acts) for acts in lists]
     pc = [0] * ranks
     clock = [0.0] * ranks
@@ -485,7 +501,7 @@ def simulate(lists: list[list[Action]], layout: Layout, costs: dict | None = Non
                             break
                         clock[rank] = max([clock[rank]] + times)
                     start = clock[rank]
-                    clock[rank] += action_cost(a, costs, scale)
+                    clock[rank] += cost(rank, a)
                     timeline.spans[rank].append((start, clock[rank], a))
                 pc[rank] += 1
                 progress = True

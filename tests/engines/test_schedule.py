@@ -151,3 +151,37 @@ def test_forward_only_lists_for_evaluation(p, n):
     for rank, acts in enumerate(lists):
         assert sorted((a.chunk, a.mb) for a in acts if a.kind == "F") == [(c, m) for c in (0, 1) for m in range(n)]
     simulate(lists, layout, UNIT)
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "stock_dualpipev", "1f1b"])
+@pytest.mark.parametrize("p,n", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_per_stage_costs_all_alike_give_the_uniform_simulation(name, p, n):
+    lists, layout = build(name, p, n)
+    scale = 2.0 if name == "1f1b" else 1.0
+    costs = {"F": 1.0, "I": 0.7, "W": 0.5, "B": 1.2, "FB": 2.0}
+    uniform = simulate(lists, layout, costs, scale=scale)
+    staged = simulate(lists, layout, stage_costs=[{k: scale * v for k, v in costs.items()}] * layout.stages)
+    assert staged.makespan == pytest.approx(uniform.makespan)
+    assert staged.bubble_fraction() == pytest.approx(uniform.bubble_fraction())
+
+
+@pytest.mark.parametrize("p,n", [(2, 4), (3, 2), (3, 4), (3, 8), (4, 12)])
+def test_per_stage_costs_a_slow_last_stage_sets_the_1f1b_step(p, n):
+    """By hand: when the last of P stages is the slowest, 1F1B's step is the upstream
+    forwards of the first micro-batch, N of the last stage's (F + B), then the upstream
+    backwards of the last micro-batch."""
+    fast, slow = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, {"F": 3.0, "B": 5.0, "I": 3.0, "W": 2.0}
+    lists, layout = build("1f1b", p, n)
+    t = simulate(lists, layout, stage_costs=[fast] * (p - 1) + [slow])
+    assert t.makespan == pytest.approx((p - 1) * fast["F"] + n * (slow["F"] + slow["B"]) + (p - 1) * fast["B"])
+    with pytest.raises(ValueError, match="stages"):
+        simulate(lists, layout, stage_costs=[fast] * p * 2)
+
+
+def test_an_fb_pair_of_two_stages_costs_one_forward_and_the_other_backward():
+    from molds.engines.schedule import action_cost
+
+    a, b = {"F": 1.0, "B": 2.0, "FB": 2.5}, {"F": 4.0, "B": 6.0, "FB": 9.0}
+    pair = Action("FB", chunk=0, mb=1, b_chunk=1, b_mb=0)
+    assert action_cost(pair, a) == 2.5
+    assert action_cost(pair, a, b_costs=b) == pytest.approx(1.0 + 6.0 - (0.5 + 1.0) / 2)

@@ -1,0 +1,704 @@
+"""The one command a GPU window runs: everything molds has to show on one GPU, in one go.
+
+    source .whl/install-offline.sh && python benchmarks/gpu_check.py --out $OUT --commit SHA
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check      # the same steps, CPU ranks, toy sizes
+
+GPU time comes in windows of minutes on a machine without network access, so this script
+is prepared (and tried: ``--dry-run`` is in the default test suite) before a window opens.
+It runs these sections, each in a process of its own with a time limit, so that one that
+crashes the CUDA context or hangs costs only itself:
+
+- ``environment``: card, driver, CUDA, torch, triton, deepspeed, Liger Kernel and torchao
+  versions; the measured memory bandwidth (a device-to-device copy) and BF16 and FP8
+  matrix rates (what MFU is taken against: ``--logging.peak_tflops``).
+- ``training``: the bundled sample preprocessed, then short runs under the deepspeed
+  launcher on one rank of each recipe family that fits one GPU: the dense decoder on DDP,
+  ZeRO-2 and ZeRO-3 (``recipes/dense_zero3.json``: the MFU target's model), the MLM
+  encoder, and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (4 of its 16
+  layers, so that its final checkpoint stays small) with kernels off, ``kernels.triton``
+  and ``kernels.fp8``. Each reports tokens/s and MFU (medians of the logged windows after
+  the first, which holds start-up and compilation), peak memory, its loss curve and its
+  start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
+  the device (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
+- ``real_shapes``: two layers (one dense, one MoE) of ``recipes/moe_fp8.json``'s model at
+  full width, forward + backward under bf16 autocast, kernels off / triton / fp8 /
+  fp8 + triton: tokens/s and the FP8-over-BF16 ratio; and every distinct product of the
+  model (its linears and the experts' grouped GEMM), and expert widths 256-2048, FP8 against
+  BF16: what sizing ``moe_fp8.json`` so that FP8 pays is read from.
+- ``dualpipev``: the full MoE model's per-layer F, B, I (input gradient, weight gradients
+  deferred), W and F&B times measured on the device, summed per pipeline stage (DeepSpeed's
+  partition by parameters: 2P stages for the V schedules, P for 1F1B) and fed, stage by
+  stage, to ``molds.engines.schedule.simulate`` for 1F1B, DeepSpeed's stock DualPipeV and
+  molds' at P = 2, 4 and 8. One device has no all-to-all: the costs hold none, which the
+  figures say.
+- ``kernel_benchmarks``: ``benchmarks/kernels.py`` (each op against its reference, Liger
+  Kernel, torchao and the card's limits).
+- ``kernel_tests``: ``pytest tests/kernels``, compiled on CUDA tensors (whatever time is left).
+
+Writes ``OUT/gpu_check.json`` (rewritten after every section, so a window that closes early
+keeps what was done), ``OUT/gpu_check.log`` (every process's output) and ``OUT/runs/`` (each
+training run's log and metrics); prints the JSON as its last line. ``targets`` holds issue
+43's GPU targets with the measured value of each. Default budget 450 s (8 minutes with
+start-up), each section capped so the later ones get their turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SECTIONS = ["environment", "training", "real_shapes", "dualpipev", "kernel_benchmarks", "kernel_tests"]
+#: seconds each section may take at most (the last one takes what is left)
+CAPS = {"environment": 45, "training": 270, "real_shapes": 45, "dualpipev": 45, "kernel_benchmarks": 60,
+        "kernel_tests": 600}
+DRY_CAPS = {"environment": 60, "training": 400, "real_shapes": 120, "dualpipev": 120, "kernel_benchmarks": 240,
+            "kernel_tests": 240}
+SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
+LABELLED = os.path.join(ROOT, "molds", "sample_data", "moses_sample_labels.csv.gz")
+MOE_RECIPE = os.path.join(ROOT, "recipes", "moe_fp8.json")
+#: fp32 parity: the relative loss difference allowed between device and CPU, at step 1 (the
+#: same weights and batch: only the order of summation differs) and over the first steps
+PARITY_STEPS, PARITY_FIRST_RTOL, PARITY_RTOL = 5, 1e-4, 1e-3
+
+
+# ---------------------------------------------------------------- the sections' context
+
+class Context:
+    def __init__(self, args, name: str):
+        self.args, self.name, self.dry = args, name, args.dry_run
+        self.out, self.work = args.out, args.work
+        self.deadline = time.monotonic() + args.seconds
+        self.path = os.path.join(self.out, "sections", f"{name}.json")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self, result: dict) -> None:
+        write_json(self.path, result)
+
+    def environment(self) -> dict:
+        path = os.path.join(self.out, "sections", "environment.json")
+        return json.load(open(path)) if os.path.exists(path) else {}
+
+    def device(self):
+        import torch
+
+        return torch.device("cuda" if torch.cuda.is_available() and not self.dry else "cpu")
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)
+
+
+def say(*parts) -> None:
+    print("[gpu_check]", *parts, flush=True)
+
+
+def run_logged(cmd, log_path: str, timeout: float, env=None, cwd=ROOT) -> tuple[int | None, float]:
+    """Run ``cmd`` with its output in ``log_path`` (and the process group killed at
+    ``timeout``); (return code or None when it timed out, seconds)."""
+    start = time.perf_counter()
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, time.perf_counter() - start
+
+
+def tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- environment
+
+def section_environment(ctx) -> dict:
+    import importlib.metadata as md
+    import platform
+
+    import torch
+
+    from molds.precision import cpu_description
+
+    versions = {}
+    for pkg in ("torch", "triton", "deepspeed", "transformers", "liger-kernel", "torchao", "rdkit", "pyarrow"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    env = {"python": platform.python_version(), "versions": versions, "cpu": cpu_description(),
+           "cpu_count": os.cpu_count(), "cuda": torch.version.cuda}
+    device = ctx.device()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(card=props.name, capability=list(torch.cuda.get_device_capability(device)),
+                   memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            env["nvidia_smi"] = smi.stdout.strip()
+            env["driver"] = smi.stdout.split(",")[0].strip() or None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            env["driver"] = f"nvidia-smi failed: {exc}"
+    else:
+        env["card"] = "cpu (dry run)" if ctx.dry else "cpu"
+    ctx.save(env)
+    env.update(measure_rates(device, dry=ctx.dry))
+    return env
+
+
+def measure_rates(device, dry: bool) -> dict:
+    """``benchmarks/kernels.py``'s measured limits (bandwidth, BF16 and FP8 matrix rates);
+    small sizes in a dry run."""
+    from kernels import hardware_limits
+
+    out = {"matmul_side": 512 if dry else 8192}
+    hardware_limits(device, out, copy_elements=(1 << 22) if dry else (1 << 28), side=out["matmul_side"])
+    return out
+
+
+# ---------------------------------------------------------------- training
+
+def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
+    """(name, recipe, overrides) of each run, most wanted first (a window that closes early
+    keeps those): the full-size recipes on a GPU, their smoke twins shrunk further in a dry
+    run. ``fp32_parity`` is the device-against-CPU check."""
+    rec = os.path.join(ROOT, "recipes", "smoke" if dry else "")
+    moe = ["--run.min_gpus", "0", "--parallel.pp_size", "1", "--parallel.ep_size", "1", "--parallel.schedule", "1f1b"]
+    if not dry:
+        moe += ["--model.num_layers", "4"]
+    tiny = ["--model.hidden_size", "32"] if dry else []
+    return [
+        ("dense_zero3", os.path.join(rec, "dense_zero3.json"), tiny),
+        ("moe_kernels_off", os.path.join(rec, "moe_fp8.json"), moe + ["--kernels.fp8", "false",
+                                                                      "--kernels.triton", "false"]),
+        ("moe_fp8", os.path.join(rec, "moe_fp8.json"), moe + ["--kernels.fp8", "true", "--kernels.triton", "false"]),
+        ("fp32_parity", "", []),
+        ("moe_triton", os.path.join(rec, "moe_fp8.json"), moe + ["--kernels.fp8", "false", "--kernels.triton", "true"]),
+        ("dense_zero2", os.path.join(rec, "dense_zero2.json"), tiny),
+        ("mlm_zero2", os.path.join(rec, "mlm_multitask_zero2.json"), tiny + ["--model.num_tasks", "2"]),
+        ("dense_ddp", os.path.join(rec, "dense_ddp.json"), tiny),
+    ]
+
+
+def prepare_data(ctx) -> dict:
+    """The bundled sample (and its labelled twin) preprocessed into the work directory."""
+    from molds.data.manifest import Manifest
+    from molds.preprocessing.cli import main as preprocess
+
+    out = {}
+    for name, src, extra in (("data", SAMPLE, []), ("labelled", LABELLED,
+                                                   ["--label-columns", "logp_gt_3,tpsa_gt_90"])):
+        dest = os.path.join(ctx.work, name)
+        if not os.path.exists(os.path.join(dest, "manifest.json")):
+            rc = preprocess(["--input", src, "--smiles-column", "SMILES", "--output", dest, "--split", "scaffold",
+                             "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex", "--workers",
+                             str(min(8, os.cpu_count() or 1)), "--overwrite", "true", "--progress", "false", *extra])
+            if rc:
+                raise RuntimeError(f"molds-preprocess of {src} failed (exit {rc})")
+        Manifest.load(dest)  # what an earlier section (or run) left is checked before it is used
+        out[name] = dest
+    return out
+
+
+def launcher(port: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port)]
+
+
+def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str, *, steps: int, every: int,
+               env_extra: dict | None = None, cmd_prefix: list[str] | None = None) -> dict:
+    """One short run; its figures from metrics.jsonl and its start lines from its output."""
+    from molds.metrics.logger import read_metrics
+
+    run_dir = os.path.join(ctx.work, "runs", name)
+    logs = os.path.join(ctx.out, "runs")
+    os.makedirs(logs, exist_ok=True)
+    log = os.path.join(logs, f"{name}.log")
+    open(log, "w").close()
+    env = dict(os.environ, **(env_extra or {}))
+    if ctx.dry:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    peak = ctx.environment().get("bf16_matmul_tflops")
+    cmd = (cmd_prefix or launcher(29500 + sum(map(ord, name)) % 400)) + [
+        os.path.join(ROOT, "molds", "train.py"), "--recipe", recipe, "--data.manifest", manifest,
+        "--run.output_dir", run_dir, "--run.overwrite", "true", "--trainer.max_steps", str(steps),
+        "--logging.interval_steps", str(every), "--logging.progress", "false", "--eval.interval_steps", "0",
+        "--eval.full_interval_steps", "0", "--checkpoint.interval_steps", "0", "--checkpoint.average_last", "0",
+        *(["--logging.peak_tflops", f"{peak:.6g}"] if peak and not ctx.dry else []), *overrides]
+    rc, seconds = run_logged(cmd, log, min(ctx.left() - 5, 120 if not ctx.dry else 300), env=env)
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(logs, f"{name}.metrics.jsonl"))
+    shutil.rmtree(run_dir, ignore_errors=True)  # a GPU machine's disk: checkpoints of every run would not fit
+    train = [r for r in rows if "train/loss" in r]
+    later = train[1:] or train  # the first window holds start-up and compilation
+
+    def median(key):
+        vals = [r[key] for r in later if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    text = open(log, errors="replace").read()
+    result = {"rc": rc, "timed_out": rc is None, "wall_s": seconds, "steps": train[-1]["step"] if train else 0,
+              "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "molds", "train.py")):]).replace(ROOT + "/", ""),
+              "loss": {r["step"]: r["train/loss"] for r in train}, "tokens_per_s": median("train/tokens_per_sec"),
+              "mfu": median("train/mfu"), "step_s": median("train/step_s"),
+              "peak_memory_mb": max((r.get("train/peak_memory_mb") or r.get("train/peak_rss_mb") or 0 for r in train),
+                                    default=None),
+              "start_lines": [line for line in text.splitlines()
+                              if line.startswith("[molds]") and any(k in line for k in (" of ", "precision", "kernels:"))]}
+    if rc != 0:
+        result["error_tail"] = tail(log, 40)
+    return result
+
+
+def section_training(ctx) -> dict:
+    result = {"runs": {}}
+    t = time.perf_counter()
+    data = prepare_data(ctx)
+    result["preprocess_s"] = time.perf_counter() - t
+    steps, every = (3, 1) if ctx.dry else (30, 5)
+    for name, recipe, overrides in training_runs(ctx.dry):
+        if ctx.left() < (30 if name == "fp32_parity" else 20):
+            (result["runs"] if recipe else result)[name] = {"skipped": "out of time"}
+            continue
+        say("training", name)
+        if name == "fp32_parity":
+            result[name] = fp32_parity(ctx, data["data"])
+        else:
+            manifest = data["labelled" if name.startswith("mlm") else "data"]
+            result["runs"][name] = train_once(ctx, name, recipe, overrides + ["--trainer.precision", "bf16"],
+                                              manifest, steps=steps, every=every)
+        ctx.save(result)
+    result["failures"] = [f"{n}: {'timed out' if r.get('timed_out') else 'exit %s' % r.get('rc')}"
+                          for n, r in result["runs"].items() if r.get("rc") != 0 and "skipped" not in r]
+    parity = result.get("fp32_parity", {})
+    if "within_bound" in parity and not parity["within_bound"]:
+        result["failures"].append("fp32_parity: device and CPU losses differ beyond the bound")
+    return result
+
+
+def fp32_parity(ctx, manifest: str) -> dict:
+    """The smoke dense recipe's first steps in fp32 on the device (under the launcher, TF32
+    off) and on the CPU (one plain process): the loss of each step side by side."""
+    recipe = os.path.join(ROOT, "recipes", "smoke", "dense_ddp.json")
+    common = ["--trainer.precision", "fp32", "--model.dropout", "0"]
+    device = train_once(ctx, "fp32_device", recipe, common, manifest, steps=PARITY_STEPS, every=1,
+                        env_extra={"NVIDIA_TF32_OVERRIDE": "0"})
+    cpu = train_once(ctx, "fp32_cpu", recipe, common, manifest, steps=PARITY_STEPS, every=1,
+                     env_extra={"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}, cmd_prefix=[sys.executable])
+    return compare_losses(device["loss"], cpu["loss"]) | {"device_rc": device["rc"], "cpu_rc": cpu["rc"]}
+
+
+def compare_losses(device: dict, cpu: dict) -> dict:
+    """Step by step relative difference of two loss curves, held to the parity bounds."""
+    steps = sorted(set(device) & set(cpu), key=int)
+    rel = {s: abs(device[s] - cpu[s]) / max(abs(cpu[s]), 1e-12) for s in steps}
+    first = rel[steps[0]] if steps else None
+    ok = (len(steps) == PARITY_STEPS and first <= PARITY_FIRST_RTOL and max(rel.values()) <= PARITY_RTOL)
+    return {"steps": len(steps), "relative_difference": rel, "first_step_bound": PARITY_FIRST_RTOL,
+            "bound": PARITY_RTOL, "within_bound": ok, "device_loss": device, "cpu_loss": cpu}
+
+
+# ---------------------------------------------------------------- real layer shapes and DualPipeV
+
+def moe_recipe(ctx, layers: int | None):
+    """``recipes/moe_fp8.json`` (its smoke twin in a dry run) for one device, its tokenizer."""
+    from molds.data.manifest import Manifest
+    from molds.recipe import parse_recipe
+    from molds.tokens import tokenizer_info
+
+    data = prepare_data(ctx)["data"]
+    path = os.path.join(ROOT, "recipes", "smoke", "moe_fp8.json") if ctx.dry else MOE_RECIPE
+    argv = ["--recipe", path, "--data.manifest", data, "--run.min_gpus", "0", "--parallel.pp_size", "1",
+            "--parallel.ep_size", "1", "--parallel.schedule", "1f1b"]
+    if layers:
+        argv += ["--model.num_layers", str(layers)]
+    recipe = parse_recipe(argv)
+    return recipe, tokenizer_info(Manifest.load(data))
+
+
+def one_batch(recipe, device) -> tuple[dict, int]:
+    """A real packed micro-batch of the recipe's shape from the sample, and its real tokens."""
+    import dataclasses
+
+    from molds.data.loader import MoleculeLoader, batch_tensors
+
+    loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=0, world_size=1)
+    batch = next(iter(loader))
+    return batch_tensors(batch, device), int(batch["stats"]["real_tokens"])
+
+
+def section_real_shapes(ctx) -> dict:
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import compare, fwd_bwd, time_pass
+    from molds.kernels import apply_kernels
+    from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
+    from molds.models import build_model
+    from molds.models.loss import build_loss
+
+    device = ctx.device()
+    rounds = 1 if ctx.dry else 10
+    recipe, tok = moe_recipe(ctx, layers=2)
+    batch, tokens = one_batch(recipe, device)
+    out = {"model": {k: getattr(recipe.model, k) for k in ("hidden_size", "num_layers", "num_experts", "moe_top_k",
+                                                          "moe_expert_size", "moe_shared_expert_size",
+                                                          "intermediate_size")},
+           "batch": list(batch["input_ids"].shape), "tokens": tokens, "variants": {}}
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    for name, fp8, triton in (("bf16", False, False), ("bf16_triton", False, True), ("fp8", True, False),
+                              ("fp8_triton", True, True)):
+        model = build_model(recipe.model, tok, seed=0, device=device)
+        loss_fn = build_loss(recipe.model)
+        apply_kernels(model, dataclasses.replace(recipe.kernels, fp8=fp8, triton=triton), loss_fn)
+
+        def step():
+            with autocast:
+                loss = loss_fn(model(**batch), batch)
+            loss.backward()
+
+        t = statistics.median(time_pass(step, device, rounds))
+        out["variants"][name] = {"s": t, "tokens_per_s": tokens / t}
+        ctx.save(out)
+        del model
+    v = out["variants"]
+    out["fp8_over_bf16"] = v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
+    out["fp8_triton_over_bf16"] = v["fp8_triton"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
+    # every distinct product of the full model, FP8 against BF16 (forward + backward)
+    m, rows = recipe.model, batch["input_ids"].numel()
+    head_dim = m.hidden_size // m.num_heads
+    kv = (m.num_kv_heads or m.num_heads) * head_dim
+    shapes = {"q": (m.hidden_size, m.hidden_size), "kv": (m.hidden_size, kv), "o": (m.hidden_size, m.hidden_size),
+              "mlp_up": (m.hidden_size, m.intermediate_size), "mlp_down": (m.intermediate_size, m.hidden_size)}
+    if m.moe_shared_expert_size:
+        shapes["shared_up"] = (m.hidden_size, m.moe_shared_expert_size)
+        shapes["shared_down"] = (m.moe_shared_expert_size, m.hidden_size)
+    products = {}
+    with autocast:
+        for name, (k, n) in shapes.items():
+            x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+            w = torch.randn(n, k, device=device) * 0.02
+            r = {}
+            compare(name, fwd_bwd(lambda x, w: fp8_linear(x, w), [x, w]), fwd_bwd(F.linear, [x, w]), device, rounds,
+                    r, "bf16")
+            products[f"linear_{name}_{rows}x{k}x{n}"] = r[f"{name}_speedup_over_bf16"]
+        widths = sorted({m.moe_expert_size, 256, 512, 1024, 2048}) if not ctx.dry else [m.moe_expert_size]
+        for width in widths:
+            experts, per = m.num_experts, max(16, rows * m.moe_top_k // m.num_experts // 16 * 16)
+            offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per
+            xe = torch.randn(experts * per, m.hidden_size, device=device).to(torch.bfloat16)
+            we = torch.randn(experts, m.hidden_size, width, device=device) * 0.02
+            r = {}
+            compare("e", fwd_bwd(lambda a, b: fp8_grouped_mm(a, b, offs=offs), [xe, we]),
+                    fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
+                    r, "bf16")
+            products[f"experts_{experts}x{per}x{m.hidden_size}x{width}"] = r["e_speedup_over_bf16"]
+            ctx.save(out | {"fp8_over_bf16_products": products})
+    out["fp8_over_bf16_products"] = products
+    return out
+
+
+def section_dualpipev(ctx) -> dict:
+    """Per-layer costs of the full MoE model on this device, summed per stage, simulated."""
+    import torch
+
+    from kernels import time_pass
+    from molds.engines.schedule import build, simulate
+    from molds.engines.stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe
+    from molds.kernels import apply_kernels
+    from molds.models import build_model
+    from molds.models.loss import build_loss
+    from molds.models.wgrad import WeightGradStore, defer_weight_grads
+
+    device = ctx.device()
+    rounds = 2 if ctx.dry else 5
+    recipe, tok = moe_recipe(ctx, layers=None)
+    batch, _ = one_batch(recipe, device)
+    model = build_model(recipe.model, tok, seed=0, device=device)
+    loss_fn = build_loss(recipe.model)
+    apply_kernels(model, recipe.kernels, loss_fn)
+    defer_weight_grads(model)
+    body, cfg = model.model, model.config
+    in_loss = getattr(model, "head_in_loss", False)
+    layers = [EmbedPipe(body.embed_tokens.weight)]
+    layers += [BlockPipe(b, cfg.head_dim, cfg.rope_theta, i) for i, b in enumerate(body.layers)]
+    layers += [NormPipe(body.norm), HeadPipe(model.lm_head.weight, in_loss, getattr(model.lm_head, "linear",
+                                                                                     torch.nn.functional.linear))]
+    ids = (batch["position_ids"], batch["document_ids"])
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    store = WeightGradStore()
+    costs = []
+    x = (batch["input_ids"],) + ids
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+
+        def fwd(inputs=x, layer=layer, last=last):
+            inp = tuple(t.detach().requires_grad_(t.is_floating_point()) if j == 0 else t
+                        for j, t in enumerate(inputs))
+            with autocast:
+                y = layer(inp)
+                if last:
+                    y = loss_fn(y if isinstance(y, dict) else {"logits": y}, batch)
+            return inp, y
+
+        def out_of(y):
+            return y if torch.is_tensor(y) else y[0]
+
+        def bwd(y, defer):
+            o = out_of(y)
+            g = torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o)
+            if defer:
+                with store.deferring():
+                    o.backward(g)
+            else:
+                o.backward(g)
+
+        c = {"F": statistics.median(time_pass(lambda: fwd(), device, rounds))}
+        c["B"] = _timed_after(lambda: fwd()[1], lambda y: bwd(y, False), device, rounds)
+        c["I"] = _timed_after(lambda: fwd()[1], lambda y: bwd(y, True), device, rounds, after=store.flush)
+        c["W"] = _timed_after(lambda: bwd(fwd()[1], True), lambda _: store.flush(), device, rounds)
+        c["FB"] = _timed_after(lambda: fwd()[1], lambda y: (fwd(), bwd(y, False)), device, rounds)
+        c["params"] = sum(p.numel() for p in layer.parameters())
+        costs.append(c)
+        for p in model.parameters():
+            p.grad = None
+        with torch.no_grad(), autocast:
+            x = (x[0],) + ids if last else layer(x)
+    names = ["embed"] + [f"layer{i}" for i in range(len(body.layers))] + ["norm", "head_loss"]
+    out = {"micro_batch": list(batch["input_ids"].shape), "kernels": {"fp8": recipe.kernels.fp8,
+                                                                     "triton": recipe.kernels.triton},
+           "all_to_all": "none: one device (ep 1); the costs hold no expert-parallel exchange",
+           "layers": dict(zip(names, costs)), "schedules": {}}
+    from deepspeed.runtime.utils import partition_balanced
+
+    keys = ("F", "B", "I", "W", "FB")
+
+    def stages_of(count: int) -> list[dict]:
+        """The model cut into ``count`` stages as DeepSpeed cuts it (balanced parameters)."""
+        parts = partition_balanced([c["params"] for c in costs], count)
+        return [{k: sum(c[k] for c in costs[parts[s]:parts[s + 1]]) for k in keys} for s in range(count)]
+
+    for p in (2, 4, 8):
+        micro = max(recipe.trainer.grad_accum, 2 * p)
+        row = {"micro_batches": micro}
+        for name in ("1f1b", "stock_dualpipev", "dualpipev"):
+            lists, layout = build(name, p, micro)
+            stages = stages_of(layout.stages)
+            t = simulate(lists, layout, stage_costs=stages)
+            row[name] = {"step_s": t.makespan, "bubble": t.bubble_fraction(), "stage_costs": stages}
+        v = row["dualpipev"]["stage_costs"]
+        row["v_stage_imbalance"] = max(s["F"] + s["B"] for s in v) / max(1e-12, statistics.mean(s["F"] + s["B"]
+                                                                                                 for s in v))
+        row["dualpipev_over_stock"] = row["dualpipev"]["step_s"] / row["stock_dualpipev"]["step_s"]
+        row["dualpipev_over_1f1b"] = row["dualpipev"]["step_s"] / row["1f1b"]["step_s"]
+        out["schedules"][f"p{p}"] = row
+        ctx.save(out)
+    return out
+
+
+def _timed_after(setup, fn, device, rounds: int, after=None) -> float:
+    """Median seconds of ``fn(setup())``, ``setup`` and ``after`` untimed."""
+    from kernels import _sync
+
+    times = []
+    for _ in range(rounds + 1):
+        y = setup()
+        _sync(device)
+        start = time.perf_counter()
+        fn(y)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if after is not None:
+            after()
+    return statistics.median(times[1:])
+
+
+# ---------------------------------------------------------------- the kernels' own benchmark and tests
+
+def section_kernel_benchmarks(ctx) -> dict:
+    log = os.path.join(ctx.out, "kernel_benchmarks.log")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py")] + (["--quick", "--rounds", "1"]
+                                                                              if ctx.dry else ["--rounds", "5"])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if ctx.dry else None
+    rc, seconds = run_logged(cmd, log, ctx.left() - 2, env=env)
+    lines = [line for line in tail(log, 5).splitlines() if line.startswith("{")]
+    if rc != 0 or not lines:
+        raise RuntimeError(f"benchmarks/kernels.py {'timed out' if rc is None else f'exit {rc}'}:\n{tail(log)}")
+    return json.loads(lines[-1]) | {"seconds": seconds}
+
+
+TEST_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def parse_pytest(text: str) -> dict:
+    """Counts and failing node ids from ``pytest -v`` output (complete or cut short)."""
+    outcomes = {}
+    for line in text.splitlines():
+        m = TEST_LINE.match(line.strip())
+        if m:
+            outcomes[m.group(1)] = m.group(2)
+    counts = {k.lower(): sum(v == k for v in outcomes.values()) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    return counts | {"failures": sorted(t for t, v in outcomes.items() if v in ("FAILED", "ERROR"))}
+
+
+def section_kernel_tests(ctx) -> dict:
+    log = os.path.join(ctx.out, "kernel_tests.log")
+    open(log, "w").close()
+    target = ["tests/kernels/test_fused.py", "-k", "swiglu"] if ctx.dry else ["tests/kernels"]
+    cmd = [sys.executable, "-m", "pytest", *target, "-v", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
+    rc, seconds = run_logged(cmd, log, ctx.left() - 2)
+    with open(log, errors="replace") as fh:
+        result = parse_pytest(fh.read())
+    result |= {"rc": rc, "timed_out": rc is None, "seconds": seconds, "target": " ".join(target)}
+    result["failures"] = result["failures"] + (["pytest timed out"] if rc is None else
+                                               [f"pytest exit {rc}"] if rc and not result["failures"] else [])
+    return result
+
+
+# ---------------------------------------------------------------- the whole check
+
+def targets(results: dict) -> dict:
+    """Issue 43's GPU targets, each with its measured value (None: not measured this time)."""
+    kb = results.get("kernel_benchmarks", {})
+    runs = results.get("training", {}).get("runs", {})
+    shapes = results.get("real_shapes", {})
+
+    def entry(value, bound, higher=True):
+        met = None if value is None else (value >= bound if higher else value <= bound)
+        return {"value": value, "target": f"{'>=' if higher else '<='} {bound}", "met": met}
+
+    def ratio(a, b):
+        return kb[a] / kb[b] if kb.get(a) and kb.get(b) else None
+
+    out = {"fp8_linear_4096_over_bf16": entry(kb.get("fp8_linear_speedup_over_bf16_linear"), 1.2),
+           "fp8_real_shapes_over_bf16": entry(shapes.get("fp8_over_bf16"), 1.15),
+           "lm_head_memory_over_liger": entry(ratio("linear_cross_entropy_peak_mb",
+                                                    "linear_cross_entropy_liger_peak_mb"), 1.5, higher=False),
+           "dense_zero3_mfu": entry((runs.get("dense_zero3") or {}).get("mfu"), 0.35)}
+    for op in ("rms_norm", "swiglu", "linear_cross_entropy"):
+        out[f"{op}_over_liger"] = entry(kb.get(f"{op}_speedup_over_liger"), 1.0)
+    for op in ("rms_norm", "swiglu", "moe_permute", "moe_unpermute", "fp8_quantize_1x128"):
+        out[f"{op}_fraction_of_bandwidth"] = entry(kb.get(f"{op}_fraction_of_bandwidth"), 0.8)
+    return out
+
+
+def commit_of(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def orchestrate(args) -> dict:
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, "gpu_check.log")
+    caps = DRY_CAPS if args.dry_run else CAPS
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    results = {"script": "benchmarks/gpu_check.py", "dry_run": args.dry_run, "commit": commit_of(args.commit),
+               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "budget_s": args.budget_s, "sections": {}}
+    path = os.path.join(args.out, "gpu_check.json")
+    chosen = args.sections or SECTIONS
+    for i, name in enumerate(chosen):
+        left = deadline - time.monotonic()
+        seconds = left if i == len(chosen) - 1 else min(caps[name], left)
+        if seconds < 10:
+            results["sections"][name] = {"status": "skipped", "why": f"out of budget ({left:.0f} s left)"}
+            continue
+        say(f"{name} (at most {seconds:.0f} s)")
+        cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", args.out, "--work", args.work,
+               "--seconds", f"{seconds:.1f}"] + (["--dry-run"] if args.dry_run else [])
+        rc, took = run_logged(cmd, log, seconds + 15)
+        section_file = os.path.join(args.out, "sections", f"{name}.json")
+        if os.path.exists(section_file):
+            results[name] = json.load(open(section_file))
+        failures = results.get(name, {}).get("failures") or []
+        status = "timed_out" if rc is None else "failed" if rc or failures else "ok"
+        results["sections"][name] = {"status": status, "seconds": round(took, 1)}
+        if failures:
+            results["sections"][name]["failures"] = failures
+        if rc != 0:
+            results["sections"][name]["log_tail"] = tail(log, 25)
+        results["targets"] = targets(results)
+        results["wall_s"] = time.monotonic() - start
+        write_json(path, results)
+    return results
+
+
+def run_section(args) -> int:
+    ctx = Context(args, args.section)
+    try:
+        result = globals()[f"section_{args.section}"](ctx)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        partial = json.load(open(ctx.path)) if os.path.exists(ctx.path) else {}
+        ctx.save(partial | {"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    ctx.save(result)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for gpu_check.json, the log and each run's metrics")
+    ap.add_argument("--work", default=None, help="scratch directory (data, run directories; default OUT/../"
+                    "gpu-check-work, kept out of OUT so the device tool does not carry checkpoints back)")
+    ap.add_argument("--dry-run", action="store_true", help="the same steps at toy sizes on CPU ranks")
+    ap.add_argument("--commit", default=None, help="the commit this tree is (a copied tree has no .git)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="seconds for everything (default 450)")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None, help="run only these, in this order")
+    ap.add_argument("--section", choices=SECTIONS, default=None, help=argparse.SUPPRESS)  # one section (a child)
+    ap.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    args.work = os.path.abspath(args.work or os.path.join(os.path.dirname(args.out),
+                                                          os.path.basename(args.out) + "-work"))
+    os.makedirs(args.work, exist_ok=True)
+    if args.dry_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # toy sizes on the CPU, whatever the machine has
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.section:
+        return run_section(args)
+    results = orchestrate(args)
+    print(json.dumps(results))
+    return 0 if all(s["status"] == "ok" for s in results["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
