@@ -36,8 +36,9 @@ crashes the CUDA context or hangs costs only itself:
 - ``kernel_tests``: ``pytest tests/kernels``, compiled on CUDA tensors (whatever time is left).
 
 Writes ``OUT/gpu_check.json`` (rewritten after every section, so a window that closes early
-keeps what was done), ``OUT/gpu_check.log`` (every process's output) and ``OUT/runs/`` (each
-training run's log and metrics); prints the JSON as its last line. ``targets`` holds issue
+keeps what was done) and ``OUT/gpu_check.log`` (every process's output), nothing else there
+(the device tool carries back a few files only); data, run directories and each run's
+metrics stay in ``--work``. Prints the JSON as its last line. ``targets`` holds issue
 43's GPU targets with the measured value of each. Default budget 450 s (8 minutes with
 start-up), each section capped so the later ones get their turn.
 """
@@ -65,6 +66,11 @@ CAPS = {"environment": 45, "training": 270, "real_shapes": 45, "dualpipev": 45, 
         "kernel_tests": 600}
 DRY_CAPS = {"environment": 60, "training": 400, "real_shapes": 120, "dualpipev": 120, "kernel_benchmarks": 240,
             "kernel_tests": 240}
+#: what molds imports (setup.py's requirements) and the peers it is measured against: the
+#: environment section names any the machine lacks (the wheels carried there may miss one)
+MODULES = ("torch", "deepspeed", "transformers", "tokenizers", "datasets", "rdkit", "pyarrow", "numpy", "fsspec", "isal",
+           "xxhash", "jsonargparse", "tensorboard", "safetensors", "tqdm", "psutil", "sklearn", "scipy", "PIL",
+           "fcd_torch", "triton", "liger_kernel", "torchao")
 SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
 LABELLED = os.path.join(ROOT, "molds", "sample_data", "moses_sample_labels.csv.gz")
 MOE_RECIPE = os.path.join(ROOT, "recipes", "moe_fp8.json")
@@ -80,7 +86,7 @@ class Context:
         self.args, self.name, self.dry = args, name, args.dry_run
         self.out, self.work = args.out, args.work
         self.deadline = time.monotonic() + args.seconds
-        self.path = os.path.join(self.out, "sections", f"{name}.json")
+        self.path = section_path(args.work, name)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -89,13 +95,25 @@ class Context:
         write_json(self.path, result)
 
     def environment(self) -> dict:
-        path = os.path.join(self.out, "sections", "environment.json")
+        path = section_path(self.work, "environment")
         return json.load(open(path)) if os.path.exists(path) else {}
 
     def device(self):
         import torch
 
         return torch.device("cuda" if torch.cuda.is_available() and not self.dry else "cpu")
+
+
+def section_path(work: str, name: str) -> str:
+    """Where a section's JSON is kept while it runs (the work directory: OUT holds only
+    gpu_check.json and gpu_check.log, as few files as the device tool carries back)."""
+    return os.path.join(work, "sections", f"{name}.json")
+
+
+def echo(path: str, title: str) -> None:
+    """A file's text into this process's output (the check's one log)."""
+    with open(path, errors="replace") as fh:
+        print(f"----- {title} ({path})\n{fh.read()}----- end of {title}", flush=True)
 
 
 def write_json(path: str, obj) -> None:
@@ -139,6 +157,7 @@ def tail(path: str, lines: int = 30) -> str:
 
 def section_environment(ctx) -> dict:
     import importlib.metadata as md
+    import importlib.util
     import platform
 
     import torch
@@ -152,7 +171,8 @@ def section_environment(ctx) -> dict:
         except md.PackageNotFoundError:
             versions[pkg] = None
     env = {"python": platform.python_version(), "versions": versions, "cpu": cpu_description(),
-           "cpu_count": os.cpu_count(), "cuda": torch.version.cuda}
+           "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
+           "missing_modules": [m for m in MODULES if importlib.util.find_spec(m) is None]}
     device = ctx.device()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -236,7 +256,7 @@ def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str,
     from molds.metrics.logger import read_metrics
 
     run_dir = os.path.join(ctx.work, "runs", name)
-    logs = os.path.join(ctx.out, "runs")
+    logs = os.path.join(ctx.work, "logs")
     os.makedirs(logs, exist_ok=True)
     log = os.path.join(logs, f"{name}.log")
     open(log, "w").close()
@@ -251,6 +271,7 @@ def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str,
         "--eval.full_interval_steps", "0", "--checkpoint.interval_steps", "0", "--checkpoint.average_last", "0",
         *(["--logging.peak_tflops", f"{peak:.6g}"] if peak and not ctx.dry else []), *overrides]
     rc, seconds = run_logged(cmd, log, min(ctx.left() - 5, 120 if not ctx.dry else 300), env=env)
+    echo(log, f"training run {name}")
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(logs, f"{name}.metrics.jsonl"))
@@ -342,213 +363,31 @@ def moe_recipe(ctx, layers: int | None):
     return recipe, tokenizer_info(Manifest.load(data))
 
 
-def one_batch(recipe, device) -> tuple[dict, int]:
-    """A real packed micro-batch of the recipe's shape from the sample, and its real tokens."""
-    import dataclasses
-
-    from molds.data.loader import MoleculeLoader, batch_tensors
-
-    loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=0, world_size=1)
-    batch = next(iter(loader))
-    return batch_tensors(batch, device), int(batch["stats"]["real_tokens"])
-
-
 def section_real_shapes(ctx) -> dict:
-    import dataclasses
+    from layer_costs import real_shapes
 
-    import torch
-    import torch.nn.functional as F
-
-    from kernels import compare, fwd_bwd, time_pass
-    from molds.kernels import apply_kernels
-    from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
-    from molds.models import build_model
-    from molds.models.loss import build_loss
-
-    device = ctx.device()
-    rounds = 1 if ctx.dry else 10
     recipe, tok = moe_recipe(ctx, layers=2)
-    batch, tokens = one_batch(recipe, device)
-    out = {"model": {k: getattr(recipe.model, k) for k in ("hidden_size", "num_layers", "num_experts", "moe_top_k",
-                                                          "moe_expert_size", "moe_shared_expert_size",
-                                                          "intermediate_size")},
-           "batch": list(batch["input_ids"].shape), "tokens": tokens, "variants": {}}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    for name, fp8, triton in (("bf16", False, False), ("bf16_triton", False, True), ("fp8", True, False),
-                              ("fp8_triton", True, True)):
-        model = build_model(recipe.model, tok, seed=0, device=device)
-        loss_fn = build_loss(recipe.model)
-        apply_kernels(model, dataclasses.replace(recipe.kernels, fp8=fp8, triton=triton), loss_fn)
-
-        def step():
-            with autocast:
-                loss = loss_fn(model(**batch), batch)
-            loss.backward()
-
-        t = statistics.median(time_pass(step, device, rounds))
-        out["variants"][name] = {"s": t, "tokens_per_s": tokens / t}
-        ctx.save(out)
-        del model
-    v = out["variants"]
-    out["fp8_over_bf16"] = v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
-    out["fp8_triton_over_bf16"] = v["fp8_triton"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
-    # every distinct product of the full model, FP8 against BF16 (forward + backward)
-    m, rows = recipe.model, batch["input_ids"].numel()
-    head_dim = m.hidden_size // m.num_heads
-    kv = (m.num_kv_heads or m.num_heads) * head_dim
-    shapes = {"q": (m.hidden_size, m.hidden_size), "kv": (m.hidden_size, kv), "o": (m.hidden_size, m.hidden_size),
-              "mlp_up": (m.hidden_size, m.intermediate_size), "mlp_down": (m.intermediate_size, m.hidden_size)}
-    if m.moe_shared_expert_size:
-        shapes["shared_up"] = (m.hidden_size, m.moe_shared_expert_size)
-        shapes["shared_down"] = (m.moe_shared_expert_size, m.hidden_size)
-    products = {}
-    with autocast:
-        for name, (k, n) in shapes.items():
-            x = torch.randn(rows, k, device=device).to(torch.bfloat16)
-            w = torch.randn(n, k, device=device) * 0.02
-            r = {}
-            compare(name, fwd_bwd(lambda x, w: fp8_linear(x, w), [x, w]), fwd_bwd(F.linear, [x, w]), device, rounds,
-                    r, "bf16")
-            products[f"linear_{name}_{rows}x{k}x{n}"] = r[f"{name}_speedup_over_bf16"]
-        widths = sorted({m.moe_expert_size, 256, 512, 1024, 2048}) if not ctx.dry else [m.moe_expert_size]
-        for width in widths:
-            experts, per = m.num_experts, max(16, rows * m.moe_top_k // m.num_experts // 16 * 16)
-            offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per
-            xe = torch.randn(experts * per, m.hidden_size, device=device).to(torch.bfloat16)
-            we = torch.randn(experts, m.hidden_size, width, device=device) * 0.02
-            r = {}
-            compare("e", fwd_bwd(lambda a, b: fp8_grouped_mm(a, b, offs=offs), [xe, we]),
-                    fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
-                    r, "bf16")
-            products[f"experts_{experts}x{per}x{m.hidden_size}x{width}"] = r["e_speedup_over_bf16"]
-            ctx.save(out | {"fp8_over_bf16_products": products})
-    out["fp8_over_bf16_products"] = products
-    return out
+    return real_shapes(recipe, tok, ctx.device(), rounds=1 if ctx.dry else 10, save=ctx.save,
+                       widths=None if ctx.dry else (256, 512, 1024, 2048))
 
 
 def section_dualpipev(ctx) -> dict:
-    """Per-layer costs of the full MoE model on this device, summed per stage, simulated."""
-    import torch
+    from layer_costs import dualpipev_costs
 
-    from kernels import time_pass
-    from molds.engines.schedule import build, simulate
-    from molds.engines.stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe
-    from molds.kernels import apply_kernels
-    from molds.models import build_model
-    from molds.models.loss import build_loss
-    from molds.models.wgrad import WeightGradStore, defer_weight_grads
-
-    device = ctx.device()
-    rounds = 2 if ctx.dry else 5
     recipe, tok = moe_recipe(ctx, layers=None)
-    batch, _ = one_batch(recipe, device)
-    model = build_model(recipe.model, tok, seed=0, device=device)
-    loss_fn = build_loss(recipe.model)
-    apply_kernels(model, recipe.kernels, loss_fn)
-    defer_weight_grads(model)
-    body, cfg = model.model, model.config
-    in_loss = getattr(model, "head_in_loss", False)
-    layers = [EmbedPipe(body.embed_tokens.weight)]
-    layers += [BlockPipe(b, cfg.head_dim, cfg.rope_theta, i) for i, b in enumerate(body.layers)]
-    layers += [NormPipe(body.norm), HeadPipe(model.lm_head.weight, in_loss, getattr(model.lm_head, "linear",
-                                                                                     torch.nn.functional.linear))]
-    ids = (batch["position_ids"], batch["document_ids"])
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    store = WeightGradStore()
-    costs = []
-    x = (batch["input_ids"],) + ids
-    for i, layer in enumerate(layers):
-        last = i == len(layers) - 1
-
-        def fwd(inputs=x, layer=layer, last=last):
-            inp = tuple(t.detach().requires_grad_(t.is_floating_point()) if j == 0 else t
-                        for j, t in enumerate(inputs))
-            with autocast:
-                y = layer(inp)
-                if last:
-                    y = loss_fn(y if isinstance(y, dict) else {"logits": y}, batch)
-            return inp, y
-
-        def out_of(y):
-            return y if torch.is_tensor(y) else y[0]
-
-        def bwd(y, defer):
-            o = out_of(y)
-            g = torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o)
-            if defer:
-                with store.deferring():
-                    o.backward(g)
-            else:
-                o.backward(g)
-
-        c = {"F": statistics.median(time_pass(lambda: fwd(), device, rounds))}
-        c["B"] = _timed_after(lambda: fwd()[1], lambda y: bwd(y, False), device, rounds)
-        c["I"] = _timed_after(lambda: fwd()[1], lambda y: bwd(y, True), device, rounds, after=store.flush)
-        c["W"] = _timed_after(lambda: bwd(fwd()[1], True), lambda _: store.flush(), device, rounds)
-        c["FB"] = _timed_after(lambda: fwd()[1], lambda y: (fwd(), bwd(y, False)), device, rounds)
-        c["params"] = sum(p.numel() for p in layer.parameters())
-        costs.append(c)
-        for p in model.parameters():
-            p.grad = None
-        with torch.no_grad(), autocast:
-            x = (x[0],) + ids if last else layer(x)
-    names = ["embed"] + [f"layer{i}" for i in range(len(body.layers))] + ["norm", "head_loss"]
-    out = {"micro_batch": list(batch["input_ids"].shape), "kernels": {"fp8": recipe.kernels.fp8,
-                                                                     "triton": recipe.kernels.triton},
-           "all_to_all": "none: one device (ep 1); the costs hold no expert-parallel exchange",
-           "layers": dict(zip(names, costs)), "schedules": {}}
-    from deepspeed.runtime.utils import partition_balanced
-
-    keys = ("F", "B", "I", "W", "FB")
-
-    def stages_of(count: int) -> list[dict]:
-        """The model cut into ``count`` stages as DeepSpeed cuts it (balanced parameters)."""
-        parts = partition_balanced([c["params"] for c in costs], count)
-        return [{k: sum(c[k] for c in costs[parts[s]:parts[s + 1]]) for k in keys} for s in range(count)]
-
-    for p in (2, 4, 8):
-        micro = max(recipe.trainer.grad_accum, 2 * p)
-        row = {"micro_batches": micro}
-        for name in ("1f1b", "stock_dualpipev", "dualpipev"):
-            lists, layout = build(name, p, micro)
-            stages = stages_of(layout.stages)
-            t = simulate(lists, layout, stage_costs=stages)
-            row[name] = {"step_s": t.makespan, "bubble": t.bubble_fraction(), "stage_costs": stages}
-        v = row["dualpipev"]["stage_costs"]
-        row["v_stage_imbalance"] = max(s["F"] + s["B"] for s in v) / max(1e-12, statistics.mean(s["F"] + s["B"]
-                                                                                                 for s in v))
-        row["dualpipev_over_stock"] = row["dualpipev"]["step_s"] / row["stock_dualpipev"]["step_s"]
-        row["dualpipev_over_1f1b"] = row["dualpipev"]["step_s"] / row["1f1b"]["step_s"]
-        out["schedules"][f"p{p}"] = row
-        ctx.save(out)
-    return out
-
-
-def _timed_after(setup, fn, device, rounds: int, after=None) -> float:
-    """Median seconds of ``fn(setup())``, ``setup`` and ``after`` untimed."""
-    from kernels import _sync
-
-    times = []
-    for _ in range(rounds + 1):
-        y = setup()
-        _sync(device)
-        start = time.perf_counter()
-        fn(y)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        if after is not None:
-            after()
-    return statistics.median(times[1:])
+    return dualpipev_costs(recipe, tok, ctx.device(), rounds=2 if ctx.dry else 5, save=ctx.save)
 
 
 # ---------------------------------------------------------------- the kernels' own benchmark and tests
 
 def section_kernel_benchmarks(ctx) -> dict:
-    log = os.path.join(ctx.out, "kernel_benchmarks.log")
+    log = os.path.join(ctx.work, "kernel_benchmarks.log")
+    open(log, "w").close()
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py")] + (["--quick", "--rounds", "1"]
                                                                               if ctx.dry else ["--rounds", "5"])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if ctx.dry else None
     rc, seconds = run_logged(cmd, log, ctx.left() - 2, env=env)
+    echo(log, "benchmarks/kernels.py")
     lines = [line for line in tail(log, 5).splitlines() if line.startswith("{")]
     if rc != 0 or not lines:
         raise RuntimeError(f"benchmarks/kernels.py {'timed out' if rc is None else f'exit {rc}'}:\n{tail(log)}")
@@ -570,11 +409,12 @@ def parse_pytest(text: str) -> dict:
 
 
 def section_kernel_tests(ctx) -> dict:
-    log = os.path.join(ctx.out, "kernel_tests.log")
+    log = os.path.join(ctx.work, "kernel_tests.log")
     open(log, "w").close()
     target = ["tests/kernels/test_fused.py", "-k", "swiglu"] if ctx.dry else ["tests/kernels"]
     cmd = [sys.executable, "-m", "pytest", *target, "-v", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     rc, seconds = run_logged(cmd, log, ctx.left() - 2)
+    echo(log, "pytest tests/kernels")
     with open(log, errors="replace") as fh:
         result = parse_pytest(fh.read())
     result |= {"rc": rc, "timed_out": rc is None, "seconds": seconds, "target": " ".join(target)}
@@ -642,8 +482,10 @@ def orchestrate(args) -> dict:
         say(f"{name} (at most {seconds:.0f} s)")
         cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", args.out, "--work", args.work,
                "--seconds", f"{seconds:.1f}"] + (["--dry-run"] if args.dry_run else [])
+        section_file = section_path(args.work, name)
+        if os.path.exists(section_file):  # an earlier check's, in a reused work directory
+            os.remove(section_file)
         rc, took = run_logged(cmd, log, seconds + 15)
-        section_file = os.path.join(args.out, "sections", f"{name}.json")
         if os.path.exists(section_file):
             results[name] = json.load(open(section_file))
         failures = results.get(name, {}).get("failures") or []
