@@ -47,6 +47,8 @@ setup(
         # the kernels (molds/kernels): compiled on a GPU, in Triton's interpreter on a CPU for
         # tests; no wheel outside Linux, where every op takes its PyTorch path
         "triton>=3.2; sys_platform == 'linux'",
+        # kernels.fp8_recipe rowwise / tensorwise: torchao's Float8Linear (emulated on a CPU)
+        "torchao>=0.10; sys_platform == 'linux'",
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],

@@ -439,7 +439,11 @@ def targets(results: dict) -> dict:
         return kb[a] / kb[b] if kb.get(a) and kb.get(b) else None
 
     out = {"fp8_linear_4096_over_bf16": entry(kb.get("fp8_linear_speedup_over_bf16_linear"), 1.2),
+           "torchao_rowwise_4096_over_bf16": entry(kb.get("torchao_float8_rowwise_over_bf16_linear"), 1.2),
+           "torchao_tensorwise_4096_over_bf16": entry(kb.get("torchao_float8_tensorwise_over_bf16_linear"), 1.2),
            "fp8_real_shapes_over_bf16": entry(shapes.get("fp8_over_bf16"), 1.15),
+           "fp8_rowwise_real_shapes_over_bf16": entry(shapes.get("fp8_rowwise_over_bf16"), 1.15),
+           "fp8_tensorwise_real_shapes_over_bf16": entry(shapes.get("fp8_tensorwise_over_bf16"), 1.15),
            "lm_head_memory_over_liger": entry(ratio("linear_cross_entropy_peak_mb",
                                                     "linear_cross_entropy_liger_peak_mb"), 1.5, higher=False),
            "dense_zero3_mfu": entry((runs.get("dense_zero3") or {}).get("mfu"), 0.35)}

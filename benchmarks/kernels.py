@@ -290,15 +290,21 @@ def _torchao(device, x, w, rounds, results):
         return
     import torch
 
+    from torchao.float8 import Float8LinearConfig
+
     from molds.kernels.fp8_linear import fp8_linear
 
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    convert_to_float8_training(lin)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        compare("fp8_linear", fwd_bwd(lambda x, w: fp8_linear(x, w), [x, w]), fwd_bwd(lin, [x]), device, rounds,
-                results, "torchao_float8_tensorwise")
+    for recipe in ("tensorwise", "rowwise"):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        # a bare Linear is returned converted, not swapped in place
+        lin = convert_to_float8_training(lin, config=Float8LinearConfig.from_recipe_name(recipe))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            compare("fp8_linear", fwd_bwd(lambda x, w: fp8_linear(x, w), [x, w]), fwd_bwd(lin, [x]), device, rounds,
+                    results, f"torchao_float8_{recipe}")
+            results[f"torchao_float8_{recipe}_over_bf16_linear"] = (results["fp8_linear_bf16_linear_s"]
+                                                                   / results[f"fp8_linear_torchao_float8_{recipe}_s"])
 
 
 def hardware_limits(device, results, copy_elements: int = 1 << 28, side: int = 8192):

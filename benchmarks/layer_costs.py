@@ -26,7 +26,8 @@ def one_batch(recipe, device) -> tuple[dict, int]:
 
 def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     """Two layers of the MoE recipe's model at full width, forward + backward under bf16
-    autocast, with kernels off, triton, fp8 and fp8 + triton: tokens/s and the FP8 ratios;
+    autocast, with kernels off, triton, fp8 (blockwise; + triton; torchao's rowwise and
+    tensorwise): tokens/s and the FP8 ratios;
     then every distinct product of the model, and the experts' grouped GEMM at the recipe's
     expert width and ``widths``, FP8 against BF16."""
     import dataclasses
@@ -46,11 +47,14 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
                                                           "intermediate_size")},
            "batch": list(batch["input_ids"].shape), "tokens": tokens, "variants": {}}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    for name, fp8, triton in (("bf16", False, False), ("bf16_triton", False, True), ("fp8", True, False),
-                              ("fp8_triton", True, True)):
+    variants = {"bf16": {"fp8": False, "triton": False}, "bf16_triton": {"fp8": False, "triton": True},
+                "fp8": {"fp8": True, "triton": False}, "fp8_triton": {"fp8": True, "triton": True},
+                "fp8_rowwise": {"fp8": True, "triton": False, "fp8_recipe": "rowwise", "fp8_grad_format": "e4m3"},
+                "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"}}
+    for name, options in variants.items():
         model = build_model(recipe.model, tok, seed=0, device=device)
         loss_fn = build_loss(recipe.model)
-        apply_kernels(model, dataclasses.replace(recipe.kernels, fp8=fp8, triton=triton), loss_fn)
+        apply_kernels(model, dataclasses.replace(recipe.kernels, **options), loss_fn, device)
 
         def step(model=model, loss_fn=loss_fn):
             with autocast:
@@ -63,7 +67,9 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
         model = step = None  # the next variant's model in its place
     v = out["variants"]
     out["fp8_over_bf16"] = v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
-    out["fp8_triton_over_bf16"] = v["fp8_triton"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
+    for name in variants:
+        if name.startswith("fp8"):
+            out[f"{name}_over_bf16"] = v[name]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
     # every distinct product of the full model, FP8 against BF16 (forward + backward)
     m, rows = recipe.model, batch["input_ids"].numel()
     head_dim = m.hidden_size // m.num_heads
@@ -113,7 +119,7 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
     batch, _ = one_batch(recipe, device)
     model = build_model(recipe.model, tok, seed=0, device=device)
     loss_fn = build_loss(recipe.model)
-    apply_kernels(model, recipe.kernels, loss_fn)
+    apply_kernels(model, recipe.kernels, loss_fn, device)
     defer_weight_grads(model)
     body, cfg = model.model, model.config
     in_loss = getattr(model, "head_in_loss", False)

@@ -309,6 +309,14 @@ class KernelsConfig:
     weights stay as they are. GEMMs: torch scaled_mm on Hopper, Triton on other FP8 GPUs,
     emulated in float32 on a CPU (same quantization, for testing recipes)."""
 
+    fp8_recipe: Literal["blockwise", "rowwise", "tensorwise"] = "blockwise"
+    """kernels.fp8: how tensors are scaled. ``blockwise``: molds' own (the description of
+    ``kernels.fp8``; linears, experts and optionally head and router). ``rowwise`` (a scale
+    per row) and ``tensorwise`` (one per tensor): torchao's ``Float8Linear`` for the decoder's
+    linears, torchtitan's recipes (products through cuBLAS on an FP8 GPU, torchao's emulation
+    elsewhere); the LM head, router and experts keep the run's precision. Which one is
+    fastest is measured per card (benchmarks/gpu_check.py)."""
+
     fp8_lm_head: bool = False
     """kernels.fp8: the LM head in FP8 too (off: it keeps the run's precision)."""
 
@@ -322,7 +330,8 @@ class KernelsConfig:
 
     fp8_grad_format: Literal["e5m2", "e4m3"] = "e5m2"
     """kernels.fp8: format of the gradients in the backward products (e5m2: more range;
-    e4m3: more precision, as DeepSeek-V3 uses with its fine-grained scales)."""
+    e4m3: more precision, as DeepSeek-V3 uses with its fine-grained scales). The row-wise
+    recipe casts gradients to e4m3 only (torchao's)."""
 
     triton: bool = False
     """Fused Triton kernels for RMSNorm, SwiGLU, the MoE token permute / unpermute and the

@@ -330,11 +330,21 @@ def check_kernels(recipe: Recipe) -> None:
             if getattr(k, key):
                 raise RecipeError(f"kernels.{key} applies to model.family=decoder (the encoder is HF's RoBERTa)")
     if not k.fp8:
-        unused = [f"kernels.{key}" for key, default in (("fp8_lm_head", False), ("fp8_router", False),
-                                                         ("fp8_pow2_scales", False), ("fp8_grad_format", "e5m2"))
+        unused = [f"kernels.{key}" for key, default in (("fp8_recipe", "blockwise"), ("fp8_lm_head", False),
+                                                         ("fp8_router", False), ("fp8_pow2_scales", False),
+                                                         ("fp8_grad_format", "e5m2"))
                   if getattr(k, key) != default]
         if unused:
             raise RecipeError(f"{', '.join(unused)} applies with kernels.fp8=true (it is off)")
+    if k.fp8 and k.fp8_recipe != "blockwise":
+        for key in ("fp8_lm_head", "fp8_router"):
+            if getattr(k, key):
+                raise RecipeError(f"kernels.{key} applies to kernels.fp8_recipe=blockwise (molds' own FP8); "
+                                  f"torchao's {k.fp8_recipe} recipe converts the decoder's linears only")
+        if k.fp8_recipe == "rowwise" and k.fp8_grad_format != "e4m3":
+            raise RecipeError("kernels.fp8_recipe=rowwise casts gradients to e4m3 (torchao's row-wise recipe): "
+                              "set kernels.fp8_grad_format to e4m3, or use the tensorwise or blockwise recipe for "
+                              "e5m2 gradients")
     if k.fp8_lm_head and k.triton:
         raise RecipeError("kernels.fp8_lm_head cannot combine with kernels.triton: the fused LM head + loss runs "
                           "the head in the run's precision")

@@ -286,7 +286,7 @@ def setup(recipe, plan=None) -> Run:
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
-    apply_kernels(model, recipe.kernels, loss)
+    apply_kernels(model, recipe.kernels, loss, dist.device)
     kernels = kernel_summary(model, dist.device)  # before an engine cuts the model into stages
     engine = build_engine(recipe, model, loss, dist, plan)
     _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks

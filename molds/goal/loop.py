@@ -126,7 +126,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
     load_canonical(model, read_model(prior.checkpoint), prior.checkpoint)  # the agent starts as the prior
     parameters = count_parameters(model)
     loss = AugmentedLikelihoodLoss(recipe.goal.sigma, recipe.goal.likelihood_penalty)
-    apply_kernels(model, recipe.kernels, loss)
+    apply_kernels(model, recipe.kernels, loss, dist.device)
     kernels = kernel_summary(model, dist.device)
     engine = build_engine(recipe, model, loss, dist, plan)
     seed_rank(recipe.run.seed, dist.rank)

@@ -9,7 +9,9 @@ converter here swaps them (torchtitan's Float8 converter is the pattern). The re
 applied, in a fixed order:
 
 1. ``kernels.fp8``: linears and experts' grouped GEMMs in block-scaled FP8
-   (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``);
+   (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``), or,
+   with ``fp8_recipe`` rowwise / tensorwise, the linears through torchao's ``Float8Linear``
+   (``fp8_torchao``);
 2. ``kernels.triton``: RMSNorm, SwiGLU, the MoE token permute / unpermute and the
    LM head with the loss (``rmsnorm``, ``swiglu``, ``moe_permute``, ``cross_entropy``);
 3. ``kernels.compile_regions``: the elementwise regions compiled by inductor.
@@ -23,10 +25,22 @@ the run's device and how many modules each converter swapped.
 from __future__ import annotations
 
 
-def apply_kernels(model, kernels, loss=None) -> object:
+def apply_kernels(model, kernels, loss=None, device="cpu") -> object:
     """``model`` with the converters the recipe's ``kernels`` section asks for; ``loss``
-    (the objective, ``molds.models.loss``) takes the fused LM head under ``kernels.triton``."""
-    if kernels.fp8:
+    (the objective, ``molds.models.loss``) takes the fused LM head under ``kernels.triton``;
+    ``device``: where the run trains (torchao emulates FP8 where it has no FP8 units)."""
+    if kernels.fp8 and kernels.fp8_recipe != "blockwise":
+        try:
+            from .fp8_torchao import convert_to_float8_torchao
+        except ImportError as exc:
+            from ..errors import RecipeError
+
+            raise RecipeError(f"kernels.fp8_recipe={kernels.fp8_recipe} runs torchao's Float8Linear, and torchao "
+                              f"does not import here ({exc}): pip install torchao, or use fp8_recipe blockwise") \
+                from None
+        convert_to_float8_torchao(model, recipe=kernels.fp8_recipe, pow2=kernels.fp8_pow2_scales,
+                                  grad_format=kernels.fp8_grad_format, device=device)
+    elif kernels.fp8:
         from .fp8_linear import convert_to_fp8
 
         convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
@@ -74,6 +88,11 @@ def kernel_summary(model, device) -> str:
     fp8_experts = [m for m in modules if isinstance(m, Experts) and getattr(m.grouped_mm, "any_shape", False)]
     fp8_router = [m for m in modules if isinstance(m, Router)
                   and getattr(getattr(m.linear, "func", None), "__name__", "") == "fp8_linear"]
+    from .fp8_torchao import torchao_summary
+
+    torchao = torchao_summary(model)
+    if torchao:
+        parts.append(torchao)
     if fp8 or fp8_experts:
         head = getattr(model, "lm_head", None)
         parts.append(f"fp8: {len(fp8)} linears{' (LM head included)' if any(m is head for m in fp8) else ''}, "
