@@ -49,6 +49,8 @@ setup(
         "triton>=3.2; sys_platform == 'linux'",
         # kernels.fp8_recipe rowwise / tensorwise: torchao's Float8Linear (emulated on a CPU)
         "torchao>=0.10; sys_platform == 'linux'",
+        # kernels.fused_backend: Liger Kernel's RMSNorm, SwiGLU and LM head + loss on a GPU
+        "liger-kernel>=0.5; sys_platform == 'linux'",
     ],
     extras_require={
         "ray": ["ray[data]>=2.9"],
@@ -57,8 +59,7 @@ setup(
         "safe": ["safe-mol>=0.2"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1", "selfies>=2.1",
                 "safe-mol>=0.2"],
-        # peers benchmarks/kernels.py compares against on a GPU (never imported by molds itself)
-        "peers": ["liger-kernel>=0.5", "torchao>=0.10"],
+        # (liger-kernel and torchao, which benchmarks/kernels.py compares against, are requirements on Linux)
     },
     entry_points={
         "console_scripts": [

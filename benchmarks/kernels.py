@@ -15,8 +15,8 @@ linear's CPU path (block quantization and an emulated float32 product) against t
 and float32 linears.
 
 On a GPU it adds, per op: Liger Kernel's version where it has one (RMSNorm, SwiGLU, fused
-linear + cross-entropy) and torchao's tensor-wise Float8 linear (when they are installed:
-optional peers, never molds' dependencies), and the physical limit: the bytes an op must
+linear + cross-entropy: ``kernels.fused_backend``) and torchao's tensor-wise and row-wise
+Float8 linears (``kernels.fp8_recipe``), and the physical limit: the bytes an op must
 move over the measured HBM bandwidth (a device-to-device copy), the FLOPs of a product
 over the measured BF16 / FP8 matrix rate. Targets (issue 22): memory-bound ops at >= 80 %
 of the bandwidth, at least Liger's speed, the FP8 linear >= 1.4x the BF16 linear at

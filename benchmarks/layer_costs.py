@@ -48,6 +48,7 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
            "batch": list(batch["input_ids"].shape), "tokens": tokens, "variants": {}}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     variants = {"bf16": {"fp8": False, "triton": False}, "bf16_triton": {"fp8": False, "triton": True},
+                "bf16_triton_molds": {"fp8": False, "triton": True, "fused_backend": "molds"},
                 "fp8": {"fp8": True, "triton": False}, "fp8_triton": {"fp8": True, "triton": True},
                 "fp8_rowwise": {"fp8": True, "triton": False, "fp8_recipe": "rowwise", "fp8_grad_format": "e4m3"},
                 "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"}}
@@ -68,7 +69,7 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     v = out["variants"]
     out["fp8_over_bf16"] = v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
     for name in variants:
-        if name.startswith("fp8"):
+        if name != "bf16":
             out[f"{name}_over_bf16"] = v[name]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
     # every distinct product of the full model, FP8 against BF16 (forward + backward)
     m, rows = recipe.model, batch["input_ids"].numel()

@@ -337,6 +337,13 @@ class KernelsConfig:
     """Fused Triton kernels for RMSNorm, SwiGLU, the MoE token permute / unpermute and the
     LM head with the loss (never the full float32 logits); PyTorch paths on a CPU."""
 
+    fused_backend: Literal["auto", "molds", "liger"] = "auto"
+    """kernels.triton: whose kernels run RMSNorm, SwiGLU and the LM head with the loss.
+    ``auto``: Liger Kernel's on a CUDA GPU where it is installed (measured faster there),
+    molds' own elsewhere; ``molds``: molds' own everywhere; ``liger``: Liger Kernel's
+    (CUDA GPUs only). The MoE permute / unpermute are molds' own in every case; the start
+    line names which implementation each op runs."""
+
     compile_regions: bool = False
     """torch.compile the decoder's elementwise regions (RoPE, SwiGLU, RMSNorm) for every
     shape: inductor fuses each into one kernel forward and one backward. Compiled once

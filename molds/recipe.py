@@ -345,6 +345,8 @@ def check_kernels(recipe: Recipe) -> None:
             raise RecipeError("kernels.fp8_recipe=rowwise casts gradients to e4m3 (torchao's row-wise recipe): "
                               "set kernels.fp8_grad_format to e4m3, or use the tensorwise or blockwise recipe for "
                               "e5m2 gradients")
+    if k.fused_backend != "auto" and not k.triton:
+        raise RecipeError(f"kernels.fused_backend={k.fused_backend} applies with kernels.triton=true (it is off)")
     if k.fp8_lm_head and k.triton:
         raise RecipeError("kernels.fp8_lm_head cannot combine with kernels.triton: the fused LM head + loss runs "
                           "the head in the run's precision")

@@ -107,7 +107,8 @@ def test_real_shapes_and_dualpipev_costs(dry_run):
     proc, out = dry_run
     line = json.load(open(out / "gpu_check.json"))
     shapes = line["real_shapes"]
-    assert set(shapes["variants"]) == {"bf16", "bf16_triton", "fp8", "fp8_triton", "fp8_rowwise", "fp8_tensorwise"}
+    assert set(shapes["variants"]) == {"bf16", "bf16_triton", "bf16_triton_molds", "fp8", "fp8_triton",
+                                         "fp8_rowwise", "fp8_tensorwise"}
     v = shapes["variants"]
     assert shapes["fp8_over_bf16"] == pytest.approx(v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"])
     for name, r in v.items():

@@ -36,7 +36,7 @@ RESUME_MUTABLE = (
     "parallel.activation_checkpoint_interval", "parallel.schedule", "parallel.overlap_moe",
     "trainer.grad_accum", "trainer.global_batch_size", "trainer.on_nonfinite", "trainer.max_nonfinite_steps",
     "data.manifest", "data.verify", "data.on_bad_shard", "data.max_skipped_fraction", "data.num_workers",
-    "kernels.compile_regions", "kernels.triton",  # the same math as the PyTorch paths (not kernels.fp8*)
+    "kernels.compile_regions", "kernels.triton", "kernels.fused_backend",  # the same math (not kernels.fp8*)
     "goal.max_oracle_calls", "goal.top_k",  # the budget of a goal run, and what it writes at the end
 )
 

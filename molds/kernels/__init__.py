@@ -13,7 +13,9 @@ applied, in a fixed order:
    with ``fp8_recipe`` rowwise / tensorwise, the linears through torchao's ``Float8Linear``
    (``fp8_torchao``);
 2. ``kernels.triton``: RMSNorm, SwiGLU, the MoE token permute / unpermute and the
-   LM head with the loss (``rmsnorm``, ``swiglu``, ``moe_permute``, ``cross_entropy``);
+   LM head with the loss (``rmsnorm``, ``swiglu``, ``moe_permute``, ``cross_entropy``), the
+   first two and the last as Liger Kernel's on a GPU where ``kernels.fused_backend`` says
+   (``liger``);
 3. ``kernels.compile_regions``: the elementwise regions compiled by inductor.
 
 Every op is a ``torch.library`` custom op with a fake implementation (torch.compile
@@ -46,7 +48,7 @@ def apply_kernels(model, kernels, loss=None, device="cpu") -> object:
         convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
                        grad_format=kernels.fp8_grad_format)
     if kernels.triton:
-        fuse_with_triton(model, loss)
+        fuse_with_triton(model, loss, fused_backends(kernels.fused_backend, device))
     if kernels.compile_regions:
         from .compile_regions import compile_regions
 
@@ -54,25 +56,69 @@ def apply_kernels(model, kernels, loss=None, device="cpu") -> object:
     return model
 
 
-def fuse_with_triton(model, loss=None) -> None:
-    """Swap the regions ``kernels.triton`` covers for the custom ops (in place)."""
+#: the ops of ``kernels.triton`` that Liger Kernel also has (``kernels.fused_backend``)
+LIGER_OPS = ("rms_norm", "swiglu", "linear_cross_entropy")
+BACKEND_NAMES = {"molds": "molds", "liger": "Liger Kernel"}
+
+
+def fused_backends(setting: str, device) -> dict:
+    """op -> ``molds`` or ``liger`` for ``kernels.fused_backend`` on ``device``: ``auto`` takes
+    Liger Kernel's on a CUDA GPU where it imports (measured faster there: ``molds.kernels.liger``)."""
+    import torch
+
+    from .liger import liger_available
+
+    if setting == "molds":
+        return dict.fromkeys(LIGER_OPS, "molds")
+    gpu = torch.device(device).type == "cuda"
+    if setting == "liger":
+        from ..errors import RecipeError
+
+        if not gpu:
+            raise RecipeError("kernels.fused_backend=liger: Liger Kernel runs on CUDA GPUs and this run is on the "
+                              f"{torch.device(device).type}; use auto (molds' kernels here) or molds")
+        if not liger_available():
+            raise RecipeError("kernels.fused_backend=liger: Liger Kernel does not import here (pip install "
+                              "liger-kernel); auto falls back to molds' kernels")
+        return dict.fromkeys(LIGER_OPS, "liger")
+    if setting != "auto":
+        raise ValueError(f"kernels.fused_backend {setting!r}: auto, molds or liger")
+    return dict.fromkeys(LIGER_OPS, "liger" if gpu and liger_available() else "molds")
+
+
+def fuse_with_triton(model, loss=None, backends: dict | None = None) -> None:
+    """Swap the regions ``kernels.triton`` covers for the custom ops (in place); ``backends``
+    (``fused_backends``) says whose kernel each of ``LIGER_OPS`` is (default: molds')."""
     from ..models.decoder import MLP, CausalDecoder, RMSNorm
     from ..models.moe import Experts, MoEDecoderLayer, SharedExpert
-    from .cross_entropy import linear_cross_entropy
     from .moe_permute import moe_permute, moe_unpermute
-    from .rmsnorm import fused_rms_norm
-    from .swiglu import fused_swiglu
 
+    backends = backends or dict.fromkeys(LIGER_OPS, "molds")
+    if "liger" in backends.values():
+        from .liger import liger_linear_cross_entropy, liger_rms_norm, liger_swiglu
+    if backends["rms_norm"] == "liger":
+        norm = liger_rms_norm
+    else:
+        from .rmsnorm import fused_rms_norm as norm
+    if backends["swiglu"] == "liger":
+        act = liger_swiglu
+    else:
+        from .swiglu import fused_swiglu as act
+    if backends["linear_cross_entropy"] == "liger":
+        head_loss = liger_linear_cross_entropy
+    else:
+        from .cross_entropy import linear_cross_entropy as head_loss
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.norm = fused_rms_norm
+            module.norm = norm
         elif isinstance(module, (MLP, Experts, SharedExpert)):
-            module.act = fused_swiglu
+            module.act = act
         elif isinstance(module, MoEDecoderLayer):
             module.permute, module.unpermute = moe_permute, moe_unpermute
+    model.fused_backends = dict(backends)  # what the start line names
     if isinstance(model, CausalDecoder) and loss is not None and hasattr(loss, "linear_cross_entropy"):
         model.head_in_loss = True  # the forward hands the loss its hidden states and the head's weight
-        loss.linear_cross_entropy = linear_cross_entropy
+        loss.linear_cross_entropy = head_loss
 
 
 def kernel_summary(model, device) -> str:
@@ -97,17 +143,20 @@ def kernel_summary(model, device) -> str:
         head = getattr(model, "lm_head", None)
         parts.append(f"fp8: {len(fp8)} linears{' (LM head included)' if any(m is head for m in fp8) else ''}, "
                      f"{len(fp8_experts)} expert GEMM sets, {len(fp8_router)} routers -> {fp8_gemm_path(device)}")
-    fused = {"rms_norm": sum(isinstance(m, RMSNorm) and getattr(m.norm, "__name__", "") == "fused_rms_norm"
+    fused = {"rms_norm": sum(isinstance(m, RMSNorm) and getattr(m.norm, "__name__", "") in ("fused_rms_norm",
+                                                                                           "liger_rms_norm")
                              for m in modules),
              "swiglu": sum(isinstance(m, (MLP, Experts, SharedExpert))
-                           and getattr(m.act, "__name__", "") == "fused_swiglu" for m in modules),
+                           and getattr(m.act, "__name__", "") in ("fused_swiglu", "liger_swiglu") for m in modules),
              "moe_permute": sum(isinstance(m, MoEDecoderLayer) and getattr(m.permute, "__name__", "") == "moe_permute"
                                 for m in modules),
              "linear_cross_entropy": int(bool(getattr(model, "head_in_loss", False)))}
     if any(fused.values()):
         from .launch import describe
 
-        ops = ", ".join(f"{name} x{n}" for name, n in fused.items() if n)
+        backends = getattr(model, "fused_backends", {})
+        ops = ", ".join(f"{name} x{n}" + (f" ({BACKEND_NAMES[backends[name]]})" if backends.get(name, "molds")
+                                          != "molds" else "") for name, n in fused.items() if n)
         parts.append(f"triton: {ops} -> {describe(torch.device(device))}")
     return "; ".join(parts)
 
