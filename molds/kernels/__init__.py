@@ -127,6 +127,7 @@ def kernel_summary(model, device) -> str:
 
     from ..models.decoder import MLP, RMSNorm
     from ..models.moe import Experts, MoEDecoderLayer, Router, SharedExpert
+    from .fp8_torchao import torchao_summary
 
     parts = []
     modules = list(model.modules())
@@ -134,8 +135,6 @@ def kernel_summary(model, device) -> str:
     fp8_experts = [m for m in modules if isinstance(m, Experts) and getattr(m.grouped_mm, "any_shape", False)]
     fp8_router = [m for m in modules if isinstance(m, Router)
                   and getattr(getattr(m.linear, "func", None), "__name__", "") == "fp8_linear"]
-    from .fp8_torchao import torchao_summary
-
     torchao = torchao_summary(model)
     if torchao:
         parts.append(torchao)

@@ -64,7 +64,6 @@ def float8_config(recipe: str, *, pow2: bool, grad_format: str, emulate: bool):
     import torch
 
     Float8LinearConfig = _torchao_float8().Float8LinearConfig
-
     if recipe not in RECIPES:
         raise ValueError(f"kernels.fp8_recipe {recipe!r}: torchao runs {', '.join(RECIPES)}")
     config = Float8LinearConfig.from_recipe_name(recipe)
