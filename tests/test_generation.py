@@ -96,7 +96,7 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     from molds.cli.sample import main as sample_main
 
     for name in ("a.smi", "b.smi"):
-        assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / f"ev-{name}")]) == 0
+        assert sample_main([out, "--num", "40", "--seed", "5", "--out", str(tmp_path / name)]) == 0
     lines = open(tmp_path / "a.smi").read().splitlines()
     assert len(lines) == 40 and lines == open(tmp_path / "b.smi").read().splitlines()
 

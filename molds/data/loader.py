@@ -219,7 +219,7 @@ class MoleculeLoader:
                                   max_skipped_fraction=cfg.max_skipped_fraction,
                                   span_molecules=(cfg.shuffle_window if cfg.shuffle else 0)
                                   + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool),
-                                  randomizer=randomizer)
+                                  randomizer=randomizer, vocab_size=sp.vocab_size)
         self.k = max(1, cfg.num_workers)
         self.vworld = world_size * self.k
         self.vranks = [rank * self.k + w for w in range(self.k)]

@@ -166,8 +166,9 @@ class Manifest:
                                     f"{exc}") from exc
         return out
 
-    def verify_shard(self, shard: Shard) -> None:
-        """Check a shard's sha256 and row count against the manifest."""
+    def verify_shard(self, shard: Shard, vocab_size: int | None = None) -> None:
+        """Check a shard's sha256 and row count against the manifest and, with
+        ``vocab_size``, that every token id lies in the vocabulary (``check_token_ids``)."""
         import fsspec
         import pyarrow.parquet as pq
 
@@ -181,6 +182,49 @@ class Manifest:
         if digest.hexdigest() != shard.sha256:
             raise ManifestError(f"shard {shard.uri}: sha256 {digest.hexdigest()} does not match the manifest's")
         with fsspec.open(shard.path, "rb") as fh:
-            rows = pq.ParquetFile(fh).metadata.num_rows
-        if rows != shard.num_rows:
-            raise ManifestError(f"shard {shard.uri}: {rows} rows, the manifest says {shard.num_rows}")
+            pf = pq.ParquetFile(fh)
+            rows = pf.metadata.num_rows
+            if rows != shard.num_rows:
+                raise ManifestError(f"shard {shard.uri}: {rows} rows, the manifest says {shard.num_rows}")
+            if vocab_size is not None:
+                check_token_ids(pf, f"shard {shard.uri} of {self.path}", vocab_size)
+
+
+def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
+    """(row, id) of the first token id outside [0, vocab_size) in ``ids`` (a pyarrow list
+    array of ints, one list per row), or None."""
+    import numpy as np
+
+    values = ids.values.to_numpy(zero_copy_only=False)
+    if not len(values):
+        return None
+    bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+    if not len(bad):
+        return None
+    offsets = ids.offsets.to_numpy() - ids.offsets[0].as_py()
+    row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
+    return row, int(values[bad[0]])
+
+
+def check_token_ids(pf, where: str, vocab_size: int) -> None:
+    """Every token id of a shard's ``token_ids`` inside the vocabulary: a row group whose
+    Parquet statistics say so costs nothing more; one without them, or whose statistics
+    reach outside, is read and its first bad row named (an id outside the vocabulary
+    would reach the embedding: an IndexError on a CPU, a device-side assert on a GPU)."""
+    meta = pf.metadata
+    leaf = next((i for i in range(meta.num_columns) if meta.schema.column(i).path.startswith("token_ids.")), None)
+    if leaf is None:
+        raise ManifestError(f"{where}: no token_ids column")
+    first = 0
+    for rg in range(meta.num_row_groups):
+        md = meta.row_group(rg)
+        st = md.column(leaf).statistics
+        known = st is not None and st.has_min_max and st.min is not None and st.max is not None
+        if not (known and st.min >= 0 and st.max < vocab_size):
+            found = first_id_outside(pf.read_row_group(rg, columns=["token_ids"]).column(0).combine_chunks(),
+                                     vocab_size)
+            if found is not None:
+                raise ManifestError(f"{where}: row {first + found[0]} (row group {rg}) holds token id {found[1]}, "
+                                    f"outside the tokenizer's {vocab_size} ids (a shard written by another "
+                                    f"tokenizer?)")
+        first += md.num_rows

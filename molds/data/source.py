@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ManifestError
-from .manifest import Manifest, Shard
+from .manifest import Manifest, Shard, first_id_outside
 from .plan import Unit
 
 
@@ -45,7 +45,8 @@ class SplitSource:
 
     def __init__(self, manifest: Manifest, split: str, *, verify: str = "eager", on_bad_shard: str = "error",
                  bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, with_labels: bool = False, cache_units: int = 8,
-                 max_skipped_fraction: float = 0.0, span_molecules: int = 0, randomizer=None):
+                 max_skipped_fraction: float = 0.0, span_molecules: int = 0, randomizer=None,
+                 vocab_size: int | None = None):
         if verify not in ("eager", "lazy", "off"):
             raise ValueError(f"data.verify must be eager, lazy or off, got {verify!r}")
         if on_bad_shard not in ("error", "skip"):
@@ -57,6 +58,7 @@ class SplitSource:
         self.randomizer = randomizer  # randomize.Randomizer: some molecules read as randomized SMILES
         self.epoch = 0  # which epoch's randomized forms ``load`` returns
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.vocab_size = vocab_size  # token ids at or above it are refused (checked with the shards, and as read)
         shards = manifest.shards(split)
         if not shards or sum(s.num_rows for s in shards) == 0:
             raise ManifestError(f"{manifest.path}: split {split!r} is empty")
@@ -67,7 +69,7 @@ class SplitSource:
             kept = []
             for shard in shards:
                 try:
-                    manifest.verify_shard(shard)
+                    manifest.verify_shard(shard, vocab_size)
                     kept.append(shard)
                 except ManifestError as exc:
                     if on_bad_shard == "error":
@@ -113,7 +115,7 @@ class SplitSource:
         if f is None:
             shard = self.shards[shard_index]
             if self.verify == "lazy" and shard_index not in self._verified:
-                self.manifest.verify_shard(shard)
+                self.manifest.verify_shard(shard, self.vocab_size)
                 self._verified.add(shard_index)
             if shard_index in self._stats and _stat(shard.path) != self._stats[shard_index]:
                 raise ManifestError(f"shard {shard.uri} of {self.manifest.path} changed on disk after the run "
@@ -180,6 +182,13 @@ class SplitSource:
             raise ManifestError(f"shard {self.shards[unit.shard].uri} of {self.manifest.path}: row group "
                                 f"{unit.row_group} is not readable ({exc})") from exc
         ids = table.column("token_ids").combine_chunks()
+        if self.vocab_size is not None:  # whatever data.verify is: an id outside the vocabulary never reaches a model
+            found = first_id_outside(ids, self.vocab_size)
+            if found is not None:
+                raise ManifestError(f"shard {self.shards[unit.shard].uri} of {self.manifest.path}: row "
+                                    f"{unit.first_row + found[0]} (row group {unit.row_group}) holds token id "
+                                    f"{found[1]}, outside the tokenizer's {self.vocab_size} ids (a shard written by "
+                                    f"another tokenizer?)")
         offsets = ids.offsets.to_numpy().astype(np.int64)
         offsets = offsets - offsets[0]
         flat = ids.values.to_numpy(zero_copy_only=False).astype(np.int32)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from molds.data.loader import merge_states
-from molds.data.manifest import ManifestError
+from molds.data.manifest import Manifest, ManifestError
 from molds.data.packing import block_causal_mask
 from molds.tokens import IGNORE_INDEX
 
@@ -227,6 +227,50 @@ def test_bad_shards_and_bad_configs_fail_early_with_names(dataset, tmp_path):
     json.dump(m, open(os.path.join(bad, "manifest.json"), "w"))
     with pytest.raises(ManifestError, match="format_version"):
         make_loader(bad)
+
+
+def _with_token_id(dataset, dst, token_id, statistics=True):
+    """A copy of ``dataset`` whose second training shard's row 5 holds ``token_id``, re-hashed
+    in the manifest (a shard written by another tokenizer, not a corrupted file)."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = _copy(dataset, dst)
+    manifest = json.load(open(os.path.join(data, "manifest.json")))
+    entry = manifest["splits"]["train"][1]
+    path = os.path.join(data, entry["uri"])
+    table = pq.read_table(path)
+    rows = table.column("token_ids").to_pylist()
+    rows[5] = rows[5][:2] + [token_id] + rows[5][3:]
+    i = table.column_names.index("token_ids")
+    table = table.set_column(i, "token_ids", pa.array(rows, pa.list_(pa.uint16())))
+    pq.write_table(table, path, row_group_size=pq.ParquetFile(path).metadata.row_group(0).num_rows,
+                   write_statistics=statistics)
+    entry["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    json.dump(manifest, open(os.path.join(data, "manifest.json"), "w"))
+    return data, entry["uri"], entry["num_rows"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_shard_and_row(dataset, tmp_path):
+    from molds.tokens import tokenizer_info
+
+    vocab = tokenizer_info(Manifest.load(dataset)).vocab_size
+    collect = lambda ld: np.concatenate([b["gids"].numpy() for b in ld])  # noqa: E731
+    last_id, _, _ = _with_token_id(dataset, tmp_path / "ok", vocab - 1)  # the largest id is in the vocabulary
+    assert len(collect(make_loader(last_id)))
+    for statistics in (True, False):  # Parquet's row-group statistics, or the column read when a writer left none
+        data, uri, rows = _with_token_id(dataset, tmp_path / f"bad{statistics}", vocab, statistics)
+        words = rf"shard {uri} of .*: row 5 \(row group 0\) holds token id {vocab}, outside the tokenizer's {vocab} ids"
+        with pytest.raises(ManifestError, match=words):
+            make_loader(data)  # data.verify eager: at start, before any step
+        ld = make_loader(data, on_bad_shard="skip", max_skipped_fraction=0.2)
+        assert ld.skipped["shards"] == 1 and ld.skipped["rows"] == rows and uri in ld.skipped_note
+        assert len(collect(ld)) == ld.source.num_rows
+        for verify in ("lazy", "off"):  # read as a row group loads, whatever data.verify says
+            with pytest.raises(ManifestError, match=words):
+                collect(make_loader(data, verify=verify))
 
 
 def test_empty_split_is_refused(dataset, tmp_path):
