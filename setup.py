@@ -35,6 +35,8 @@ setup(
         # ISA-L's inflate for .gz inputs (preprocessing/inflate.py), ~4x zlib's speed
         "isal>=1.6",
         "xxhash>=3.0",
+        # .zst inputs (preprocessing/unzstd.py)
+        "zstandard>=0.19",
         "jsonargparse[signatures]>=4.30",
         "tensorboard>=2.14",
         "safetensors>=0.4",

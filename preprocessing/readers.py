@@ -133,15 +133,23 @@ def detect_format(path: str, forced: str = "auto") -> str:
 
 def _open_binary(path: str):
     """The file's bytes, decompressed (by its name: .gz .bz2 .xz .zst); gzip by
-    ``inflate.open_gzip`` (ISA-L, every byte before a cut), the others by fsspec."""
+    ``inflate.open_gzip`` (ISA-L, every byte before a cut), zstd by ``unzstd.open_zstd``
+    (a cut said, where fsspec's reader ends quietly), bz2 and xz by fsspec."""
     import fsspec
-    from fsspec.utils import infer_compression
 
-    if infer_compression(path) == "gzip":
+    compression = next((c for ext, c in _COMPRESSIONS.items() if path.lower().endswith(ext)), None)
+    if compression == "gzip":
         from .inflate import open_gzip
 
         return open_gzip(fsspec.open(path, "rb").open())
-    return fsspec.open(path, "rb", compression="infer").open()
+    if compression == "zstd":
+        try:
+            from .unzstd import open_zstd
+        except ImportError:
+            raise InputError(f"input {path!r}: reading zstd needs the zstandard package (pip install zstandard)") \
+                from None
+        return open_zstd(fsspec.open(path, "rb").open())
+    return fsspec.open(path, "rb", compression=compression).open()
 
 
 _TEXT_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
