@@ -24,16 +24,32 @@ _POLL_S = 0.5
 
 
 def _worker_env() -> None:
+    """A worker's environment: one thread each, and Ctrl-C left to the driver (a terminal
+    sends SIGINT to the whole process group; the driver winds the run down)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _map_worker(name, options, work_dir, tasks, results):
+def _map_worker(name, options, work_dir, tasks, results, driver: int):
+    """Map the chunks ``tasks`` brings until a ``None``. SIGINT and SIGTERM are the driver's
+    to act on (a scheduler signals the whole group): it lets the workers finish what was read,
+    so every row read is counted, then stops them; a worker whose driver is gone exits."""
+    import signal
+
     _worker_env()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         stage = MapStage(options, work_dir, name)
         while True:
-            chunk = tasks.get()
+            try:
+                chunk = tasks.get(timeout=_POLL_S)
+            except queue.Empty:
+                if os.getppid() != driver:  # the driver was killed: nobody reads the results
+                    return
+                continue
             if chunk is None:
                 break
             results.put(("progress", stage.process(chunk)))
@@ -56,6 +72,15 @@ class PartialReadError(InputError):
         self.stats, self.where = stats, where
 
 
+class InterruptedRead(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while the inputs were read; ``stats`` accounts for every row read
+    before it (the workers finished what was queued), ``where`` says how far it got."""
+
+    def __init__(self, message: str, stats: Stats, where: str):
+        super().__init__(message)
+        self.stats, self.where = stats, where
+
+
 class LocalEngine:
     def __init__(self, workers: int):
         self.workers = max(1, workers or os.cpu_count() or 1)
@@ -66,7 +91,7 @@ class LocalEngine:
         inputs = chunk_stream(inputs, cols, cfg.chunk_rows, cfg.delimiter, cfg.smi_header)
         tasks = self._ctx.Queue(maxsize=2 * self.workers)
         results = self._ctx.Queue()
-        procs = [self._ctx.Process(target=_map_worker, args=(f"w{i}", options, work_dir, tasks, results),
+        procs = [self._ctx.Process(target=_map_worker, args=(f"w{i}", options, work_dir, tasks, results, os.getpid()),
                                    daemon=True) for i in range(self.workers)]
         for p in procs:
             p.start()
@@ -99,31 +124,39 @@ class LocalEngine:
                 except queue.Full:
                     drain(block=True)
 
-        read_error, last = None, None
+        read_error, interrupted, last = None, None, None
         try:
-            for path, reader in inputs:
-                try:
-                    for chunk in reader:
-                        put(chunk)
-                        last = (path, chunk.rows[-1])
-                        drain(block=False)
-                except TruncatedInputError as exc:
-                    if cfg.on_truncated == "keep":  # the records before the cut are kept, the cut counted
-                        warn_truncated(exc)
-                        continue
-                    read_error = exc
-                    break
-                except InputError as exc:  # a malformed file: stop reading, but let the
-                    read_error = exc  # workers finish what was read, so it is counted
-                    break
+            try:
+                for path, reader in inputs:
+                    try:
+                        for chunk in reader:
+                            put(chunk)
+                            last = (path, chunk.rows[-1])
+                            drain(block=False)
+                    except TruncatedInputError as exc:
+                        if cfg.on_truncated == "keep":  # the records before the cut are kept, the cut counted
+                            warn_truncated(exc)
+                            continue
+                        read_error = exc
+                        break
+                    except InputError as exc:  # a malformed file: stop reading, but let the
+                        read_error = exc  # workers finish what was read, so it is counted
+                        break
+            except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the same, then the interrupt goes on
+                interrupted = exc
             for _ in procs:
                 put(None)
             while len(done) < len(procs):
-                drain(block=True)
+                try:
+                    drain(block=True)
+                except KeyboardInterrupt as exc:  # the workers are finishing what was read: let them,
+                    if interrupted is not None:  # unless this is the second interrupt
+                        raise
+                    interrupted = exc
         finally:
             for p in procs:
                 if p.is_alive() and len(done) < len(procs):
-                    p.terminate()
+                    p.kill()  # (they ignore SIGTERM: a second interrupt, or an error, ends them here)
                 p.join(timeout=5)
             # nothing may wait at exit for a queue no process reads any more
             for q in (tasks, results):
@@ -135,8 +168,11 @@ class LocalEngine:
             stats.merge(worker_stats)
             tokens = worker_tokens if tokens is None else tokens + worker_tokens
         spills.sort(key=lambda spill: spill[0])
+        where = f"{last[0]} line/row {last[1]}" if last else "the first record"
+        if interrupted is not None:
+            raise InterruptedRead(f"interrupted ({interrupted or 'Ctrl-C'}) while reading the inputs; "
+                                  f"{stats.rows_in:,} rows were read (up to {where})", stats, where)
         if read_error is not None:
-            where = f"{last[0]} line/row {last[1]}" if last else "the first record"
             raise PartialReadError(f"{read_error}; {stats.rows_in:,} rows were read (up to {where}) and are "
                                    f"accounted in the failure report", stats, where)
         return spills, stats, tokens

@@ -273,6 +273,7 @@ def run(cfg: PreprocessConfig) -> str:
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed
     progress = Progress(cfg.progress)
     timings = {}
+    stats = None  # every row read, once the map stage has read them all
     try:
         t = time.time()
         spills, stats, map_tokens = engine.map_inputs(inputs, cols, cfg, options, work_dir, progress)
@@ -333,11 +334,20 @@ def run(cfg: PreprocessConfig) -> str:
         return os.path.join(final_dir, os.path.basename(manifest_path))
     except BaseException as exc:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        if getattr(exc, "stats", None) is not None and exc.stats.rows_in:  # a partial read: account for it
-            report = write_failure_report(final_dir, error=str(exc), stats=exc.stats, where=exc.where,
+        read, where = None, None
+        if getattr(exc, "stats", None) is not None:  # a partial read, or an interrupt while reading
+            read, where = exc.stats, exc.where
+        elif isinstance(exc, KeyboardInterrupt) and stats is not None:  # an interrupt after the reading
+            read, where = stats, "every input, read to its end"
+        if read is not None and read.rows_in:  # every row read is accounted for
+            report = write_failure_report(final_dir, error=str(exc) or "interrupted", stats=read, where=where,
                                           inputs=[p for _, p, _ in inputs])
+            if isinstance(exc, KeyboardInterrupt):
+                print(f"[molds-preprocess] {exc or 'interrupted'}: {read.rows_in:,} rows read (up to {where}) are "
+                      f"accounted in {report}; nothing was written to {cfg.output}", file=sys.stderr, flush=True)
+                raise
             raise InputError(f"{exc}; see {report}; nothing was written to {cfg.output}") from exc
-        if getattr(exc, "stats", None) is not None:
+        if getattr(exc, "stats", None) is not None and not isinstance(exc, KeyboardInterrupt):
             raise InputError(str(exc.args[0]).split("; 0 rows were read")[0]) from exc
         raise
     finally:

@@ -87,22 +87,50 @@ def test_fork_keeps_weights_and_optionally_the_optimizer(dataset, tmp_path):
         assert state["optimizer_step"] == (3 if keep else 1)  # moments kept (step count continues) or fresh
 
 
+#: run in a child as a user without root's override of file permissions: root's process drops
+#: CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (capset), so a read-only directory refuses it as it
+#: refuses any user; then the trainer runs, and its first line of error is printed
+AS_A_USER = """
+import ctypes, os, sys
+if os.geteuid() == 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    header, data = Header(0x20080522, 0), (Data * 2)()
+    assert libc.capget(ctypes.byref(header), data) == 0, ctypes.get_errno()
+    data[0].effective &= ~((1 << 1) | (1 << 2))
+    assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+from molds.errors import RecipeError
+from molds.train import main
+try:
+    main(sys.argv[1:])
+except RecipeError as exc:
+    print("RecipeError:", exc)
+"""
+
+
 def test_read_only_output_directory_is_refused_at_start(dataset, tmp_path):
+    import subprocess
+    import sys
+
     from molds.errors import RecipeError
     from molds.train import main
 
-    if os.geteuid() == 0:  # root writes anywhere: make the path impossible instead
-        blocker = tmp_path / "file"
-        blocker.write_text("x")
-        out = str(blocker / "run")
-        with pytest.raises(RecipeError, match="run.output_dir"):
-            main(argv(dataset, out, "ddp", 2))
-        return
+    blocker = tmp_path / "file"  # a path that cannot be a directory
+    blocker.write_text("x")
+    with pytest.raises(RecipeError, match="run.output_dir"):
+        main(argv(dataset, str(blocker / "run"), "ddp", 2))
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    with pytest.raises(RecipeError, match="not writable"):
-        main(argv(dataset, str(ro / "run"), "ddp", 2))
+    proc = subprocess.run([sys.executable, "-c", AS_A_USER, *argv(dataset, str(ro / "run"), "ddp", 2)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"RecipeError: run.output_dir={ro / 'run'} is not writable (Permission denied)" in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not os.path.exists(ro / "run")
 
 
 def test_seq_len_truncation_is_warned_counted_and_logged(dataset, tmp_path, capsys):
