@@ -142,3 +142,37 @@ def test_seq_len_truncation_is_warned_counted_and_logged(dataset, tmp_path, caps
     assert "data.seq_len=40 is shorter than the longest molecule" in err and "truncated" in err
     rows = [r for r in metrics(out) if "train/loss" in r]
     assert rows[-1]["data/truncated_molecules"] > 0 and rows[-1]["data/truncated_tokens"] > 0
+
+
+def test_the_free_space_check_refuses_a_save_before_anything_is_written(dataset, tmp_path, monkeypatch):
+    """Only ``shutil.disk_usage`` is patched (the run, its engine and its saves are real): the
+    first save finds room, the second finds 1 MiB free of the about 1.4 MiB it needs."""
+    import shutil
+
+    from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
+    from molds.errors import CheckpointError
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    root = checkpoints_dir(out)
+    real = shutil.disk_usage
+    asked = []
+
+    def disk_usage(path):
+        usage = real(path)
+        if os.path.abspath(path) != os.path.abspath(root):
+            return usage
+        asked.append(path)
+        return usage if len(asked) == 1 else usage._replace(free=1 << 20)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step-00000004: .* has 1.0 MiB free, the checkpoint "
+                                              r"needs about 1.\d MiB; nothing was written, the previous checkpoint"):
+        main(argv(dataset, out, "ddp", 6, "--checkpoint.interval_steps", "2"))
+    assert len(asked) == 2
+    assert sorted(os.listdir(root)) == ["latest", "step-00000002"]  # no step 4, complete or partial
+    assert [os.path.basename(c) for c in complete_checkpoints(root)] == ["step-00000002"]
+    assert open(os.path.join(root, "latest")).read().strip() == "step-00000002"
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    main(argv(dataset, out, "ddp", 6, "--checkpoint.interval_steps", "2", "--checkpoint.resume", "auto"))
+    assert [r["step"] for r in metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -50,6 +50,32 @@ def test_damaged_shard_is_named(dataset, tmp_path, damage, verify):
         main(argv(data, str(tmp_path / "run"), "ddp", 200, "--data.verify", verify, "--checkpoint.interval_steps", "0"))
 
 
+def test_a_skipped_shard_is_logged_to_the_metrics_and_tensorboard(dataset, tmp_path, capsys):
+    """``data.on_bad_shard: skip``: the run goes on without the shard, and says so where its
+    figures are read: ``data/skipped_shards`` and ``data/skipped_rows`` in metrics.jsonl and
+    TensorBoard (the shard's rows from the manifest), the reason as TensorBoard text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from molds.train import main
+
+    data = _copy(dataset, tmp_path)
+    m, shard = _victim(data)
+    with open(os.path.join(data, shard["uri"]), "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\xff\x00\xff\x00")
+    out = str(tmp_path / "run")
+    main(argv(data, out, "ddp", 3, "--data.on_bad_shard", "skip", "--data.max_skipped_fraction", "0.2"))
+    assert f"{shard['uri']}" in capsys.readouterr().err
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    logged = [r for r in rows if "data/skipped_shards" in r]
+    assert logged and logged[0]["data/skipped_shards"] == 1 and logged[0]["data/skipped_rows"] == shard["num_rows"]
+    acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert [e.value for e in acc.Scalars("data/skipped_shards")] == [1]
+    assert [e.value for e in acc.Scalars("data/skipped_rows")] == [shard["num_rows"]]
+    text = [t for t in acc.Tags()["tensors"] if t.startswith("data/skipped_shards")]
+    assert text and shard["uri"] in acc.Tensors(text[0])[0].tensor_proto.string_val[0].decode()
+
+
 def test_shard_changed_on_disk_after_the_start_is_refused(dataset, tmp_path):
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader

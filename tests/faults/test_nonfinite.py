@@ -35,6 +35,19 @@ def test_stop_saves_nothing_non_finite(dataset, tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-00000002"
 
 
+def test_zeros_own_overflow_skip_is_counted_in_the_metrics(dataset, tmp_path):
+    """ZeRO in bf16, where molds turns DeepSpeed's overflow check on: the NaN step is
+    skipped by DeepSpeed itself, and ``train/skipped_steps_deepspeed`` says so (0 before
+    the bad step, 1 from it on), beside molds' own count."""
+    out = str(tmp_path / "run")
+    run_ranks(train_with, 1, argv(dataset, out, "zero", 5, "--trainer.precision", "bf16",
+                                  "--trainer.on_nonfinite", "skip"), "nan", 3)
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    counted = {r["step"]: r["train/skipped_steps_deepspeed"] for r in rows}
+    assert counted == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0, 5: 1.0}, counted  # step 3 is the one after the skip
+    assert [r["train/nonfinite_steps"] for r in rows][-1] == 1
+
+
 @pytest.mark.parametrize("engine,world", [("ddp", 1), pytest.param("zero", 2, marks=pytest.mark.slow)])
 def test_skip_drops_the_step_and_counts_it(dataset, tmp_path, engine, world):
     out = str(tmp_path / "run")
