@@ -40,21 +40,6 @@ def _launch_variables_do_not_leak():
             os.environ[k] = v
 
 
-def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", default=bool(os.environ.get("MOLDS_RUN_SLOW")),
-                     help="also run the tests marked slow (long end-to-end runs; MOLDS_RUN_SLOW=1 does the same)")
-
-
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a long end-to-end run, skipped (and counted as skipped) unless "
-                                       "--run-slow; what it exercises is covered in the default suite by a "
-                                       "shorter test of the same engine")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow (bash .ci/run --run-slow)")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    config.addinivalue_line("markers", "slow: a long end-to-end run; CI (bash .ci/run) runs these too, and "
+                                       "pytest -m 'not slow' leaves them out for a quick local loop")
