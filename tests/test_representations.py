@@ -87,14 +87,16 @@ def test_samples_are_decoded_through_the_representation(trained, tmp_path):
     smiles = open(tmp_path / "s.smi").read().split("\n")[:-1]
     raw = open(tmp_path / "raw.txt").read().split("\n")[:-1]
     assert len(smiles) == len(raw) == 48
+    finished = [(s, t) for s, t in zip(smiles, raw) if t]
+    assert len(finished) >= 12, len(finished)  # seen 33 (SELFIES) and 26 (SAFE) of 48 after 60 steps
     for s, t in zip(smiles, raw):
-        if t:
-            assert s == (_decode(rep, t) or "")  # what the package decodes the string to, canonical
+        # what the package decodes the string to, canonical; a sample cut by the limit: an empty line
+        assert s == ((_decode(rep, t) or "") if t else ""), (s, t)
     if rep == "selfies":
         assert all(t.startswith("[") for t in raw if t) and all(not s.startswith("[C]") for s in smiles)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     last = [r for r in rows if "eval/validity" in r][-1]
-    assert 0 <= last["eval/decodable"] <= 1 and last["eval/validity"] <= last["eval/decodable"]
+    assert last["eval/validity"] <= last["eval/decodable"] <= 1
 
 
 def test_molds_eval_scores_decoded_molecules_and_export_says_how_to_decode(trained, tmp_path):
