@@ -357,7 +357,7 @@ class OptimConfig:
     RANGES: ClassVar[dict] = {
         "lr": (0.0, 10.0), "min_lr_ratio": (0.0, 1.0), "warmup_steps": (0, _BIG), "warmup_fraction": (0.0, 0.9),
         "weight_decay": (0.0, 10.0),
-        "beta1": (0.0, 0.999999), "beta2": (0.0, 0.999999999), "eps": (0.0, 1.0), "grad_clip": (0.0, 1e6),
+        "beta1": (0.0, 0.999999), "beta2": (0.0, 0.999999999), "eps": (1e-30, 1.0), "grad_clip": (0.0, 1e6),
     }
 
     lr: float = 3e-4
@@ -383,7 +383,8 @@ class OptimConfig:
     """Adam beta2."""
 
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (above 0: where a parameter's gradients have all been 0, the update is
+    0 / (sqrt(0) + eps); with eps 0 it is NaN)."""
 
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 
 import pytest
+from torch.multiprocessing import ProcessExitedException
 
 from molds.budget import Horizon, format_duration, parse_duration
 from tests.dist.spawn import run_ranks
+from tests.faults.common import died_by_sigkill_at
 
 
 @pytest.mark.parametrize("text,seconds", [("2h", 7200), ("1h45m", 6300), ("90m", 5400), ("5400s", 5400),
@@ -54,7 +55,7 @@ def _budgeted(rank, world, args, kill_at_save=0):
 
     import molds.checkpoint as ckpt
     from molds.train import main
-    from tests.faults.common import record_gids
+    from tests.faults.common import killed_at, record_gids
 
     record_gids(rank, args)
     if kill_at_save:
@@ -65,6 +66,7 @@ def _budgeted(rank, world, args, kill_at_save=0):
             path = original(*a, **k)
             saves["n"] += 1
             if saves["n"] == kill_at_save:
+                killed_at(args, f"after save {kill_at_save}")
                 os.kill(os.getpid(), signal.SIGKILL)
             return path
 
@@ -92,8 +94,9 @@ def test_a_budgeted_run_killed_and_resumed_spends_its_budget_and_sees_each_molec
     timed = ["--trainer.max_time", f"{budget:g}s", "--optim.warmup_steps", "null", "--optim.warmup_fraction", "0.1",
              "--checkpoint.interval_fraction", "0.25", "--checkpoint.average_last", "2", "--checkpoint.keep_last", "0"]
     out = str(tmp_path / "run")
-    with pytest.raises(Exception):  # killed after its second checkpoint (half the budget)
+    with pytest.raises(ProcessExitedException) as died:  # killed after its second checkpoint (half the budget)
         run_ranks(_budgeted, 1, _argv(dataset, out, *timed), 2)
+    died_by_sigkill_at(died, out, "after save 2")
     half = sorted(glob.glob(os.path.join(out, "checkpoints", "step-*")))
     assert len(half) == 2
     carried = _lineage(half[-1])["horizon"]
@@ -145,4 +148,8 @@ def test_the_recipe_check_refuses_mixed_lengths_and_knobs():
         recipe = parse_recipe(["--recipe", smoke, *extra])
         with pytest.raises(RecipeError, match=key):
             validate(recipe, 1)
-    assert not math.isnan(parse_duration("2h"))
+    assert [parse_duration(t) for t in ("2h", "1h45m", "90m", "5400s", "5400", "0.5h")] == [7200, 6300, 5400, 5400,
+                                                                                          5400, 1800]
+    for bad in ("soon", "2d", "1h-5m", "", "h"):
+        with pytest.raises(ValueError, match="not a duration"):
+            parse_duration(bad)

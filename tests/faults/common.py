@@ -46,6 +46,22 @@ def record_gids(rank, args):
     loader_mod.MoleculeLoader.__iter__ = recording
 
 
+def killed_at(args, point: str) -> None:
+    """Say, in ``<run.output_dir>.killed``, where a test is about to SIGKILL its rank (the test
+    then checks that the rank died by SIGKILL, and there)."""
+    with open(args[args.index("--run.output_dir") + 1] + ".killed", "w") as fh:
+        fh.write(point)
+
+
+def died_by_sigkill_at(excinfo, out: str, point: str) -> None:
+    """The rank ended by SIGKILL (not by an error of its own), at ``point``."""
+    import signal
+
+    exc = excinfo.value
+    assert getattr(exc, "signal_name", None) == signal.Signals.SIGKILL.name, repr(exc)
+    assert open(out + ".killed").read() == point
+
+
 def train(rank, world, args):
     from molds.train import main
 
@@ -85,6 +101,18 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
             return result
 
         DDPEngine.train_step = editing
+    elif fault == "drop-batches":  # the ``at``-th training batch and the next are never trained on
+        from molds.data import loader as loader_mod
+
+        original_iter = loader_mod.MoleculeLoader.__iter__
+
+        def dropping(self):
+            for i, batch in enumerate(original_iter(self), 1):
+                if self.cfg.split == "train" and i in (at, at + 1):
+                    continue
+                yield batch
+
+        loader_mod.MoleculeLoader.__iter__ = dropping
     elif fault == "record-gids":  # every molecule this rank trains on, appended to a file
         record_gids(rank, args)
     elif fault == "wide-lr":  # let optim.lr reach absurd values (its declared range refuses them)
@@ -128,6 +156,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
 
         def kill_if(point):
             if fault == f"kill-{point}" and saves["n"] == at:
+                killed_at(args, f"{point} in save {at}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
         original_save = ckpt.save_checkpoint

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from torch.multiprocessing import ProcessExitedException
 
 from tests.dist.spawn import run_ranks
-from tests.faults.common import argv, losses, train, train_with
+from tests.faults.common import argv, died_by_sigkill_at, losses, train, train_with
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,9 @@ def test_kill_inside_a_save(dataset, tmp_path, reference, point):
     from molds.checkpoint.layout import incomplete_reason
 
     out = str(tmp_path / "run")
-    with pytest.raises(Exception):  # the rank dies by SIGKILL in its second save (step 4)
+    with pytest.raises(ProcessExitedException) as died:  # the rank dies by SIGKILL in its second save (step 4)
         run_ranks(train_with, 1, argv(dataset, out, "ddp", 6), f"kill-{point}", 2)
+    died_by_sigkill_at(died, out, f"{point} in save 2")
     root = os.path.join(out, "checkpoints")
     latest = open(os.path.join(root, "latest")).read().strip()
     assert incomplete_reason(os.path.join(root, latest)) is None  # latest names a complete checkpoint
