@@ -62,7 +62,8 @@ def test_a_dead_rank_ends_the_job(dataset, tmp_path):
             victims[-1].send_signal(signal.SIGKILL)
             code = proc.wait(timeout=120)
             assert code != 0
-            assert time.time() - killed < 60, f"{launcher}: the job took too long to end"
+            # "within seconds": seen 0.6 s (torchrun) and 1.7 s (deepspeed) on 2 cores; held to 10 s
+            assert time.time() - killed < 10, f"{launcher}: the job took {time.time() - killed:.1f} s to end"
             time.sleep(1)
             assert not [p for p in victims if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         finally:

@@ -186,7 +186,9 @@ def test_a_lost_node_ends_the_job_on_the_other_node_naming_the_lost_rank(dataset
     finally:
         _kill(procs)
     assert code != 0
-    assert took < 60, f"the surviving node took {took:.0f} s to end"
+    # seen 5.7 s (torchrun, zero) and 6.5 s (deepspeed, pipeline) on 2 cores: the failed collective,
+    # then the heartbeats read; held to 20 s (the README: "within about ten seconds")
+    assert took < 20, f"the surviving node took {took:.1f} s to end"
     text = open(logs[0]).read()
     lines = [x for x in text.splitlines() if "molds-train: error" in x]
     assert any(f"lost: rank {rank} (" in x and "heartbeat stopped" in x for x in lines), "\n".join(lines) or text[-3000:]
