@@ -171,12 +171,11 @@ def test_constrained_sampling_starts_every_sample_with_its_prefix(trained, tmp_p
         assert summary["kept"] == kept and summary["samples"] == 40 and summary["constraint"] == name
 
 
+@pytest.mark.parametrize("trained", ["safe"], indirect=True)  # SAFE's design tasks need a SAFE model
 def test_constrained_benchmark_reports_kept_and_chance_shares(trained, tmp_path, capsys):
     import importlib.util
 
     rep, data, out = trained
-    if rep != "safe":
-        pytest.skip("SAFE's design tasks need a SAFE model")
     spec = importlib.util.spec_from_file_location("constrained_bench", os.path.join(ROOT, "benchmarks", "constrained.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
