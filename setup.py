@@ -59,8 +59,10 @@ setup(
         # molecular representations beside SMILES (molds-preprocess --representation; asked for by name)
         "selfies": ["selfies>=2.1"],
         "safe": ["safe-mol>=0.2"],
+        # the documentation site (mkdocs.yml; docs/gen_reference.py writes its reference pages)
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1", "selfies>=2.1",
-                "safe-mol>=0.2"],
+                "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5"],
         # (liger-kernel and torchao, which benchmarks/kernels.py compares against, are requirements on Linux)
     },
     entry_points={

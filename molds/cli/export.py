@@ -17,7 +17,7 @@ def build_parser():
     p.add_argument("out", type=str, help="output directory (replaced atomically if it exists)")
     p.add_argument("--manifest", type=str, default=None,
                    help="take the tokenizer from this manifest (default: the one the checkpoint trained on)")
-    p.add_argument("--dtype", type=str, default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the exported weights' dtype (float32: as trained)")
     return p
 
