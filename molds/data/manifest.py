@@ -224,7 +224,10 @@ def check_token_ids(pf, where: str, vocab_size: int) -> None:
             found = first_id_outside(pf.read_row_group(rg, columns=["token_ids"]).column(0).combine_chunks(),
                                      vocab_size)
             if found is not None:
-                raise ManifestError(f"{where}: row {first + found[0]} (row group {rg}) holds token id {found[1]}, "
-                                    f"outside the tokenizer's {vocab_size} ids (a shard written by another "
-                                    f"tokenizer?)")
+                raise outside_vocabulary(where, first + found[0], rg, found[1], vocab_size)
         first += md.num_rows
+
+
+def outside_vocabulary(where: str, row: int, row_group: int, token_id: int, vocab_size: int) -> ManifestError:
+    return ManifestError(f"{where}: row {row} (row group {row_group}) holds token id {token_id}, outside the "
+                         f"tokenizer's {vocab_size} ids (a shard written by another tokenizer?)")

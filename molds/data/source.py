@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ManifestError
-from .manifest import Manifest, Shard, first_id_outside
+from .manifest import Manifest, Shard, first_id_outside, outside_vocabulary
 from .plan import Unit
 
 
@@ -185,10 +185,8 @@ class SplitSource:
         if self.vocab_size is not None:  # whatever data.verify is: an id outside the vocabulary never reaches a model
             found = first_id_outside(ids, self.vocab_size)
             if found is not None:
-                raise ManifestError(f"shard {self.shards[unit.shard].uri} of {self.manifest.path}: row "
-                                    f"{unit.first_row + found[0]} (row group {unit.row_group}) holds token id "
-                                    f"{found[1]}, outside the tokenizer's {self.vocab_size} ids (a shard written by "
-                                    f"another tokenizer?)")
+                raise outside_vocabulary(f"shard {self.shards[unit.shard].uri} of {self.manifest.path}",
+                                         unit.first_row + found[0], unit.row_group, found[1], self.vocab_size)
         offsets = ids.offsets.to_numpy().astype(np.int64)
         offsets = offsets - offsets[0]
         flat = ids.values.to_numpy(zero_copy_only=False).astype(np.int32)
