@@ -424,8 +424,9 @@ class TrainerConfig:
 
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """``auto``: bf16 where a bf16 matrix product of the model's shape measures faster than
-    fp32 on this device (timed at start, said on the start line), fp32 otherwise. ``bf16`` /
-    ``fp32``: as asked (the start line says when the other measured faster)."""
+    fp32 on this device (timed at start, said on the start line), fp32 otherwise; a resume
+    keeps what the checkpoint's run computed in, so it continues with the same numbers.
+    ``bf16`` / ``fp32``: as asked (the start line says when the other measured faster)."""
 
 
 @dataclass

@@ -38,9 +38,11 @@ class Plan:
         """Micro-batches per optimizer step on each rank."""
         return self.batching.grad_accum
 
-    def on_device(self, recipe, dist) -> "Plan":
+    def on_device(self, recipe, dist, resumed_dtype: str | None = None) -> "Plan":
         """The plan completed for this rank's device (``dist``: molds.distributed's, whose
-        ranks agree on the measurement): its precision and DeepSpeed config."""
+        ranks agree on the measurement): its precision and DeepSpeed config.
+        ``resumed_dtype``: what the checkpoint a resume continues computed in (its lineage's
+        ``plan.dtype``), which ``trainer.precision=auto`` keeps."""
         from .distributed import all_reduce_sum
         from .precision import gemm_shape, resolve_precision
         from .recipe import deepspeed_config
@@ -48,7 +50,8 @@ class Plan:
         def mean_over_ranks(values):
             return [v / dist.world_size for v in all_reduce_sum(values, dist)]
 
-        precision = resolve_precision(recipe.trainer.precision, dist.device, gemm_shape(recipe), mean_over_ranks)
+        precision = resolve_precision(recipe.trainer.precision, dist.device, gemm_shape(recipe), mean_over_ranks,
+                                      resumed=resumed_dtype)
         dtype = precision.dtype
         cfg = None
         if self.engine in ("zero", "pipeline"):

@@ -70,6 +70,7 @@ class Precision:
     bf16_gflops: float
     shape: tuple[int, int, int]
     device: str
+    kept: bool = False  # ``auto`` on a resume: the dtype of the run it continues, not this measurement
 
     @property
     def name(self) -> str:
@@ -94,6 +95,9 @@ class Precision:
         ratio = self.bf16_gflops / self.fp32_gflops if self.fp32_gflops else float("nan")
         line = (f"precision {self.asked} -> {self.name}: bf16 {self.bf16_gflops:,.1f} and fp32 "
                 f"{self.fp32_gflops:,.1f} GFLOP/s per rank at {m}x{k}x{n} (bf16 {ratio:.2f}x fp32) on {where}")
+        if self.kept:
+            line += (f"; {self.name} kept from the checkpoint's run, which 'auto' resumes as it was (pass "
+                     f"--trainer.precision fp32 or bf16 to change it)")
         return line
 
     def warning(self) -> str | None:
@@ -118,9 +122,12 @@ def gemm_shape(recipe) -> tuple[int, int, int]:
 
 def resolve_precision(asked: str, device: torch.device, shape: tuple[int, int, int],
                       agree: Callable[[list[float]], list[float]] | None = None,
-                      measure: Callable = matmul_rate) -> Precision:
+                      measure: Callable = matmul_rate, resumed: str | None = None) -> Precision:
     """Measure both rates (``measure`` is the tests' stub), average them over the ranks
-    (``agree``: a sum over ranks divided by their number), and choose."""
+    (``agree``: a sum over ranks divided by their number), and choose. ``resumed``: the
+    dtype (``bfloat16`` | ``float32``) of the run a resume continues. ``auto`` keeps it, so
+    a resumed run computes as the uninterrupted one did even where the two rates are close
+    enough for a busy machine to measure them the other way round."""
     # Three alternating rounds, the best of each: a busy machine (another job, an
     # oversubscribed thread pool) only ever slows a round down, so the fastest round is the
     # one closest to what the CPU does, and alternating keeps a slow spell from hitting one
@@ -135,6 +142,9 @@ def resolve_precision(asked: str, device: torch.device, shape: tuple[int, int, i
         dtype = torch.bfloat16
     elif asked == "fp32":
         dtype = None
+    elif resumed in ("bfloat16", "float32"):
+        dtype = torch.bfloat16 if resumed == "bfloat16" else None
     else:
         dtype = torch.bfloat16 if bf16 > fp32 else None
-    return Precision(asked, dtype, fp32, bf16, shape, device.type if device.type != "cuda" else str(device))
+    kept = asked == "auto" and resumed in ("bfloat16", "float32")
+    return Precision(asked, dtype, fp32, bf16, shape, device.type if device.type != "cuda" else str(device), kept)

@@ -276,7 +276,7 @@ def setup(recipe, plan=None) -> Run:
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
-    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist)
+    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist, _resumed_dtype(recipe, resume_from))
     if plan.world_size != dist.world_size:
         raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
     batching = plan.batching
@@ -316,6 +316,17 @@ def setup(recipe, plan=None) -> Run:
     run.evaluator = TrainingEvaluator(recipe, engine, dist, manifest, tokenizer, run.log)
     _start_summary(run, parameters)
     return run
+
+
+def _resumed_dtype(recipe, path: str | None) -> str | None:
+    """What the run a resume continues computed in (``trainer.precision=auto`` keeps it);
+    None for a fresh start, a fork, or a checkpoint whose lineage does not say."""
+    if path is None or recipe.checkpoint.fork:
+        return None
+    from molds.checkpoint import read_lineage
+
+    plan = read_lineage(path).get("plan")
+    return plan.get("dtype") if isinstance(plan, dict) else None
 
 
 def _resume(run: Run, path: str) -> None:

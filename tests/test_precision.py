@@ -114,3 +114,19 @@ def test_a_cpu_runs_mfu_against_the_measured_rate():
     peak, text = device_peak_tflops(CPU, None, p)
     assert peak == pytest.approx(0.1) and "measured fp32 matrix rate" in text
     assert device_peak_tflops(CPU, 2.0, p) == (2.0, "logging.peak_tflops=2.0")
+
+
+@pytest.mark.parametrize("asked,resumed,want,kept", [
+    ("auto", "float32", None, True), ("auto", "bfloat16", torch.bfloat16, True),
+    ("bf16", "float32", torch.bfloat16, False), ("fp32", "bfloat16", None, False),
+    ("auto", "float16", torch.bfloat16, False), ("auto", None, torch.bfloat16, False)],
+    ids=["auto-keeps-fp32", "auto-keeps-bf16", "explicit-bf16", "explicit-fp32", "unknown-dtype", "no-lineage"])
+def test_a_resume_keeps_its_runs_precision_unless_told(asked, resumed, want, kept):
+    """On a resume ``auto`` keeps what the checkpoint's run computed in (here against a
+    measurement that says bf16); an explicit choice, or a lineage naming no dtype molds
+    computes in, goes by the usual rule."""
+    measure, _ = _stub(100.0, 480.0)
+    p = resolve_precision(asked, CPU, SHAPE, measure=measure, resumed=resumed)
+    assert (p.dtype, p.kept) == (want, kept)
+    assert ("kept from the checkpoint's run" in p.describe()) == kept
+    assert p.peak_gflops == (480.0 if want is torch.bfloat16 else 100.0)  # MFU against the rate it runs at

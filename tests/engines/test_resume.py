@@ -131,3 +131,30 @@ def test_resume_refuses_another_manifest_and_a_fork_starts_fresh(dataset, tmp_pa
     state = json.load(open(os.path.join(result["checkpoint"], "data_state.json")))
     assert all(v["epoch"] == 0 for v in state["vranks"].values())  # a fresh cursor on the new manifest
     assert sorted(losses(forked)) == [1, 2]
+
+
+def test_auto_resumes_in_the_precision_of_the_run_it_continues(dataset, tmp_path, capfd):
+    """``trainer.precision=auto`` is measured at start; on a resume it keeps what the
+    checkpoint's run computed in, so a machine that now measures the other way round (a
+    busy one, rates close together) still continues with the uninterrupted run's losses.
+    The first run here takes the precision that ``auto`` does not measure to be faster."""
+    import torch
+
+    from molds.precision import gemm_shape, resolve_precision
+    from molds.recipe import parse_recipe
+    from molds.train import main
+
+    full = str(tmp_path / "full")
+    shape = gemm_shape(parse_recipe(_argv(dataset, full, "ddp", 4)))
+    measured = resolve_precision("auto", torch.device("cpu"), shape)
+    other = "fp32" if measured.dtype is torch.bfloat16 else "bf16"
+    main(_argv(dataset, full, "ddp", 4, ["--trainer.precision", other]))
+    resumed = str(tmp_path / "resumed")
+    copy_checkpoint(full, 3, resumed)
+    capfd.readouterr()
+    main(_argv(dataset, resumed, "ddp", 4, ["--trainer.precision", "auto", "--checkpoint.resume", "auto"]))
+    err = capfd.readouterr().err
+    assert f"precision auto -> {other}:" in err and f"{other} kept from the checkpoint's run" in err, err
+    lineage = json.load(open(os.path.join(resumed, "checkpoints", "step-00000004", "lineage.json")))
+    assert lineage["plan"]["dtype"] == ("bfloat16" if other == "bf16" else "float32")
+    assert losses(resumed)[4] == pytest.approx(losses(full)[4], rel=1e-6, abs=1e-7)
