@@ -476,7 +476,7 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Saving and resuming (see README: run directories, resume and fork)."""
+    """Saving and resuming (see docs/guides/training.md: run directories, resume and fork)."""
 
     RANGES: ClassVar[dict] = {"interval_steps": (0, _BIG), "keep_last": (0, 1 << 20), "interval_fraction": (0.0, 1.0),
                               "average_last": (0, 1 << 10)}
@@ -500,12 +500,14 @@ class CheckpointConfig:
     """``auto``: continue the run in output_dir from its latest complete checkpoint (a
     fresh start when it has none); or a checkpoint reference (a checkpoint directory, a
     run directory, a ``latest`` file). Short form: ``--resume auto``. Only the keys listed
-    in the README may change on resume; others need ``--checkpoint.fork true``."""
+    in docs/reference/recipe.md may change on resume; others need ``--checkpoint.fork true``."""
 
     fork: bool = False
     """Start a new run from the checkpoint's weights: step 0, a fresh data cursor on
     this recipe's manifest (which may differ), any recipe change allowed; the parent is
-    recorded in the lineage. Short form: ``--fork true``."""
+    recorded in the lineage. Short form: ``--fork true``. An encoder forked with another
+    ``model.num_tasks`` or ``task_type`` (fine-tuning a pretrained encoder on labels)
+    keeps every other weight and starts its property heads afresh, seeded by ``run.seed``."""
 
     fork_optimizer: bool = False
     """With ``fork``: also keep the optimizer's moments (not the schedule's position)."""

@@ -49,6 +49,7 @@ class Run:
     start_step: int = 0
     resumed_from: str | None = None
     last_checkpoint: str | None = None
+    fresh_heads: tuple | None = None  # a fine-tuning fork: (prefixes, tensors, what changed)
     counters: dict = field(default_factory=lambda: {"nonfinite_steps": 0, "rollbacks": 0})
 
 
@@ -283,6 +284,7 @@ def setup(recipe, plan=None) -> Run:
     # the same on every rank; for the pipeline only its structure (each rank materializes its own stages)
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed,
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
+    fresh_heads = _fine_tune_heads(recipe, resume_from, model)  # the bare model's own, before any engine
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
@@ -302,7 +304,8 @@ def setup(recipe, plan=None) -> Run:
         "parameters": parameters, "host_allocator": allocator, "kernels": kernels, "plan": plan.summary(),
         "precision": plan.precision.describe(), "machine": _machine(dist.device),
     }
-    run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan)
+    run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan,
+              fresh_heads=fresh_heads)
     if resume_from is not None:
         _resume(run, resume_from)
     if dist.is_main:
@@ -316,6 +319,35 @@ def setup(recipe, plan=None) -> Run:
     run.evaluator = TrainingEvaluator(recipe, engine, dist, manifest, tokenizer, run.log)
     _start_summary(run, parameters)
     return run
+
+
+def _fine_tune_heads(recipe, path: str | None, model) -> tuple | None:
+    """A fork whose model differs from its checkpoint's only in the property heads (an
+    encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; or
+    another number or kind of tasks): (the heads' name prefixes, this model's freshly
+    initialized head tensors, what changed). None for anything else: a resume, a fork of
+    the same model, a model without heads (another difference is refused when the weights
+    are loaded, naming the tensors)."""
+    heads = getattr(model, "TASK_HEADS", None)
+    if path is None or not recipe.checkpoint.fork or not heads:
+        return None
+    from molds.checkpoint import read_lineage
+    from molds.checkpoint.resume import recipe_changes
+    from molds.checkpoint.state import canonical_state
+
+    changes = recipe_changes(read_lineage(path).get("recipe", {}), recipe.to_dict())
+    changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
+    if not changed:
+        return None
+    if recipe.checkpoint.fork_optimizer:
+        from molds.errors import RecipeError
+
+        raise RecipeError("checkpoint.fork_optimizer: the property heads change ("
+                          + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items())
+                          + "), so their optimizer moments do not exist: fork the weights alone "
+                          "(--checkpoint.fork_optimizer false)")
+    tensors = {k: v.clone() for k, v in canonical_state(model).items() if k.startswith(heads)}
+    return heads, tensors, changed
 
 
 def _resumed_dtype(recipe, path: str | None) -> str | None:
@@ -338,14 +370,21 @@ def _resume(run: Run, path: str) -> None:
     fork = recipe.checkpoint.fork
     changes = check_resume(path, saved, run.lineage, fork)
     if fork:
+        fresh = run.fresh_heads
         step, _ = restore(path, run.engine, dist, optimizer=recipe.checkpoint.fork_optimizer, seed=recipe.run.seed,
-                          keep_schedule=False)
+                          keep_schedule=False, fresh=fresh[:2] if fresh else None)
+        if fresh:
+            run.lineage["fresh_heads"] = {"prefixes": list(fresh[0]), "changes": fresh[2]}
         run.lineage["parent"] = {"checkpoint": os.path.abspath(path), "step": step,
                                  "manifest_hash": saved.get("manifest_hash"), "run": saved.get("recipe", {}).get("run")}
         if dist.is_main:
             print(f"[molds] forked from {path} (its step {step}): weights"
                   f"{' and optimizer moments' if recipe.checkpoint.fork_optimizer else ''} kept, step 0, fresh data "
                   f"cursor on {run.manifest.path}", file=sys.stderr)
+            if fresh:
+                print(f"[molds] fine-tuning fork: the property heads ({', '.join(p + '*' for p in fresh[0])}) start "
+                      f"afresh, seeded by run.seed, because "
+                      + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in fresh[2].items()), file=sys.stderr)
         return
     carried = saved.get("horizon", {})
     if run.plan.horizon.timed and "elapsed_s" not in carried:

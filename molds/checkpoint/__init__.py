@@ -116,12 +116,14 @@ def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, 
 
 
 def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int = 0,
-            keep_schedule: bool = True) -> tuple[int, dict]:
+            keep_schedule: bool = True, fresh: tuple[tuple[str, ...], dict] | None = None) -> tuple[int, dict]:
     """Load ``checkpoint`` into ``engine`` and this rank's generators; returns (step,
     the data cursor of every old rank). On another world size the generators cannot be
     the old ones: each rank is reseeded from (seed, step, rank), and this is said.
     ``keep_schedule=False`` (a fork): the schedule starts again at step 0 and the
-    generators are not restored."""
+    generators are not restored. ``fresh`` (a fine-tuning fork): (name prefixes, tensors):
+    the checkpoint's weights under those prefixes are left out and the given tensors, the
+    new model's own initialization, loaded in their place."""
     import sys
 
     import torch
@@ -133,7 +135,14 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
     averaged = bool(lineage.get(AVERAGED_FROM))
     if averaged and (keep_schedule or optimizer):
         refuse_averaged(checkpoint, lineage)  # a fork of its weights alone (fork_optimizer false) is fine
-    engine.load(checkpoint, optimizer=optimizer)
+    if fresh is None:
+        engine.load(checkpoint, optimizer=optimizer)
+    else:
+        from .state import read_model
+
+        prefixes, tensors = fresh
+        weights = {k: v for k, v in read_model(checkpoint).items() if not k.startswith(prefixes)}
+        engine.load(checkpoint, optimizer=optimizer, weights={**weights, **tensors})
     if not keep_schedule:
         engine.set_lr_schedule(engine.recipe.optim, engine.plan.horizon, position=0)
         return step, {} if averaged else read_json(os.path.join(checkpoint, DATA_STATE))

@@ -60,9 +60,11 @@ class Engine(Protocol):
     def save(self, directory: str) -> None:
         """Write the canonical state into ``directory`` (a collective: every rank calls it)."""
 
-    def load(self, directory: str, *, optimizer: bool = True) -> None:
+    def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
         """Read the canonical state from ``directory`` (weights; optimizer and schedule
-        unless ``optimizer`` is False)."""
+        unless ``optimizer`` is False). ``weights``: the canonical weights to load instead
+        of ``directory``'s (a fine-tuning fork's: new property heads, the rest the
+        checkpoint's)."""
 
     def set_lr_schedule(self, optim, horizon, position: int | None = None) -> None:
         """Use this learning-rate schedule from now on (a resume may change it) over

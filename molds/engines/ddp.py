@@ -102,10 +102,10 @@ class DDPEngine(WholeModelEngine):
                         {"optimizer_step": adam_step_count(self.optimizer),
                          "scheduler_step": self.scheduler.last_epoch})
 
-    def load(self, directory: str, *, optimizer: bool = True) -> None:
+    def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
         from ..checkpoint.state import load_canonical, read_model, read_optimizer
 
-        load_canonical(self.model, read_model(directory), directory)
+        load_canonical(self.model, read_model(directory) if weights is None else weights, directory)
         if optimizer:
             moments, meta = read_optimizer(directory)
             load_moments(self._param_slots(), self.optimizer, moments, int(meta["optimizer_step"]), directory)

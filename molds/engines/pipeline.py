@@ -367,12 +367,12 @@ class PipelineEngine(ScheduledEngine):
             raise RuntimeError(f"the pipeline's gathered weights miss {sorted(missing)[:5]}")
         return merged
 
-    def load(self, directory: str, *, optimizer: bool = True) -> None:
+    def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
         from ..checkpoint.state import read_model, read_optimizer
         from ..errors import CheckpointError
         from .zero import set_full_state
 
-        weights = read_model(directory)
+        weights = read_model(directory) if weights is None else weights
         if weights.keys() != self.expected_keys:
             missing, unexpected = sorted(self.expected_keys - weights.keys()), sorted(weights.keys() - self.expected_keys)
             raise CheckpointError(f"{directory} does not fit this model: missing {missing[:8]}, unexpected "

@@ -116,11 +116,11 @@ class ZeroEngine(WholeModelEngine):
             write_optimizer(directory, moments, {"optimizer_step": adam_step_count(_base_optimizer(self.engine)),
                                                  "scheduler_step": self.scheduler.last_epoch})
 
-    def load(self, directory: str, *, optimizer: bool = True) -> None:
+    def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
         from ..checkpoint.state import read_model, read_optimizer, slots
         from ..errors import CheckpointError
 
-        weights = read_model(directory)
+        weights = read_model(directory) if weights is None else weights
         model_slots = slots(self.model)
         wanted = {k for slot in model_slots for k in slot.keys()}
         missing, unexpected = sorted(wanted - weights.keys()), sorted(weights.keys() - wanted)

@@ -45,6 +45,12 @@ class EncoderConfig:
 
 
 class MoleculeEncoder(nn.Module):
+    #: what a fine-tuning fork (another ``model.num_tasks`` or ``task_type``) starts afresh:
+    #: the property heads, by canonical name prefix
+    TASK_HEADS = ("classifier.",)
+    #: the recipe keys that define the heads
+    TASK_KEYS = ("model.num_tasks", "model.task_type")
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         from transformers import RobertaForMaskedLM
