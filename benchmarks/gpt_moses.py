@@ -9,7 +9,7 @@
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
    ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer, and for
    a recipe that reads randomized SMILES ``--randomized_variants`` stored spellings, 8 by
-   default, as the README's command), or from the bundled sample when the manifest is the
+   default, as the command of docs/tutorials/cpu-moses.md), or from the bundled sample when the manifest is the
    quick start's ``runs/quickstart/data``.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
    run directory; ``--seed`` sets run.seed and data.seed; ``--steps`` trainer.max_steps).
@@ -50,7 +50,7 @@ PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.84
 
 
 def preprocess(source: str, manifest_dir: str, variants: int = 0) -> None:
-    """The README's ETL command (``variants``: stored randomized spellings per training molecule)."""
+    """The ETL command of docs/tutorials/cpu-moses.md (``variants``: stored randomized spellings per training molecule)."""
     subprocess.run(["molds-preprocess", "--input", source, "--smiles-column", "SMILES", "--output", manifest_dir,
                     "--split", "scaffold", "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex",
                     "--workers", str(os.cpu_count() or 1)]

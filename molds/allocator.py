@@ -29,7 +29,7 @@ RDKit allocates and frees dozens of same-sized objects a molecule, glibc's mallo
 are about a third of a bare RDKit loop's instructions (callgrind), and glibc's per-thread
 cache of freed blocks holds only 7 a size. With 256 (``TCACHE_TUNABLE``) most of those calls
 stay in the cache; together with molecules used as the SD supplier reads them, the map
-stage's work on an SD record is ~16 % faster (README, "SD files"). No ``mallopt`` sets it:
+stage's work on an SD record is ~16 % faster (docs/benchmarks/etl.md, "SD files"). No ``mallopt`` sets it:
 glibc reads ``GLIBC_TUNABLES`` only when a process starts, so the command re-runs itself
 once, at start, with it added; its workers are forked and inherit it.
 ``MOLDS_SYSTEM_ALLOCATOR=1`` keeps the C library's defaults here too.

@@ -45,3 +45,40 @@ def test_every_console_script_and_recipe_key_is_in_the_reference():
     for section in dataclasses.fields(Recipe):
         for f in dataclasses.fields(type(getattr(Recipe(), section.name))):
             assert f"| `{section.name}.{f.name}` |" in recipe, f"{section.name}.{f.name}"
+
+
+def _nav_pages() -> set[str]:
+    import re
+
+    text = open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8").read()
+    return set(re.findall(r":\s*([\w/.-]+\.md)\s*$", text.split("nav:", 1)[1], re.M))
+
+
+def test_every_page_is_in_the_nav_and_every_shipped_recipe_is_documented():
+    pages = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "docs")):
+        pages |= {os.path.relpath(os.path.join(folder, f), os.path.join(ROOT, "docs")) for f in files if f.endswith(".md")}
+    assert pages - _nav_pages() == set(), "pages the site's navigation does not reach"
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    text += "".join(open(os.path.join(ROOT, "docs", p), encoding="utf-8").read() for p in sorted(pages))
+    recipes = []
+    for folder in ("recipes", os.path.join("recipes", "smoke")):
+        recipes += [os.path.join(folder, f) for f in sorted(os.listdir(os.path.join(ROOT, folder))) if f.endswith(".json")]
+    assert len(recipes) >= 20
+    full = [r for r in recipes if os.sep + "smoke" + os.sep not in r]
+    # a full-size recipe is named in the README's table (by path, or by name after its folder's first entry)
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    missing = [r for r in full if r not in readme and f"`{os.path.basename(r)}`" not in readme]
+    assert not missing, f"full-size recipes the README's recipe table does not name: {missing}"
+    missing = [r for r in recipes if r.replace(os.sep, "/") not in text]
+    assert not missing, f"shipped recipes no page names: {missing}"
+
+
+def test_the_readme_is_short_and_is_the_package_description():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(readme.splitlines()) <= 250
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    assert 'long_description=open("README.md"' in setup
+    for page in ("docs/getting-started.md", "docs/status.md", "docs/guarantees.md", "docs/benchmarks/index.md",
+                 "CHANGELOG.md", "CONTRIBUTING.md", "LICENSE"):
+        assert page in readme, f"the README does not link {page}"

@@ -1,4 +1,4 @@
-"""The README's "Guarantees" table names, for every fault, the tests that prove it: each
+"""The "Guarantees" table (``docs/guarantees.md``, linked from the README) names, for every fault, the tests that prove it: each
 named file exists, holds tests, and none of them is skipped where CI runs (a CPU machine:
 only a test that needs a GPU may skip there, and says so). A promise whose proof CI never
 runs is a promise nobody checks."""
@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 
 def guarantee_rows() -> list[tuple[str, list[str]]]:
     """(fault, test files named in its last column) for every row of the table."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    table = text.split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "guarantees.md"), encoding="utf-8").read()
+    table = text.split("# Guarantees", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,10 +1,11 @@
-"""Every command the README shows parses with the parser that would run it.
+"""Every command the README and the documentation (``docs/**/*.md``) show parses with the
+parser that would run it.
 
-The README's ``bash`` blocks are read line by line (``\\`` continuations joined, comments
+Their ``bash`` blocks are read line by line (``\\`` continuations joined, comments
 dropped) and each command goes to its own parser without running the job: the launchers'
 (DeepSpeed's runner, torchrun's), the recipe parser (recipe file, overrides and their
 ranges), each console script's, each benchmark's argparse. A renamed option, a recipe that
-moved, a launcher flag that does not exist fails here, naming the README line. Commands
+moved, a launcher flag that does not exist fails here, naming the file and line. Commands
 that are no molds program (``pip``, ``ls``) are listed by name below, so a new kind of
 command fails until someone says how to check it.
 """
@@ -22,20 +23,31 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: the README's shell variables: each becomes a directory of the test's, where the files a
-#: command names under it are made (a benchmark checks that its reference files exist)
-SHELL_VARIABLES = ("$D",)
+#: the documents' shell variables: each becomes a directory of the test's, where the files a
+#: command names under it are made (a benchmark checks that its reference files exist);
+#: ``$head`` is the Slurm example's first node
+SHELL_VARIABLES = ("$D", "$head")
 #: commands that are not molds' to check, each with why
 OTHERS = {
     "pip": "pip's own command (fetching the MOSES wheel)",
     "ls": "a look at a directory",
     "python -m": "a standard-library module (unzipping the MOSES wheel)",
+    "tensorboard": "TensorBoard's viewer, pointed at a run's events",
+    "export": "an environment variable for the launcher (the Slurm example)",
 }
 
 
-def readme_commands() -> list[tuple[int, str]]:
-    """(line number, command) for every command in the README's bash blocks."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def documents() -> list[str]:
+    """README.md and every page of the documentation, relative to the repository."""
+    pages = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "docs")):
+        pages += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".md")]
+    return ["README.md", *sorted(pages)]
+
+
+def readme_commands(document: str = "README.md") -> list[tuple[int, str]]:
+    """(line number, command) for every command in one document's bash blocks."""
+    text = open(os.path.join(ROOT, document), encoding="utf-8").read()
     out = []
     for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
         first = text.count("\n", 0, block.start(1)) + 1
@@ -152,6 +164,9 @@ def check(command: str, monkeypatch, where: str) -> None:
     if head == "bash":
         assert os.path.isfile(os.path.join(ROOT, argv[1])), f"{argv[1]}: no such script"
         return
+    if head == "srun":  # Slurm starts the command on every node; the command is what is checked
+        argv = argv[1:]
+        head = argv[0]
     if head in ("deepspeed", "torchrun"):
         _launcher(argv)
     elif head == "python" and argv[1] == "molds/train.py":
@@ -164,17 +179,20 @@ def check(command: str, monkeypatch, where: str) -> None:
         raise AssertionError(f"no check for {head!r}: say how to check it (or add it to OTHERS with why)")
 
 
-COMMANDS = readme_commands()
+COMMANDS = [(doc, n, c) for doc in documents() for n, c in readme_commands(doc)]
 
 
-def test_the_readme_has_its_commands():
-    heads = {_argv(c)[0] for _, c in COMMANDS}
-    assert {"molds-preprocess", "molds-sample", "molds-eval", "deepspeed", "torchrun", "python"} <= heads
-    assert len(COMMANDS) > 50
+def test_the_documents_have_their_commands():
+    heads = {_argv(c)[0] for doc, _, c in COMMANDS if doc == "README.md"}
+    assert {"bash", "molds-preprocess", "molds-sample", "molds-eval", "deepspeed", "torchrun"} <= heads
+    docs = {doc for doc, _, _ in COMMANDS}
+    assert {"docs/getting-started.md", "docs/guides/etl.md", "docs/tutorials/cpu-moses.md",
+            "docs/guides/multi-node.md"} <= docs
+    assert len(COMMANDS) > 80
 
 
-@pytest.mark.parametrize("line,command", COMMANDS, ids=[f"README:{n}" for n, _ in COMMANDS])
-def test_readme_command_parses(line, command, monkeypatch, tmp_path):
+@pytest.mark.parametrize("document,line,command", COMMANDS, ids=[f"{d}:{n}" for d, n, _ in COMMANDS])
+def test_readme_command_parses(document, line, command, monkeypatch, tmp_path):
     # relative paths in a command are the repository's (recipes/, benchmarks/); a config file
     # the README names but a user writes (preprocess.json) is made here
     monkeypatch.chdir(ROOT)
@@ -187,6 +205,6 @@ def test_readme_command_parses(line, command, monkeypatch, tmp_path):
     except AssertionError:
         raise
     except SystemExit as exc:  # --print_config / --print true: printed, and exits 0
-        assert exc.code in (0, None), f"README.md:{line}: {command}\n  -> exit status {exc.code}"
+        assert exc.code in (0, None), f"{document}:{line}: {command}\n  -> exit status {exc.code}"
     except BaseException as exc:  # noqa: BLE001  a parser's refusal, named with the README line
-        raise AssertionError(f"README.md:{line}: {command}\n  -> {type(exc).__name__}: {exc}") from None
+        raise AssertionError(f"{document}:{line}: {command}\n  -> {type(exc).__name__}: {exc}") from None

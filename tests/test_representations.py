@@ -1,7 +1,7 @@
 """A model trained on SELFIES or SAFE strings: the representation flows through training-time
 samples, molds-sample (SMILES by default, the strings with --raw), molds-eval (the decoded
 molecules are scored; the decodable share beside them) and the HF export (its tokenizer
-spells the representation; the README says how to decode). Constrained sampling: every
+spells the representation; docs/guides/representations.md says how to decode). Constrained sampling: every
 sample starts with its prefix, and the share that keeps the constraint is the share whose
 decoded molecule holds the fragments (checked here with RDKit directly)."""
 

@@ -7,7 +7,7 @@ The weights of checkpoints taken a few thousand steps apart late in a run, avera
 stochastic weight averaging do), sit nearer the middle of the region the optimizer
 wanders in than any one of them. For a chemical language model that means fewer
 molecules it has memorized from its last few hundred thousand training rows and
-more valid ones (measured on MOSES in the README). It is done after training, on
+more valid ones (measured on MOSES: docs/benchmarks/cpu-moses.md). It is done after training, on
 the canonical files, so it is the same for every engine and parallel layout.
 
 Why not ``torch.optim.swa_utils``: it averages a live module during training (it

@@ -1,5 +1,5 @@
 """A run directory at the start of a run: continue it, fork from a checkpoint, or start
-over, and never overwrite an earlier run by accident (README: run directories)."""
+over, and never overwrite an earlier run by accident (docs/guides/training.md: run directories)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from ..config import _BIG
 class GoalConfig:
     """Goal-directed fine-tuning (REINVENT's augmented-likelihood RL): with ``prior`` set,
     ``molds/train.py`` steers an agent, initialised from the prior, toward ``scoring``
-    (see README: Steering a model toward a goal). The model and manifest are the prior's;
+    (see docs/tutorials/goal.md). The model and manifest are the prior's;
     ``trainer.max_steps`` bounds the steps, ``optim`` trains the agent, ``checkpoint``
     saves and resumes it (the call ledger, memory and filter with it)."""
 

@@ -2,13 +2,13 @@
 each with one 3D conformer, as JSON lines in the layout conformer datasets ship (GEOM,
 docking exports): the SMILES in a random (seeded) spelling, and ``conformer`` the heavy
 atoms' [x, y, z] in Å, in that spelling's atom order and in the frame the embedding left
-them, 3 decimals. It is the input of the README's ``--unit_template`` example. The
+them, 3 decimals. It is the input of the ``--unit-template`` example in docs/tutorials/conformers.md. The
 conformers are RDKit ETKDGv3 + MMFF94 geometries (seeded), not measured ones.
 
 Also writes moses_sample_conformers.sdf.gz: the first ``SD_COUNT`` of the same molecules and
 geometries as a 3D SD file as a vendor's 3D library or a docking run writes one (V2000, the
 hydrogens with their coordinates, atoms in the spelling's order, the id as each record's
-title): the input of the README's ``--conformers sd`` example.
+title): the input of the ``--conformers sd`` example in docs/tutorials/conformers.md.
 
     python molds/sample_data/make_conformers.py
 """

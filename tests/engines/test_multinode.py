@@ -187,7 +187,7 @@ def test_a_lost_node_ends_the_job_on_the_other_node_naming_the_lost_rank(dataset
         _kill(procs)
     assert code != 0
     # seen 5.7 s (torchrun, zero) and 6.5 s (deepspeed, pipeline) on 2 cores: the failed collective,
-    # then the heartbeats read; held to 20 s (the README: "within about ten seconds")
+    # then the heartbeats read; held to 20 s (docs/guides/multi-node.md: "within about ten seconds")
     assert took < 20, f"the surviving node took {took:.1f} s to end"
     text = open(logs[0]).read()
     lines = [x for x in text.splitlines() if "molds-train: error" in x]
@@ -201,7 +201,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(dataset, tmp
     restart (only the failed node counts one), continue from the newest checkpoint by
     themselves and end at step 6 with the losses and weights of a run nobody killed (to
     float32 rounding). With
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README says: torch 2.13's shared rendezvous
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as docs/guides/multi-node.md says: torch 2.13's shared rendezvous
     store keeps the failed attempt's keys, and the new ranks then read dead addresses (seen
     failing 2 of 3 times without it, 5 of 5 passing with it)."""
     from safetensors.torch import load_file
