@@ -47,15 +47,22 @@ def _restored(rank, world, argv, checkpoint):
     return weights, heads
 
 
-@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)])
-def test_a_fork_into_property_heads_keeps_the_pretrained_body(dataset, tmp_path, engine, stage):
-    from molds.checkpoint import resolve
-    from molds.checkpoint.state import read_model
+@pytest.fixture(scope="module")
+def pretrained(dataset, tmp_path_factory) -> str:
+    """A run of an encoder trained without property heads (3 steps, MLM only)."""
     from molds.train import main
 
-    pre = str(tmp_path / "pretrain")
+    pre = str(tmp_path_factory.mktemp("pretrain") / "run")
     main(_argv(dataset, pre, "ddp", 3, tasks=0))
-    checkpoint = resolve(pre)
+    return pre
+
+
+@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)])
+def test_a_fork_into_property_heads_keeps_the_pretrained_body(pretrained, dataset, tmp_path, engine, stage):
+    from molds.checkpoint import resolve
+    from molds.checkpoint.state import read_model
+
+    checkpoint = resolve(pretrained)
     saved = read_model(checkpoint)
     assert not any(k.startswith("classifier.") for k in saved)
     argv = _argv(dataset, str(tmp_path / "fine"), engine, 2, tasks=2,
@@ -70,12 +77,11 @@ def test_a_fork_into_property_heads_keeps_the_pretrained_body(dataset, tmp_path,
         assert torch.equal(weights[k].float(), v.float()), k  # the heads: the new model's own initialization
 
 
-def test_fine_tuning_trains_says_so_and_refuses_forked_moments(dataset, tmp_path, capfd):
+def test_fine_tuning_trains_says_so_and_refuses_forked_moments(pretrained, dataset, tmp_path, capfd):
     from molds.errors import RecipeError
     from molds.train import main
 
-    pre = str(tmp_path / "pretrain")
-    main(_argv(dataset, pre, "ddp", 3, tasks=0))
+    pre = pretrained
     capfd.readouterr()
     fine = str(tmp_path / "fine")
     result = main(_argv(dataset, fine, "ddp", 3, tasks=2,
