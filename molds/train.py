@@ -256,6 +256,7 @@ def setup(recipe, plan=None) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
     the recipe resolved for this world size (``molds.plan``; resolved here when not given)."""
     from molds.allocator import retain_freed_memory
+    from molds.checkpoint.resume import fine_tune_heads, resumed_dtype
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
@@ -277,14 +278,14 @@ def setup(recipe, plan=None) -> Run:
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
-    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist, _resumed_dtype(recipe, resume_from))
+    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist, resumed_dtype(recipe, resume_from))
     if plan.world_size != dist.world_size:
         raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
     batching = plan.batching
     # the same on every rank; for the pipeline only its structure (each rank materializes its own stages)
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed,
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
-    fresh_heads = _fine_tune_heads(recipe, resume_from, model)  # the bare model's own, before any engine
+    fresh_heads = fine_tune_heads(recipe, resume_from, model)  # the bare model's own, before any engine
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
@@ -319,46 +320,6 @@ def setup(recipe, plan=None) -> Run:
     run.evaluator = TrainingEvaluator(recipe, engine, dist, manifest, tokenizer, run.log)
     _start_summary(run, parameters)
     return run
-
-
-def _fine_tune_heads(recipe, path: str | None, model) -> tuple | None:
-    """A fork whose model differs from its checkpoint's only in the property heads (an
-    encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; or
-    another number or kind of tasks): (the heads' name prefixes, this model's freshly
-    initialized head tensors, what changed). None for anything else: a resume, a fork of
-    the same model, a model without heads (another difference is refused when the weights
-    are loaded, naming the tensors)."""
-    heads = getattr(model, "TASK_HEADS", None)
-    if path is None or not recipe.checkpoint.fork or not heads:
-        return None
-    from molds.checkpoint import read_lineage
-    from molds.checkpoint.resume import recipe_changes
-    from molds.checkpoint.state import canonical_state
-
-    changes = recipe_changes(read_lineage(path).get("recipe", {}), recipe.to_dict())
-    changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
-    if not changed:
-        return None
-    if recipe.checkpoint.fork_optimizer:
-        from molds.errors import RecipeError
-
-        raise RecipeError("checkpoint.fork_optimizer: the property heads change ("
-                          + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items())
-                          + "), so their optimizer moments do not exist: fork the weights alone "
-                          "(--checkpoint.fork_optimizer false)")
-    tensors = {k: v.clone() for k, v in canonical_state(model).items() if k.startswith(heads)}
-    return heads, tensors, changed
-
-
-def _resumed_dtype(recipe, path: str | None) -> str | None:
-    """What the run a resume continues computed in (``trainer.precision=auto`` keeps it);
-    None for a fresh start, a fork, or a checkpoint whose lineage does not say."""
-    if path is None or recipe.checkpoint.fork:
-        return None
-    from molds.checkpoint import read_lineage
-
-    plan = read_lineage(path).get("plan")
-    return plan.get("dtype") if isinstance(plan, dict) else None
 
 
 def _resume(run: Run, path: str) -> None:

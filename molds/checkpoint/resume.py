@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RecipeError
 
 RESUME_MUTABLE = (
     # the learning-rate schedule and the length of the run
@@ -79,3 +79,40 @@ def check_resume(path: str, saved: dict, lineage: dict, fork: bool) -> dict:
             "checkpoint.*, the parallel layout and data-reading options; to start a new run from these "
             "weights pass --checkpoint.fork true (and a new --run.output_dir)")
     return {k: v for k, v in changes.items() if is_mutable(k)}
+
+
+def fine_tune_heads(recipe, path: str | None, model) -> tuple | None:
+    """A fork whose model differs from its checkpoint's only in the property heads (an
+    encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; or
+    another number or kind of tasks): (the heads' name prefixes, this model's freshly
+    initialized head tensors, what changed). None for anything else: a resume, a fork of
+    the same model, a model without heads (another difference is refused when the weights
+    are loaded, naming the tensors)."""
+    heads = getattr(model, "TASK_HEADS", None)
+    if path is None or not recipe.checkpoint.fork or not heads:
+        return None
+    from .layout import read_lineage
+    from .state import canonical_state
+
+    changes = recipe_changes(read_lineage(path).get("recipe", {}), recipe.to_dict())
+    changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
+    if not changed:
+        return None
+    if recipe.checkpoint.fork_optimizer:
+        raise RecipeError("checkpoint.fork_optimizer: the property heads change ("
+                          + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items())
+                          + "), so their optimizer moments do not exist: fork the weights alone "
+                          "(--checkpoint.fork_optimizer false)")
+    tensors = {k: v.clone() for k, v in canonical_state(model).items() if k.startswith(heads)}
+    return heads, tensors, changed
+
+
+def resumed_dtype(recipe, path: str | None) -> str | None:
+    """What the run a resume continues computed in (``trainer.precision=auto`` keeps it);
+    None for a fresh start, a fork, or a checkpoint whose lineage does not say."""
+    if path is None or recipe.checkpoint.fork:
+        return None
+    from .layout import read_lineage
+
+    plan = read_lineage(path).get("plan")
+    return plan.get("dtype") if isinstance(plan, dict) else None

@@ -26,12 +26,12 @@ def _restored(rank, world, argv, checkpoint):
     from molds.models.loss import build_loss
     from molds.recipe import parse_recipe
     from molds.tokens import tokenizer_info
-    from molds.train import _fine_tune_heads
+    from molds.checkpoint.resume import fine_tune_heads
 
     recipe = parse_recipe(argv)
     dist = init_distributed(need_group=recipe.parallel.engine == "zero")
     model = build_model(recipe.model, tokenizer_info(Manifest.load(recipe.data.manifest)), seed=recipe.run.seed)
-    fresh = _fine_tune_heads(recipe, checkpoint, model)
+    fresh = fine_tune_heads(recipe, checkpoint, model)
     assert fresh is not None and fresh[2] == {"model.num_tasks": [0, 2]}
     heads = {k: v.clone() for k, v in fresh[1].items()}
     engine = build_engine(recipe, model, build_loss(recipe.model), dist)
