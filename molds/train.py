@@ -256,6 +256,7 @@ def setup(recipe, plan=None) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
     the recipe resolved for this world size (``molds.plan``; resolved here when not given)."""
     from molds.allocator import retain_freed_memory
+    from molds.checkpoint import read_lineage
     from molds.checkpoint.resume import fine_tune_heads, resumed_dtype
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.data.loader import MoleculeLoader
@@ -277,15 +278,16 @@ def setup(recipe, plan=None) -> Run:
     manifest = Manifest.load(recipe.data.manifest)
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
+    saved = read_lineage(resume_from) if resume_from is not None else None  # read once, for every resume rule
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
-    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist, resumed_dtype(recipe, resume_from))
+    plan = (plan or resolve_plan(recipe, dist.world_size)).on_device(recipe, dist, resumed_dtype(recipe, saved))
     if plan.world_size != dist.world_size:
         raise RuntimeError(f"the plan is for {plan.world_size} ranks, the process group has {dist.world_size}")
     batching = plan.batching
     # the same on every rank; for the pipeline only its structure (each rank materializes its own stages)
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed,
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
-    fresh_heads = fine_tune_heads(recipe, resume_from, model)  # the bare model's own, before any engine
+    fresh_heads = fine_tune_heads(recipe, saved, model)  # the bare model's own, before any engine
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
@@ -308,7 +310,7 @@ def setup(recipe, plan=None) -> Run:
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan,
               fresh_heads=fresh_heads)
     if resume_from is not None:
-        _resume(run, resume_from)
+        _resume(run, resume_from, saved)
     if dist.is_main:
         from molds.atomic import write_json
 
@@ -322,12 +324,12 @@ def setup(recipe, plan=None) -> Run:
     return run
 
 
-def _resume(run: Run, path: str) -> None:
-    from molds.checkpoint import read_lineage, restore
+def _resume(run: Run, path: str, saved: dict) -> None:
+    """Continue or fork ``path``, whose lineage is ``saved``."""
+    from molds.checkpoint import restore
     from molds.checkpoint.resume import check_resume
 
     recipe, dist = run.recipe, run.dist
-    saved = read_lineage(path)
     fork = recipe.checkpoint.fork
     changes = check_resume(path, saved, run.lineage, fork)
     if fork:

@@ -81,20 +81,20 @@ def check_resume(path: str, saved: dict, lineage: dict, fork: bool) -> dict:
     return {k: v for k, v in changes.items() if is_mutable(k)}
 
 
-def fine_tune_heads(recipe, path: str | None, model) -> tuple | None:
+def fine_tune_heads(recipe, saved: dict | None, model) -> tuple | None:
     """A fork whose model differs from its checkpoint's only in the property heads (an
     encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; or
     another number or kind of tasks): (the heads' name prefixes, this model's freshly
     initialized head tensors, what changed). None for anything else: a resume, a fork of
     the same model, a model without heads (another difference is refused when the weights
-    are loaded, naming the tensors)."""
+    are loaded, naming the tensors). ``saved``: the checkpoint's lineage (None: a fresh
+    start)."""
     heads = getattr(model, "TASK_HEADS", None)
-    if path is None or not recipe.checkpoint.fork or not heads:
+    if saved is None or not recipe.checkpoint.fork or not heads:
         return None
-    from .layout import read_lineage
     from .state import canonical_state
 
-    changes = recipe_changes(read_lineage(path).get("recipe", {}), recipe.to_dict())
+    changes = recipe_changes(saved.get("recipe", {}), recipe.to_dict())
     changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
     if not changed:
         return None
@@ -107,12 +107,11 @@ def fine_tune_heads(recipe, path: str | None, model) -> tuple | None:
     return heads, tensors, changed
 
 
-def resumed_dtype(recipe, path: str | None) -> str | None:
-    """What the run a resume continues computed in (``trainer.precision=auto`` keeps it);
-    None for a fresh start, a fork, or a checkpoint whose lineage does not say."""
-    if path is None or recipe.checkpoint.fork:
+def resumed_dtype(recipe, saved: dict | None) -> str | None:
+    """What the run a resume continues computed in (``trainer.precision=auto`` keeps it),
+    from its lineage ``saved``; None for a fresh start, a fork, or a lineage that does not
+    say."""
+    if saved is None or recipe.checkpoint.fork:
         return None
-    from .layout import read_lineage
-
-    plan = read_lineage(path).get("plan")
+    plan = saved.get("plan")
     return plan.get("dtype") if isinstance(plan, dict) else None

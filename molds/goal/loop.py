@@ -92,7 +92,8 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
 
 
 def setup_goal(recipe, scorers) -> GoalRun:
-    from ..checkpoint import open_checkpoint
+    from ..checkpoint import open_checkpoint, read_lineage
+    from ..checkpoint.resume import resumed_dtype
     from ..checkpoint.rundir import plan_resume, prepare_output_dir
     from ..checkpoint.state import load_canonical, read_model
     from ..distributed import init_distributed
@@ -120,8 +121,9 @@ def setup_goal(recipe, scorers) -> GoalRun:
         p.requires_grad_(False)
     recipe, notes = goal_recipe(recipe, prior, dist.world_size)
     resume_from = plan_resume(recipe)
+    saved = read_lineage(resume_from) if resume_from is not None else None
     prepare_output_dir(recipe, dist, resuming=resume_from is not None)
-    plan = resolve_plan(recipe, dist.world_size).on_device(recipe, dist)
+    plan = resolve_plan(recipe, dist.world_size).on_device(recipe, dist, resumed_dtype(recipe, saved))
     model = build_model(recipe.model, prior.specials, seed=recipe.run.seed)
     load_canonical(model, read_model(prior.checkpoint), prior.checkpoint)  # the agent starts as the prior
     parameters = count_parameters(model)
@@ -147,7 +149,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
                                                                   recipe.model.max_position_embeddings)
     run.forbid = forbidden_tokens(prior.recipe, prior.specials)
     if resume_from is not None:
-        _resume(run, resume_from)
+        _resume(run, resume_from, saved)
     elif dist.is_main:
         _write_scored_header(run)
     if dist.is_main:
@@ -171,11 +173,11 @@ def setup_goal(recipe, scorers) -> GoalRun:
     return run
 
 
-def _resume(run: GoalRun, path: str) -> None:
-    from ..checkpoint import read_lineage, restore
+def _resume(run: GoalRun, path: str, saved: dict) -> None:
+    """Continue the goal run ``path``, whose lineage is ``saved``."""
+    from ..checkpoint import restore
     from ..checkpoint.resume import check_resume
 
-    saved = read_lineage(path)
     if "goal" not in saved:
         raise CheckpointError(f"{path} is a training checkpoint, not a goal run's: to steer it, name it as goal.prior "
                               f"in a new run.output_dir")

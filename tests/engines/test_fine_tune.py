@@ -31,7 +31,9 @@ def _restored(rank, world, argv, checkpoint):
     recipe = parse_recipe(argv)
     dist = init_distributed(need_group=recipe.parallel.engine == "zero")
     model = build_model(recipe.model, tokenizer_info(Manifest.load(recipe.data.manifest)), seed=recipe.run.seed)
-    fresh = fine_tune_heads(recipe, checkpoint, model)
+    from molds.checkpoint import read_lineage
+
+    fresh = fine_tune_heads(recipe, read_lineage(checkpoint), model)
     assert fresh is not None and fresh[2] == {"model.num_tasks": [0, 2]}
     heads = {k: v.clone() for k, v in fresh[1].items()}
     engine = build_engine(recipe, model, build_loss(recipe.model), dist)
