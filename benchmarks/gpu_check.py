@@ -229,7 +229,10 @@ def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
 def prepare_data(ctx) -> dict:
     """The bundled sample (and its labelled twin) preprocessed into the work directory."""
     from molds.data.manifest import Manifest
-    from molds.preprocessing.cli import main as preprocess
+    try:  # installed (setup.py maps preprocessing/ to molds.preprocessing)
+        from molds.preprocessing.cli import main as preprocess
+    except ModuleNotFoundError:  # the checkout at ROOT shadows the installed molds
+        from preprocessing.cli import main as preprocess
 
     out = {}
     for name, src, extra in (("data", SAMPLE, []), ("labelled", LABELLED,
