@@ -164,7 +164,7 @@ class Experts(nn.Module):
             for e in range(self.num_local):
                 gen = torch.Generator().manual_seed(part_seed(base, *key, "expert", self.offset + e))
                 for w in (self.gate, self.up, self.down):
-                    w[e].copy_(torch.randn(w[e].shape, generator=gen) * std)
+                    w[e].copy_(torch.randn(w[e].shape, generator=gen, device="cpu") * std)  # a CPU generator, whatever the default device
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, hidden] sorted by local expert, ``counts`` [num_local] tokens per expert."""
