@@ -84,6 +84,7 @@ PARITY_STEPS, PARITY_FIRST_RTOL, PARITY_RTOL = 5, 1e-4, 1e-3
 class Context:
     def __init__(self, args, name: str):
         self.args, self.name, self.dry = args, name, args.dry_run
+        self.runs = getattr(args, "runs", None)
         self.out, self.work = args.out, args.work
         self.deadline = time.monotonic() + args.seconds
         self.path = section_path(args.work, name)
@@ -307,6 +308,8 @@ def section_training(ctx) -> dict:
     result["preprocess_s"] = time.perf_counter() - t
     steps, every = (3, 1) if ctx.dry else (30, 5)
     for name, recipe, overrides in training_runs(ctx.dry):
+        if ctx.runs and name not in ctx.runs:
+            continue
         if ctx.left() < (30 if name == "fp32_parity" else 20):
             (result["runs"] if recipe else result)[name] = {"skipped": "out of time"}
             continue
@@ -488,7 +491,8 @@ def orchestrate(args) -> dict:
             continue
         say(f"{name} (at most {seconds:.0f} s)")
         cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", args.out, "--work", args.work,
-               "--seconds", f"{seconds:.1f}"] + (["--dry-run"] if args.dry_run else [])
+               "--seconds", f"{seconds:.1f}"] + (["--dry-run"] if args.dry_run else []) + (
+                  ["--runs", *args.runs] if args.runs else [])
         section_file = section_path(args.work, name)
         if os.path.exists(section_file):  # an earlier check's, in a reused work directory
             os.remove(section_file)
@@ -532,6 +536,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None, help="the commit this tree is (a copied tree has no .git)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="seconds for everything (default 450)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None, help="run only these, in this order")
+    ap.add_argument("--runs", nargs="+", choices=[n for n, _, _ in training_runs(False)], default=None,
+                    help="the training section runs only these (a second window finishing what the first could not)")
     ap.add_argument("--section", choices=SECTIONS, default=None, help=argparse.SUPPRESS)  # one section (a child)
     ap.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
