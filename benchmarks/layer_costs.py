@@ -50,12 +50,14 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     variants = {"bf16": {"fp8": False, "triton": False}, "bf16_triton": {"fp8": False, "triton": True},
                 "bf16_triton_molds": {"fp8": False, "triton": True, "fused_backend": "molds"},
                 "fp8": {"fp8": True, "triton": False}, "fp8_triton": {"fp8": True, "triton": True},
+                # every product in FP8 whatever the recipe's kernels.fp8_products: the ratio measured here is
+                # what that choice is about
                 "fp8_rowwise": {"fp8": True, "triton": False, "fp8_recipe": "rowwise", "fp8_grad_format": "e4m3"},
                 "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"}}
     for name, options in variants.items():
         model = build_model(recipe.model, tok, seed=0, device=device)
         loss_fn = build_loss(recipe.model)
-        apply_kernels(model, dataclasses.replace(recipe.kernels, **options), loss_fn, device)
+        apply_kernels(model, dataclasses.replace(recipe.kernels, **options, fp8_products="all"), loss_fn, device)
 
         def step(model=model, loss_fn=loss_fn):
             with autocast:
@@ -113,6 +115,7 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
     from molds.engines.schedule import build, simulate
     from molds.engines.stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe
     from molds.kernels import apply_kernels
+    from molds.kernels.fp8_select import choose_fp8_products
     from molds.models import build_model
     from molds.models.loss import build_loss
     from molds.models.wgrad import WeightGradStore, defer_weight_grads
@@ -120,7 +123,9 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
     batch, _ = one_batch(recipe, device)
     model = build_model(recipe.model, tok, seed=0, device=device)
     loss_fn = build_loss(recipe.model)
-    apply_kernels(model, recipe.kernels, loss_fn, device)
+    # the products the recipe runs in FP8 (kernels.fp8_products=faster: those measured faster here)
+    choice = choose_fp8_products(model, recipe.kernels, device, torch.bfloat16, batch["input_ids"].numel())
+    apply_kernels(model, recipe.kernels, loss_fn, device, choice)
     defer_weight_grads(model)
     body, cfg = model.model, model.config
     in_loss = getattr(model, "head_in_loss", False)
@@ -170,7 +175,9 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
             x = (x[0],) + ids if last else layer(x)
     names = ["embed"] + [f"layer{i}" for i in range(len(body.layers))] + ["norm", "head_loss"]
     out = {"micro_batch": list(batch["input_ids"].shape), "kernels": {"fp8": recipe.kernels.fp8,
-                                                                     "triton": recipe.kernels.triton},
+                                                                     "triton": recipe.kernels.triton,
+                                                                     "fp8_products": choice.describe() if choice
+                                                                     else recipe.kernels.fp8_products},
            "all_to_all": "none: one device (ep 1); the costs hold no expert-parallel exchange",
            "layers": dict(zip(names, costs)), "schedules": {}}
     from deepspeed.runtime.utils import partition_balanced

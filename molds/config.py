@@ -317,6 +317,13 @@ class KernelsConfig:
     elsewhere); the LM head, router and experts keep the run's precision. Which one is
     fastest is measured per card (benchmarks/gpu_check.py)."""
 
+    fp8_products: Literal["all", "faster"] = "all"
+    """kernels.fp8 (block-wise): which products run in FP8. ``all``: every linear and expert
+    set the other switches name. ``faster``: at start each distinct product shape is timed,
+    forward and backward at a micro-batch's tokens, in FP8 and in the run's precision, and
+    only those FP8 ran faster are converted; the start line and the lineage give each
+    product's ratio, and a resume keeps the choice of the run it continues."""
+
     fp8_lm_head: bool = False
     """kernels.fp8: the LM head in FP8 too (off: it keeps the run's precision)."""
 

@@ -111,11 +111,16 @@ class Precision:
         return None
 
 
+def micro_batch_tokens(recipe) -> int:
+    """Token rows of one micro-batch: the rows every product of the model multiplies."""
+    d = recipe.data
+    return d.micro_batch_size * (d.seq_len if d.mode == "packed" else d.max_length)
+
+
 def gemm_shape(recipe) -> tuple[int, int, int]:
     """The model's typical product: a micro-batch's tokens (at most 1,024 rows, enough for
     the rate) x hidden -> the MLP's width."""
-    m, d = recipe.model, recipe.data
-    tokens = d.micro_batch_size * (d.seq_len if d.mode == "packed" else d.max_length)
+    m, tokens = recipe.model, micro_batch_tokens(recipe)
     width = m.intermediate_size or -(-int(m.hidden_size * 8 / 3) // 64) * 64  # the decoder's default
     return min(1024, max(16, tokens)), m.hidden_size, width
 

@@ -332,11 +332,14 @@ def check_kernels(recipe: Recipe) -> None:
     if not k.fp8:
         unused = [f"kernels.{key}" for key, default in (("fp8_recipe", "blockwise"), ("fp8_lm_head", False),
                                                          ("fp8_router", False), ("fp8_pow2_scales", False),
-                                                         ("fp8_grad_format", "e5m2"))
+                                                         ("fp8_grad_format", "e5m2"), ("fp8_products", "all"))
                   if getattr(k, key) != default]
         if unused:
             raise RecipeError(f"{', '.join(unused)} applies with kernels.fp8=true (it is off)")
     if k.fp8 and k.fp8_recipe != "blockwise":
+        if k.fp8_products != "all":
+            raise RecipeError(f"kernels.fp8_products={k.fp8_products} applies to kernels.fp8_recipe=blockwise "
+                              f"(molds' own FP8); torchao's {k.fp8_recipe} recipe converts every linear")
         for key in ("fp8_lm_head", "fp8_router"):
             if getattr(k, key):
                 raise RecipeError(f"kernels.{key} applies to kernels.fp8_recipe=blockwise (molds' own FP8); "

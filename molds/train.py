@@ -257,7 +257,7 @@ def setup(recipe, plan=None) -> Run:
     the recipe resolved for this world size (``molds.plan``; resolved here when not given)."""
     from molds.allocator import retain_freed_memory
     from molds.checkpoint import read_lineage
-    from molds.checkpoint.resume import fine_tune_heads, resumed_dtype
+    from molds.checkpoint.resume import fine_tune_heads, resumed_dtype, resumed_fp8_products
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
@@ -265,6 +265,7 @@ def setup(recipe, plan=None) -> Run:
     from molds.engines import build_engine
     from molds.eval.training import TrainingEvaluator
     from molds.kernels import apply_kernels, kernel_summary
+    from molds.kernels.fp8_select import choose_for_run
     from molds.models import build_model, count_parameters
     from molds.models.loss import build_loss
     from molds.plan import resolve_plan
@@ -291,7 +292,8 @@ def setup(recipe, plan=None) -> Run:
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
-    apply_kernels(model, recipe.kernels, loss, dist.device)
+    fp8_choice = choose_for_run(recipe, model, dist, plan.dtype, resumed_fp8_products(recipe, saved))
+    apply_kernels(model, recipe.kernels, loss, dist.device, fp8_choice)
     kernels = kernel_summary(model, dist.device)  # before an engine cuts the model into stages
     engine = build_engine(recipe, model, loss, dist, plan)
     _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks
@@ -307,6 +309,8 @@ def setup(recipe, plan=None) -> Run:
         "parameters": parameters, "host_allocator": allocator, "kernels": kernels, "plan": plan.summary(),
         "precision": plan.precision.describe(), "machine": _machine(dist.device),
     }
+    if fp8_choice is not None:
+        lineage["fp8_products"] = fp8_choice.as_dict()
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan,
               fresh_heads=fresh_heads)
     if resume_from is not None:
@@ -549,6 +553,10 @@ def _start_summary(run: Run, parameters: int) -> None:
     notes.append(_warmup_warning(recipe, run.plan.horizon))
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
+    if "fp8_products" in run.lineage:
+        from molds.kernels.fp8_select import Fp8Choice
+
+        print(f"[molds] {Fp8Choice(**run.lineage['fp8_products']).describe()}", file=sys.stderr)
     if run.loader.randomized_note:
         print(f"[molds] {run.loader.randomized_note}", file=sys.stderr)
     for note in notes:

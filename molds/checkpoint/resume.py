@@ -115,3 +115,13 @@ def resumed_dtype(recipe, saved: dict | None) -> str | None:
         return None
     plan = saved.get("plan")
     return plan.get("dtype") if isinstance(plan, dict) else None
+
+
+def resumed_fp8_products(recipe, saved: dict | None) -> dict | None:
+    """Which products the run a resume continues ran in FP8 (``kernels.fp8_products=faster``
+    keeps that choice), from its lineage ``saved``; None for a fresh start, a fork, or a
+    lineage without one."""
+    if saved is None or recipe.checkpoint.fork:
+        return None
+    chosen = saved.get("fp8_products")
+    return chosen if isinstance(chosen, dict) else None

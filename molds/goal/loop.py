@@ -93,13 +93,14 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
 
 def setup_goal(recipe, scorers) -> GoalRun:
     from ..checkpoint import open_checkpoint, read_lineage
-    from ..checkpoint.resume import resumed_dtype
+    from ..checkpoint.resume import resumed_dtype, resumed_fp8_products
     from ..checkpoint.rundir import plan_resume, prepare_output_dir
     from ..checkpoint.state import load_canonical, read_model
     from ..distributed import init_distributed
     from ..engines import build_engine
     from ..eval.sampling import default_max_tokens, forbidden_tokens
     from ..kernels import apply_kernels, kernel_summary
+    from ..kernels.fp8_select import choose_for_run
     from ..models import build_model, count_parameters
     from ..models.loss import AugmentedLikelihoodLoss
     from ..plan import resolve_plan
@@ -128,7 +129,8 @@ def setup_goal(recipe, scorers) -> GoalRun:
     load_canonical(model, read_model(prior.checkpoint), prior.checkpoint)  # the agent starts as the prior
     parameters = count_parameters(model)
     loss = AugmentedLikelihoodLoss(recipe.goal.sigma, recipe.goal.likelihood_penalty)
-    apply_kernels(model, recipe.kernels, loss, dist.device)
+    fp8_choice = choose_for_run(recipe, model, dist, plan.dtype, resumed_fp8_products(recipe, saved))
+    apply_kernels(model, recipe.kernels, loss, dist.device, fp8_choice)
     kernels = kernel_summary(model, dist.device)
     engine = build_engine(recipe, model, loss, dist, plan)
     seed_rank(recipe.run.seed, dist.rank)
@@ -142,6 +144,8 @@ def setup_goal(recipe, scorers) -> GoalRun:
         "machine": machine(dist.device),
         "goal": {"prior": os.path.abspath(prior.checkpoint), "prior_step": prior.lineage.get("step")},
     }
+    if fp8_choice is not None:
+        lineage["fp8_products"] = fp8_choice.as_dict()
     stages = stages_of(recipe.goal)
     run = GoalRun(recipe, dist, prior, engine, scorers, stages, Ledger(recipe.goal), plan, lineage)
     run.representation = of_manifest(prior.manifest)

@@ -9,7 +9,8 @@ converter here swaps them (torchtitan's Float8 converter is the pattern). The re
 applied, in a fixed order:
 
 1. ``kernels.fp8``: linears and experts' grouped GEMMs in block-scaled FP8
-   (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``), or,
+   (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``; with
+   ``fp8_products=faster`` only the products FP8 measured faster on, ``fp8_select``), or,
    with ``fp8_recipe`` rowwise / tensorwise, the linears through torchao's ``Float8Linear``
    (``fp8_torchao``);
 2. ``kernels.triton``: RMSNorm, SwiGLU, the MoE token permute / unpermute and the
@@ -27,10 +28,15 @@ the run's device and how many modules each converter swapped.
 from __future__ import annotations
 
 
-def apply_kernels(model, kernels, loss=None, device="cpu") -> object:
+def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> object:
     """``model`` with the converters the recipe's ``kernels`` section asks for; ``loss``
     (the objective, ``molds.models.loss``) takes the fused LM head under ``kernels.triton``;
-    ``device``: where the run trains (torchao emulates FP8 where it has no FP8 units)."""
+    ``device``: where the run trains (torchao emulates FP8 where it has no FP8 units);
+    ``fp8_choice``: under ``kernels.fp8_products=faster``, the products FP8 measured faster
+    on (``fp8_select.choose_fp8_products``, which the caller runs with its ranks)."""
+    if kernels.fp8 and kernels.fp8_products == "faster" and fp8_choice is None:
+        raise ValueError("kernels.fp8_products=faster: measure first (molds.kernels.fp8_select.choose_fp8_products) "
+                         "and pass its choice as fp8_choice")
     if kernels.fp8 and kernels.fp8_recipe != "blockwise":
         try:
             from .fp8_torchao import convert_to_float8_torchao
@@ -46,7 +52,7 @@ def apply_kernels(model, kernels, loss=None, device="cpu") -> object:
         from .fp8_linear import convert_to_fp8
 
         convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
-                       grad_format=kernels.fp8_grad_format)
+                       grad_format=kernels.fp8_grad_format, only=fp8_choice.takes if fp8_choice else None)
     if kernels.triton:
         fuse_with_triton(model, loss, fused_backends(kernels.fused_backend, device))
     if kernels.compile_regions:

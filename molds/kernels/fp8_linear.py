@@ -208,10 +208,12 @@ class Fp8GroupedMM:
 # ---------------------------------------------------------------- the converter
 
 def convert_to_fp8(model: nn.Module, *, lm_head: bool = False, router: bool = False, pow2: bool = False,
-                   grad_format: str = "e5m2") -> dict:
+                   grad_format: str = "e5m2", only=None) -> dict:
     """Swap ``model``'s linears (``nn.Linear`` -> ``Fp8Linear``) and experts' grouped GEMMs
     for FP8 ones, in place. The LM head and the MoE router stay as they are unless asked;
-    embeddings and norms are no matrix products. Returns how many were swapped, by kind."""
+    embeddings and norms are no matrix products. ``only(module)``: whether to swap that
+    linear or expert set (``kernels.fp8_products=faster``: ``Fp8Choice.takes``); all when
+    None. Returns how many were swapped, by kind."""
     import functools
 
     from ..models.moe import Experts, Router
@@ -220,6 +222,8 @@ def convert_to_fp8(model: nn.Module, *, lm_head: bool = False, router: bool = Fa
     head = getattr(model, "lm_head", None)
     counts = {"linear": 0, "experts": 0, "router": 0}
     for module in model.modules():
+        if only is not None and (type(module) is nn.Linear or isinstance(module, Experts)) and not only(module):
+            continue
         if type(module) is nn.Linear and (module is not head or lm_head):
             module.__class__ = Fp8Linear
             module.fp8_options = options

@@ -158,3 +158,28 @@ def test_auto_resumes_in_the_precision_of_the_run_it_continues(dataset, tmp_path
     lineage = json.load(open(os.path.join(resumed, "checkpoints", "step-00000004", "lineage.json")))
     assert lineage["plan"]["dtype"] == ("bfloat16" if other == "bf16" else "float32")
     assert losses(resumed)[4] == pytest.approx(losses(full)[4], rel=1e-6, abs=1e-7)
+
+
+def test_fp8_products_faster_records_its_choice_and_a_resume_keeps_it(dataset, tmp_path, capfd):
+    """``kernels.fp8_products=faster`` through train.py: the start line gives every
+    product's measured ratio, the lineage records the choice, and a resume takes it from
+    the checkpoint instead of measuring again, with the uninterrupted run's losses."""
+    from molds.train import main
+
+    fp8 = ["--kernels.fp8", "true", "--kernels.fp8_products", "faster"]
+    full = str(tmp_path / "full")
+    capfd.readouterr()
+    main(_argv(dataset, full, "ddp", 4, fp8))
+    err = capfd.readouterr().err
+    assert "fp8 products (kernels.fp8_products=faster):" in err and "which a resume keeps" not in err, err
+    first = json.load(open(os.path.join(full, "checkpoints", "step-00000004", "lineage.json")))["fp8_products"]
+    assert first["products"] and not first["kept"]
+    assert all(p["fp8"] == (p["fp8_s"] < p["base_s"]) for p in first["products"])
+    resumed = str(tmp_path / "resumed")
+    copy_checkpoint(full, 3, resumed)
+    main(_argv(dataset, resumed, "ddp", 4, fp8 + ["--checkpoint.resume", "auto"]))
+    err = capfd.readouterr().err
+    assert "which a resume keeps" in err, err
+    again = json.load(open(os.path.join(resumed, "checkpoints", "step-00000004", "lineage.json")))["fp8_products"]
+    assert again["products"] == first["products"] and again["kept"]
+    assert losses(resumed)[4] == pytest.approx(losses(full)[4], rel=1e-6, abs=1e-7)
