@@ -79,16 +79,32 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     # 1,200 steps on 2,400 molecules: 0.42 measured here (600 steps: 0.22); an untrained model: 0.01
     assert trained >= 0.3 and trained >= untrained + 0.25, (trained, untrained)
     assert report["loss"] < 1.5 and report["per_seed"][0]["novelty"] is not None
+    # the property diagnostics: against the test split, within the training ranges mostly;
+    # the share that hit the length limit is the share of samples that never ended, drawn
+    # again here as molds-eval draws them
+    from molds.eval.sampling import forbidden_tokens
+
+    first = report["per_seed"][0]
+    assert all(first[f"w_{p}"] >= 0 for p in ("weight", "logp", "sa", "qed", "heavy_atoms", "rotatable_bonds"))
+    assert 0 <= first["out_of_train_range"] < 0.5 and "split test" in first["property_reference"]
+    again = sample_ids(loaded.model, 300, bos=loaded.specials.bos, eos=loaded.specials.eos,
+                       max_tokens=report["sampling"]["max_tokens"], seed=0,
+                       forbid=forbidden_tokens(loaded.recipe, loaded.specials))
+    assert first["hit_length_limit"] == sum(i is None for i in again) / 300
+    assert {"token_length", "weight", "rings"} <= set(first["histograms"])
+    assert report["sampling"]["softmax"].startswith("float32")
 
     # the evaluation during training: smoke evals at 300, 600, 900, a full one at the end
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == [300, 600, 900, 1200]
     assert "eval/validity" in evals[300] and "eval/novelty" in evals[1200] and "eval/int_div" in evals[1200]
+    assert {"eval/w_weight", "eval/w_qed", "eval/out_of_train_range", "eval/hit_length_limit"} <= set(evals[1200])
     acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = acc.Tags()
     assert "eval/samples_grid" in tags["images"]
-    assert {"eval/sample_token_length", "eval/train_token_length"} <= set(tags["histograms"])
+    assert {"eval/sample_token_length", "eval/train_token_length", "eval/property/weight",
+            "eval/reference/weight", "eval/property/rotatable_bonds"} <= set(tags["histograms"])
     assert any(t.startswith("eval/samples") for t in tags["tensors"])
     assert any("hparams" in d for d in os.listdir(os.path.join(out, "tensorboard")))
 
@@ -169,6 +185,7 @@ def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path, capsys):
     rep = json.load(open(tmp_path / "ev" / "eval.json"))
     assert rep["metrics"]["samples"] == 5 and rep["metrics"]["valid"] == 2
     assert rep["metrics"]["novelty"] == 0.5
+    assert rep["metrics"]["w_weight"] > 0 and "w_weight" in open(tmp_path / "ev" / "eval.md").read()
     assert "other.smi" in open(tmp_path / "ev" / "eval.md").read()
 
     # the same samples as MOSES's scripts write them (a CSV with a SMILES column, gzipped or

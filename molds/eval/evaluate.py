@@ -81,11 +81,26 @@ def read_samples_file(path: str) -> list:
     return [c or None for c in cells]
 
 
+def split_token_lengths(manifest, split: str, limit: int = 20000):
+    """Token lengths of up to ``limit`` rows of ``split`` (every shard in proportion)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    shards = manifest.shards(split)
+    total = sum(sh.num_rows for sh in shards) or 1
+    parts = [pq.read_table(sh.path, columns=["token_length"]).column(0).to_numpy()[:max(1, limit * sh.num_rows // total)]
+             for sh in shards]
+    return np.concatenate(parts).astype(float) if parts else np.zeros(0)
+
+
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
                         reference_file: str | None = None, conformers: bool = False) -> dict:
+    import numpy as np
+
     from ..checkpoint import open_checkpoint
+    from ..metrics.distribution import histogram, reference_properties
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
     from ..representation import of_manifest
@@ -110,6 +125,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         max_tokens = default_max_tokens(m, model_cfg["max_position_embeddings"])
         representation = of_manifest(m)
         reference = moses_reference(m, split, reference_file) if moses or reference_file else None
+        properties = reference_properties(m, split, reference_file=reference_file)
+        ref_lengths = split_token_lengths(m, split)
         per_seed = []
         for seed in seeds:
             ids = sample_ids(loaded.model, num, bos=loaded.specials.bos, eos=loaded.specials.eos,
@@ -118,7 +135,11 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
             texts = ids_to_texts(loaded.tokenizer, ids)
             smiles = texts_to_smiles(texts, representation)
             metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, seed=seed,
-                                         moses_reference=reference)
+                                         moses_reference=reference, properties=properties)
+            metrics["hit_length_limit"] = sum(i is None for i in ids) / len(ids)
+            lengths = np.asarray([len(i) for i in ids if i is not None], dtype=float)
+            if len(lengths) and len(ref_lengths):
+                metrics.setdefault("histograms", {})["token_length"] = histogram(lengths, ref_lengths, integer=True)
             metrics["unfinished_or_special"] = sum(t is None for t in texts)
             metrics["decodable"] = sum(s is not None for s in smiles) / len(smiles)
             if conformers:
@@ -126,7 +147,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
             per_seed.append(metrics)
             report.setdefault("examples", [s for s in smiles if s][:20])
         report["sampling"] = {"num": num, "temperature": temperature, "top_k": top_k, "max_tokens": max_tokens,
-                              "seeds": list(seeds), "representation": representation.name}
+                              "seeds": list(seeds), "representation": representation.name,
+                              "softmax": "float32 (whatever the model's precision)"}
         report["per_seed"] = per_seed
         report["metrics"] = mean_std(per_seed)
     elif model_cfg["num_tasks"]:
@@ -159,6 +181,7 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
     with ``conformers``, a file of conformer units (``molds-sample --raw``), scored as
     molecules (their SMILES) and as conformers."""
     from ..data.manifest import Manifest
+    from ..metrics.distribution import reference_properties
     from ..metrics.generation import generation_metrics
     from ..representation import of_manifest
 
@@ -170,8 +193,11 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
 
         smiles = texts_to_smiles(lines, of_manifest(m))
     reference = moses_reference(m, split, reference_file) if moses or reference_file else None
-    metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference)
+    metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference,
+                                 properties=reference_properties(m, split, reference_file=reference_file))
     if conformers:
         metrics.update(_conformer_metrics(lines, of_manifest(m)))
+    histograms = metrics.pop("histograms", {})
     return {"checkpoint": None, "samples_file": os.path.abspath(path), "manifest": m.path, "split": split,
-            "family": "samples", "metrics": metrics, "examples": [s for s in smiles if s][:20]}
+            "family": "samples", "metrics": metrics, "histograms": histograms,
+            "examples": [s for s in smiles if s][:20]}

@@ -114,7 +114,8 @@ class TrainingEvaluator:
         return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
     def _sample(self, total: int, step: int) -> list:
-        """(text, SMILES) of each sample: what the tokens spell, and the molecule it decodes to."""
+        """(text, SMILES, hit the length limit) of each sample: what the tokens spell, the
+        molecule it decodes to, and whether it never ended."""
         from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
         from molds.representation import of_manifest
 
@@ -133,7 +134,7 @@ class TrainingEvaluator:
                              stop_together=self._agree,
                              forbid=forbidden_tokens(dataclasses.asdict(self.recipe), self.specials))
         texts = ids_to_texts(self.tokenizer, ids)
-        return list(zip(texts, texts_to_smiles(texts, of_manifest(self.manifest))))
+        return list(zip(texts, texts_to_smiles(texts, of_manifest(self.manifest)), [i is None for i in ids]))
 
     def _gathered_model(self):
         """An engine whose ranks each hold a part of the model (the pipeline's stages):
@@ -149,25 +150,32 @@ class TrainingEvaluator:
         return model.to(self.dist.device).eval()
 
     def _score(self, samples: list, step: int, kind: str) -> dict:
+        from molds.metrics.distribution import reference_properties
         from molds.metrics.generation import generation_metrics, parse_samples, unique_at
 
         ev = self.recipe.eval
-        texts, smiles = [t for t, _ in samples], [s for _, s in samples]
+        texts, smiles = [t for t, _, _ in samples], [s for _, s, _ in samples]
         if kind == "smoke":
             parsed = parse_samples(smiles, self.manifest)
             canon = [p["canonical"] for p in parsed if p is not None]
             return {"eval/validity": len(canon) / len(smiles), "eval/unique": unique_at(canon, len(canon))}
-        m = generation_metrics(smiles, self.manifest, fcd_reference=ev.split if ev.fcd else None, seed=step)
+        # the FCD and property references are the same molecules at every evaluation (a
+        # fixed draw of the split), so that their figures over a run are a trajectory
+        m = generation_metrics(smiles, self.manifest, fcd_reference=ev.split if ev.fcd else None, seed=step,
+                               properties=reference_properties(self.manifest, ev.split))
         values = {f"eval/{k.replace('@', '_at_')}": v for k, v in m.items()
                   if isinstance(v, float) and k not in ("unique@1k", "unique@10k")}
+        for name, h in m.get("histograms", {}).items():
+            self.log.binned(f"eval/property/{name}", h["edges"], h["samples"], step)
+            self.log.binned(f"eval/reference/{name}", h["edges"], h["reference"], step)
+        values["eval/hit_length_limit"] = sum(hit for _, _, hit in samples) / len(samples)
         values["eval/unfinished_or_special"] = sum(t is None for t in texts) / len(texts)
         values["eval/decodable"] = sum(s is not None for s in smiles) / len(smiles)
         self._pictures(texts, smiles, step)
         return values
 
     def _pictures(self, texts: list, smiles: list, step: int) -> None:
-        import numpy as np
-        import pyarrow.parquet as pq
+        from molds.eval.evaluate import split_token_lengths
 
         self.log.molecules("eval/samples_grid", smiles, step, self.recipe.eval.grid)
         shown = "\n".join(f"    {s if s else '(unfinished, or holds a special token)'}" for s in smiles[:64])
@@ -175,9 +183,5 @@ class TrainingEvaluator:
         lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts if t]
         self.log.histogram("eval/sample_token_length", lengths, step)
         if self.train_lengths is None:  # up to ~20k training lengths, every shard in proportion
-            shards = self.manifest.shards("train")
-            total = sum(sh.num_rows for sh in shards) or 1
-            parts = [pq.read_table(sh.path, columns=["token_length"]).column(0).to_numpy()[
-                     :max(1, 20000 * sh.num_rows // total)] for sh in shards]
-            self.train_lengths = np.concatenate(parts) if parts else np.zeros(0)
+            self.train_lengths = split_token_lengths(self.manifest, "train")
         self.log.histogram("eval/train_token_length", self.train_lengths, step)

@@ -344,8 +344,13 @@ class ReferenceSet:
 
 def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_split: str = "train",
                        fcd_reference: str | None = None, fcd_max: int = 10000, diversity_max: int = 5000,
-                       seed: int = 0, moses_reference: "ReferenceSet | None" = None) -> dict:
-    """All of the above for one list of samples (None: no SMILES, counted invalid)."""
+                       seed: int = 0, moses_reference: "ReferenceSet | None" = None, properties=None,
+                       fcd_seed: int = 0) -> dict:
+    """All of the above for one list of samples (None: no SMILES, counted invalid).
+    ``properties``: a ``molds.metrics.distribution.PropertyReference``, which adds the
+    property distances, the shares outside the training ranges and (under ``histograms``)
+    the histograms. ``fcd_seed`` draws the FCD reference molecules: fixed, so that FCDs
+    of one run's evaluations are taken against the same molecules."""
     parsed = parse_samples(smiles, manifest)
     valid = [p for p in parsed if p is not None]
     canon = [p["canonical"] for p in valid]
@@ -376,7 +381,7 @@ def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_spl
         new_scaffolds = absent_from_split(manifest, train_split, "scaffold", scaffolds)
         out["scaffold_novelty"] = len(new_scaffolds) / len(scaffolds) if scaffolds else None
         if fcd_reference and moses_reference is None:
-            ref = reference_smiles(manifest, fcd_reference, fcd_max, seed)
+            ref = reference_smiles(manifest, fcd_reference, fcd_max, fcd_seed)
             try:
                 stats = reference_chemnet_stats(ref)
             except Exception:  # noqa: BLE001 - fcd_score says why
@@ -386,4 +391,8 @@ def generation_metrics(smiles: Sequence[str | None], manifest=None, *, train_spl
     if moses_reference is not None:  # FCD, SNN, Frag, Scaf of every valid sample against the whole reference
         out.update(moses_reference.scores([p["mol"] for p in valid], canon))
         out["moses_reference_molecules"] = len(moses_reference.smiles)
+    if properties is not None and valid:
+        scalars, out["histograms"] = properties.scores([p["mol"] for p in valid])
+        out.update(scalars)
+        out["property_reference"] = properties.description
     return out

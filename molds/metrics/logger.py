@@ -136,6 +136,19 @@ class MetricsLogger:
                                       sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()),
                                       bucket_limits=(ids + 0.5).tolist(), bucket_counts=c.tolist(), global_step=step)
 
+    def binned(self, tag: str, edges: list, shares: list, step: int) -> None:
+        """A histogram given as shares per bin between ``edges`` (the property histograms of
+        ``molds.metrics.distribution``)."""
+        if self.writer is None or not shares or not sum(shares):
+            return
+        import numpy as np
+
+        e, c = np.asarray(edges, dtype=np.float64), np.asarray(shares, dtype=np.float64)
+        mid = (e[:-1] + e[1:]) / 2
+        self.writer.add_histogram_raw(tag, min=float(e[0]), max=float(e[-1]), num=float(c.sum()),
+                                      sum=float((mid * c).sum()), sum_squares=float((mid * mid * c).sum()),
+                                      bucket_limits=e[1:].tolist(), bucket_counts=c.tolist(), global_step=step)
+
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's settings beside its final metrics (TensorBoard's HPARAMS tab)."""
         if self.writer is not None:
