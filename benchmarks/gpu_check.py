@@ -17,8 +17,9 @@ crashes the CUDA context or hangs costs only itself:
   encoder, and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (4 of its 16
   layers, so that its final checkpoint stays small) with kernels off, ``kernels.triton``
   and ``kernels.fp8``. Each reports tokens/s and MFU (medians of the logged windows after
-  the first, which holds start-up and compilation), peak memory, its loss curve and its
-  start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
+  the second: the first holds start-up and compilation, the second the steps profiled by
+  ``logging.profile_steps``), peak memory, its loss curve, where a step's time goes
+  (``profile``) and its start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
   the device (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
 - ``real_shapes``: two layers (one dense, one MoE) of ``recipes/moe_fp8.json``'s model at
   full width, forward + backward under bf16 autocast, kernels off / triton / fp8 /
@@ -278,6 +279,7 @@ def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str,
         "--run.output_dir", run_dir, "--run.overwrite", "true", "--trainer.max_steps", str(steps),
         "--logging.interval_steps", str(every), "--logging.progress", "false", "--eval.interval_steps", "0",
         "--eval.full_interval_steps", "0", "--checkpoint.interval_steps", "0", "--checkpoint.average_last", "0",
+        "--logging.profile_steps", "3",  # where a step goes: the steps of the second window
         *(["--logging.peak_tflops", f"{peak:.6g}"] if peak and not ctx.dry else []), *overrides]
     rc, seconds = run_logged(cmd, log, min(ctx.left() - 5, 120 if not ctx.dry else 300), env=env)
     echo(log, f"training run {name}")
@@ -286,7 +288,8 @@ def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str,
         shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(logs, f"{name}.metrics.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)  # a GPU machine's disk: checkpoints of every run would not fit
     train = [r for r in rows if "train/loss" in r]
-    later = train[1:] or train  # the first window holds start-up and compilation
+    # the first window holds start-up and compilation, the second the profiled steps
+    later = train[2:] or train[1:] or train
 
     def median(key):
         vals = [r[key] for r in later if r.get(key) is not None]
@@ -299,6 +302,8 @@ def train_once(ctx, name: str, recipe: str, overrides: list[str], manifest: str,
               "mfu": median("train/mfu"), "step_s": median("train/step_s"),
               "peak_memory_mb": max((r.get("train/peak_memory_mb") or r.get("train/peak_rss_mb") or 0 for r in train),
                                     default=None),
+              "profile": next(({k.removeprefix("profile/"): v for k, v in r.items() if k.startswith("profile/")}
+                               for r in rows if "profile/step_ms" in r), None),
               "start_lines": [line for line in text.splitlines()
                               if line.startswith("[molds]") and any(k in line for k in (" of ", "precision", "kernels:"))]}
     if rc != 0:

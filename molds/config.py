@@ -524,7 +524,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """TensorBoard, JSONL and the progress bar."""
 
-    RANGES: ClassVar[dict] = {"interval_steps": (1, _BIG), "peak_tflops": (1e-6, 1e6)}
+    RANGES: ClassVar[dict] = {"interval_steps": (1, _BIG), "peak_tflops": (1e-6, 1e6), "profile_steps": (0, 1000)}
 
     interval_steps: int = 10
     """Log every N optimizer steps."""
@@ -537,3 +537,10 @@ class LoggingConfig:
 
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device for MFU (None: known GPUs are looked up; CPU: no MFU)."""
+
+    profile_steps: int = 0
+    """Profile this many steps with torch.profiler, starting after the first logging window
+    (which holds start-up and compilation): rank 0 prints where a step's time went (matrix
+    products, attention, loss, optimizer, other operators, time outside operators) and its
+    slowest operators, logs ``profile/*_ms``, and writes a Chrome trace to
+    ``output_dir/profile/``. 0: off."""

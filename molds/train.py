@@ -120,6 +120,12 @@ def train(run: Run) -> None:
     batches = iter(run.loader)
     window = _new_window()
     bar = _progress_bar(run)
+    profile = None
+    if recipe.logging.profile_steps and dist.is_main:
+        from molds.metrics.step_profile import ProfileWindow
+
+        profile = ProfileWindow(recipe.logging.profile_steps, run.step, recipe.logging.interval_steps,
+                                recipe.run.output_dir)
     horizon.start(run.step, horizon.elapsed_s)  # the budget's clock runs from here (and what a resume carried)
     while not horizon.done:
         micro = []
@@ -135,6 +141,8 @@ def train(run: Run) -> None:
         with collective(f"step {run.step + 1}: agreeing that every rank has its batches", dist):
             if not all_have(len(micro) == accum, dist):  # every rank stops together: no collective left waiting
                 break
+        if profile is not None:
+            profile.before(run.step + 1)
         with collective(f"step {run.step + 1}: forward/backward/optimizer", dist):
             result = engine.train_step([batch_tensors(b, dist.device) for b in micro])
         _count(window, micro, result)
@@ -151,6 +159,9 @@ def train(run: Run) -> None:
         else:
             horizon.advance(run.step)
         last = horizon.done
+        if profile is not None and (line := profile.after(run.step, final=last)):
+            print(f"[molds] {line}", file=sys.stderr)
+            run.log.scalars(run.step, profile.scalars())
         if bar is not None:
             bar.update(1)
         if run.step % recipe.logging.interval_steps == 0 or last:

@@ -91,6 +91,7 @@ TAKES_ZERO = {
     "parallel.zero_stage", "optim.lr", "optim.min_lr_ratio", "trainer.max_nonfinite_steps",
     # evaluation and checkpoints off or unbounded, sampling without top-k, no picture
     "eval.interval_steps", "eval.full_interval_steps", "eval.max_batches", "eval.top_k", "eval.grid",
+    "logging.profile_steps",  # no profile
     "checkpoint.interval_steps", "checkpoint.interval_fraction", "checkpoint.average_last", "checkpoint.keep_last",
     # a goal run: the prior alone (sigma 0), no budget, no early stop, no replay, no floor, no penalty
     "goal.sigma", "goal.max_oracle_calls", "goal.likelihood_penalty", "goal.patience", "goal.replay_size",

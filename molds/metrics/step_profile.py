@@ -8,6 +8,12 @@ from __future__ import annotations
 import time
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _sync() -> None:
     import torch
 
@@ -27,10 +33,12 @@ class StepProfile:
     """Operator self-time of one side's profiled steps, by category, and the wall time
     they took (the rest is time outside operators: Python, the loader)."""
 
-    def __init__(self):
+    def __init__(self, trace: str | None = None):
         self.wall = 0.0
         self.steps = 0
         self.by_category = {c: 0.0 for c, _ in CATEGORIES} | {"other_ops": 0.0}
+        self.by_op: dict[str, float] = {}
+        self.trace = trace  # a Chrome trace of the profiled steps is written there (chrome://tracing, Perfetto)
         self._prof = None
 
     def start(self):
@@ -40,6 +48,7 @@ class StepProfile:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._prof = profile(activities=acts)
         self._prof.__enter__()
+        self._steps_in_session = 0
         self._t0 = time.perf_counter()
 
     def stop(self):
@@ -48,6 +57,11 @@ class StepProfile:
         _sync()
         self.wall += time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
+        if self.trace:
+            import os
+
+            os.makedirs(os.path.dirname(os.path.abspath(self.trace)), exist_ok=True)
+            self._prof.export_chrome_trace(self.trace)
         cuda = torch.cuda.is_available()
         for ev in self._prof.key_averages():
             us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
@@ -55,11 +69,66 @@ class StepProfile:
                 continue
             cat = next((c for c, frags in CATEGORIES if any(f in ev.key for f in frags)), "other_ops")
             self.by_category[cat] += us / 1e6
-        self.steps += 1
+            self.by_op[ev.key] = self.by_op.get(ev.key, 0.0) + us / 1e6
+        self.steps += max(1, self._steps_in_session)
         self._prof = None
+
+    def _sync_step(self) -> None:
+        """One more step inside the running session (``ProfileWindow``: several steps, one
+        profiler session)."""
+        self._steps_in_session += 1
+
+    def top(self, n: int = 8) -> list[tuple[str, float]]:
+        """The ``n`` operators with the most self-time, in ms per step."""
+        ranked = sorted(self.by_op.items(), key=lambda kv: -kv[1])[:n]
+        return [(name, round(1e3 * t / self.steps, 3)) for name, t in ranked]
+
+    def describe(self, first: int, last: int) -> str:
+        """One line: where the profiled steps' time went."""
+        ms = self.report()
+        where = "device" if _cuda() else "CPU"
+        cats = ", ".join(f"{k} {v:,.1f}" for k, v in ms.items() if k != "step")
+        ops = ", ".join(f"{name} {t:,.2f}" for name, t in self.top())
+        return (f"profile of steps {first}-{last}: {ms['step']:,.1f} ms a step; ms a step by operator {where} "
+                f"self-time: {cats}; the slowest operators (ms a step): {ops}")
 
     def report(self) -> dict:
         ms = {c: round(1e3 * t / self.steps, 2) for c, t in self.by_category.items()}
         ms["outside_ops"] = round(1e3 * (self.wall - sum(self.by_category.values())) / self.steps, 2)
         ms["step"] = round(1e3 * self.wall / self.steps, 2)
         return ms
+
+
+class ProfileWindow:
+    """``logging.profile_steps`` in the training loop (rank 0): the steps after the run's
+    first logging window (which holds start-up and compilation) are profiled, then one
+    line says where their time went."""
+
+    def __init__(self, count: int, start_step: int, interval: int, output_dir: str):
+        import os
+
+        self.first = start_step + interval + 1
+        self.last = self.first + count - 1
+        self.profile = StepProfile(trace=os.path.join(output_dir, "profile", f"steps-{self.first}-{self.last}.json"))
+        self.active = False
+        self.done = False
+
+    def before(self, step: int) -> None:
+        """Called before step ``step`` runs."""
+        if not self.done and not self.active and self.first <= step <= self.last:
+            self.profile.start()
+            self.active = True
+
+    def after(self, step: int, final: bool = False) -> str | None:
+        """Called after step ``step`` counted; the line to print when the window closes."""
+        if not self.active:
+            return None
+        self.profile._sync_step()
+        if step < self.last and not final:
+            return None
+        self.profile.stop()
+        self.active, self.done = False, True
+        return self.profile.describe(self.first, step)
+
+    def scalars(self) -> dict:
+        return {f"profile/{k}_ms": v for k, v in self.profile.report().items()}

@@ -183,3 +183,28 @@ def test_fp8_products_faster_records_its_choice_and_a_resume_keeps_it(dataset, t
     again = json.load(open(os.path.join(resumed, "checkpoints", "step-00000004", "lineage.json")))["fp8_products"]
     assert again["products"] == first["products"] and again["kept"]
     assert losses(resumed)[4] == pytest.approx(losses(full)[4], rel=1e-6, abs=1e-7)
+
+
+def test_profile_steps_says_where_the_steps_went(dataset, tmp_path, capfd):
+    """``logging.profile_steps``: the steps after the first logging window are profiled;
+    the line, the ``profile/*`` figures and the Chrome trace agree with each other, and
+    the categories and the time outside operators add up to the step."""
+    from molds.train import main
+
+    out = str(tmp_path / "run")
+    capfd.readouterr()
+    main(_argv(dataset, out, "ddp", 9, ["--logging.profile_steps", "2", "--logging.interval_steps", "3"]))
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("[molds] profile of steps"))
+    assert line.startswith("[molds] profile of steps 4-5:") and "aten::" in line, line  # interval 3: after step 3
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    prof = next(r for r in rows if "profile/step_ms" in r)
+    assert prof["step"] == 5
+    parts = sum(v for k, v in prof.items() if k.startswith("profile/") and k != "profile/step_ms")
+    assert parts == pytest.approx(prof["profile/step_ms"], rel=0.01, abs=0.05)
+    assert prof["profile/gemm_ms"] > 0 and prof["profile/optimizer_ms"] > 0
+    # an unprofiled window (steps 7-9) against the profiled steps: the same order of time
+    logged = next(r for r in rows if r["step"] == 9 and "train/step_s" in r)
+    assert 0.2 * logged["train/step_s"] * 1e3 < prof["profile/step_ms"] < 5 * logged["train/step_s"] * 1e3
+    trace = json.load(open(os.path.join(out, "profile", "steps-4-5.json")))
+    assert any(ev.get("name", "").startswith("aten::") for ev in trace["traceEvents"])
