@@ -61,7 +61,7 @@ def _pass(module: nn.Module, inputs: tuple) -> Callable[[], None]:
 def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dtype | None, fp8: bool,
                  options: dict, seconds: float = 0.02) -> float:
     """Seconds of one forward + backward of the product ``key`` at ``tokens`` rows (an
-    expert set: ``tokens`` spread evenly over its experts), FP8 or plain, in ``dtype``
+    expert set: ``tokens`` token-expert pairs spread evenly over its experts), FP8 or plain, in ``dtype``
     (None: float32); the best of three rounds, each at least two calls after two warm-up
     calls (a busy machine only ever slows a round down)."""
     from ..models.moe import Experts
@@ -163,9 +163,12 @@ def choose_fp8_products(model: nn.Module, kernels, device, dtype: torch.dtype | 
     device = torch.device(device)
     options = {"pow2": kernels.fp8_pow2_scales, "grad_format": kernels.fp8_grad_format}
     keys = model_products(model, kernels.fp8_lm_head)
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    top_k = moe.top_k if moe is not None else 1  # an expert set multiplies each token top_k times
     times = []
     for key in keys:  # alternating, so that a slow spell does not fall on one side only
-        times += [measure(key, tokens, device, dtype, True, options), measure(key, tokens, device, dtype, False, options)]
+        rows = tokens * top_k if key[0] == "experts" else tokens
+        times += [measure(key, rows, device, dtype, True, options), measure(key, rows, device, dtype, False, options)]
     if agree is not None:
         times = agree(times)
     products = [{"key": list(key), "fp8_s": times[2 * i], "base_s": times[2 * i + 1],

@@ -48,7 +48,9 @@ def test_only_the_products_fp8_measured_faster_are_converted():
     measure, calls = stub(wins)
     choice = choose_fp8_products(reference, FASTER, "cpu", None, 96, measure=measure)
     assert {tuple(p["key"]) for p in choice.products} == set(keys) and choice.chosen() == wins
-    assert {c[1] for c in calls} == {96} and len(calls) == 2 * len(keys)
+    # a linear multiplies the micro-batch's tokens; an expert set each token top_k (2) times
+    assert {c[1] for c in calls if c[0][0] == "linear"} == {96} and len(calls) == 2 * len(keys)
+    assert {c[1] for c in calls if c[0][0] == "experts"} == {192}
 
     model, loss = copy.deepcopy(reference), CausalLMLoss()
     apply_kernels(model, FASTER, loss, "cpu", choice)
