@@ -174,6 +174,9 @@ def train(run: Run) -> None:
                 run.evaluator.run(run.step, kind)
         if not last and _checkpoint_due(recipe.checkpoint, run.step, before, horizon.fraction):
             save(run)
+    if profile is not None and (line := profile.close(run.step)):
+        print(f"[molds] {line}", file=sys.stderr)
+        run.log.scalars(run.step, profile.scalars())
     if bar is not None:
         bar.close()
 

@@ -81,6 +81,11 @@ def read_samples_file(path: str) -> list:
     return [c or None for c in cells]
 
 
+def _reference_file(path: str | None):
+    """(name, SMILES) of ``--reference``, or None."""
+    return (path, read_smiles_file(path)) if path else None
+
+
 def split_token_lengths(manifest, split: str, limit: int = 20000):
     """Token lengths of up to ``limit`` rows of ``split`` (every shard in proportion)."""
     import numpy as np
@@ -125,7 +130,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         max_tokens = default_max_tokens(m, model_cfg["max_position_embeddings"])
         representation = of_manifest(m)
         reference = moses_reference(m, split, reference_file) if moses or reference_file else None
-        properties = reference_properties(m, split, reference_file=reference_file)
+        properties = reference_properties(m, split, reference=_reference_file(reference_file))
         ref_lengths = split_token_lengths(m, split)
         per_seed = []
         for seed in seeds:
@@ -194,7 +199,7 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
         smiles = texts_to_smiles(lines, of_manifest(m))
     reference = moses_reference(m, split, reference_file) if moses or reference_file else None
     metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference,
-                                 properties=reference_properties(m, split, reference_file=reference_file))
+                                 properties=reference_properties(m, split, reference=_reference_file(reference_file)))
     if conformers:
         metrics.update(_conformer_metrics(lines, of_manifest(m)))
     histograms = metrics.pop("histograms", {})

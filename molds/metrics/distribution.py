@@ -22,7 +22,6 @@ several seeds or evaluations against the same manifest reuses them
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Sequence
 
@@ -133,31 +132,29 @@ def histogram(samples: np.ndarray, reference: np.ndarray, integer: bool = False)
             "reference": (r / max(1, r.sum())).round(6).tolist()}
 
 
-@functools.lru_cache(maxsize=8)
-def _cached(path: str, manifest_hash: str, split: str, limit: int, ranges_from: str | None,
-            reference_file: str | None) -> PropertyReference:
-    from ..data.manifest import Manifest
-    from .generation import reference_smiles
-
-    manifest = Manifest.load(path)
-    if reference_file:
-        from ..eval.evaluate import read_smiles_file
-
-        every = read_smiles_file(reference_file)
-        ref = random.Random(0).sample(every, limit) if len(every) > limit else every
-        what = f"{reference_file} ({len(ref)} of its {len(every)} molecules)"
-    else:
-        ref = reference_smiles(manifest, split, limit, seed=0)
-        what = f"split {split} ({len(ref)} molecules)"
-    train = reference_smiles(manifest, ranges_from, TRAIN_LIMIT, seed=0) if ranges_from else None
-    return PropertyReference(ref, train, what)
+_CACHE: dict = {}
 
 
 def reference_properties(manifest, split: str, limit: int = 10000, ranges_from: str | None = "train",
-                         reference_file: str | None = None) -> PropertyReference:
+                         reference: tuple[str, Sequence[str]] | None = None) -> PropertyReference:
     """The properties of up to ``limit`` molecules of ``manifest``'s ``split`` (or of
-    ``reference_file``'s), a fixed draw (seed 0), and the ranges of the ``ranges_from``
-    split's; computed once a process."""
+    ``reference``: a file's name and its SMILES), a fixed draw (seed 0), and the ranges of
+    the ``ranges_from`` split's; computed once a process for each manifest, split or file."""
+    from .generation import reference_smiles
+
     if ranges_from and not manifest.shards(ranges_from):
         ranges_from = None
-    return _cached(manifest.path, manifest.hash, split, limit, ranges_from, reference_file)
+    key = (manifest.path, manifest.hash, split, limit, ranges_from, reference[0] if reference else None)
+    if key not in _CACHE:
+        if reference:
+            name, every = reference[0], list(reference[1])
+            ref = random.Random(0).sample(every, limit) if len(every) > limit else every
+            what = f"{name} ({len(ref)} of its {len(every)} molecules)"
+        else:
+            ref = reference_smiles(manifest, split, limit, seed=0)
+            what = f"split {split} ({len(ref)} molecules)"
+        train = reference_smiles(manifest, ranges_from, TRAIN_LIMIT, seed=0) if ranges_from else None
+        if len(_CACHE) >= 8:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = PropertyReference(ref, train, what)
+    return _CACHE[key]

@@ -130,5 +130,13 @@ class ProfileWindow:
         self.active, self.done = False, True
         return self.profile.describe(self.first, step)
 
+    def close(self, step: int) -> str | None:
+        """The loop ended inside the window (the data ran out): the line for the steps done."""
+        if not self.active:
+            return None
+        self.profile.stop()
+        self.active, self.done = False, True
+        return self.profile.describe(self.first, step)
+
     def scalars(self) -> dict:
         return {f"profile/{k}_ms": v for k, v in self.profile.report().items()}

@@ -217,12 +217,21 @@ def test_torchaos_fp8_recipes_on_the_pipeline_match_one_process(dataset, recipe)
     grads, _ = _merge(got)
     assert grads.keys() == one["grads"].keys()
     # the last step's gradients, after weights that took the flips above: a token whose
-    # router score moved may go to another expert, so the experts' gradients move most (seen
-    # 2.0e-2 and 2.5e-2, the attention's 1e-2); held to 5e-2, half of a lost or doubled
-    # micro-batch (one of 8: over 10 %)
+    # router score moved may go to another expert, so one expert's gradient can move a lot
+    # (seen 2.0e-2 and 2.5e-2 on one CPU, 0.16 for an expert holding few tokens on another)
+    # while the attention's moves 1e-2. Each parameter outside the experts, and the whole
+    # gradient, are held to 5e-2: half of a lost or doubled micro-batch (one of 8: over 10 %)
+    import torch
+
     rel = {name: float((grads[name] - want).norm() / want.norm()) if float(want.norm()) else float(grads[name].norm())
            for name, want in one["grads"].items()}
-    assert max(rel.values()) <= 5e-2, sorted(rel.items(), key=lambda kv: -kv[1])[:4]
+    dense = {n: r for n, r in rel.items() if ".experts." not in n}
+    assert max(dense.values()) <= 5e-2, sorted(dense.items(), key=lambda kv: -kv[1])[:4]
+    names = sorted(one["grads"])
+    whole = torch.cat([one["grads"][n].flatten() for n in names])
+    diff = torch.cat([(grads[n] - one["grads"][n]).flatten() for n in names])
+    assert float(diff.norm() / whole.norm()) <= 5e-2, (float(diff.norm() / whole.norm()),
+                                                       sorted(rel.items(), key=lambda kv: -kv[1])[:4])
 
 
 def _reset_peak_rss() -> int:
