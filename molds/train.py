@@ -120,12 +120,9 @@ def train(run: Run) -> None:
     batches = iter(run.loader)
     window = _new_window()
     bar = _progress_bar(run)
-    profile = None
-    if recipe.logging.profile_steps and dist.is_main:
-        from molds.metrics.step_profile import ProfileWindow
+    from molds.metrics.step_profile import ProfileWindow
 
-        profile = ProfileWindow(recipe.logging.profile_steps, run.step, recipe.logging.interval_steps,
-                                recipe.run.output_dir)
+    profile = ProfileWindow.of(recipe, run.step) if dist.is_main else None
     horizon.start(run.step, horizon.elapsed_s)  # the budget's clock runs from here (and what a resume carried)
     while not horizon.done:
         micro = []
@@ -159,9 +156,8 @@ def train(run: Run) -> None:
         else:
             horizon.advance(run.step)
         last = horizon.done
-        if profile is not None and (line := profile.after(run.step, final=last)):
-            print(f"[molds] {line}", file=sys.stderr)
-            run.log.scalars(run.step, profile.scalars())
+        if profile is not None:
+            profile.after(run.step, run.log, final=last)
         if bar is not None:
             bar.update(1)
         if run.step % recipe.logging.interval_steps == 0 or last:
@@ -174,9 +170,8 @@ def train(run: Run) -> None:
                 run.evaluator.run(run.step, kind)
         if not last and _checkpoint_due(recipe.checkpoint, run.step, before, horizon.fraction):
             save(run)
-    if profile is not None and (line := profile.close(run.step)):
-        print(f"[molds] {line}", file=sys.stderr)
-        run.log.scalars(run.step, profile.scalars())
+    if profile is not None:
+        profile.close(run.step, run.log)
     if bar is not None:
         bar.close()
 

@@ -113,30 +113,37 @@ class ProfileWindow:
         self.active = False
         self.done = False
 
+    @classmethod
+    def of(cls, recipe, step: int) -> "ProfileWindow | None":
+        """The run's window (``logging.profile_steps``; None when off), from step ``step`` on."""
+        lg = recipe.logging
+        return cls(lg.profile_steps, step, lg.interval_steps, recipe.run.output_dir) if lg.profile_steps else None
+
     def before(self, step: int) -> None:
         """Called before step ``step`` runs."""
         if not self.done and not self.active and self.first <= step <= self.last:
             self.profile.start()
             self.active = True
 
-    def after(self, step: int, final: bool = False) -> str | None:
-        """Called after step ``step`` counted; the line to print when the window closes."""
+    def after(self, step: int, log, final: bool = False) -> None:
+        """Called after step ``step`` counted: at the window's last step (or the run's), its
+        line is printed and its figures logged to ``log`` (the run's MetricsLogger)."""
         if not self.active:
-            return None
+            return
         self.profile._sync_step()
-        if step < self.last and not final:
-            return None
-        self.profile.stop()
-        self.active, self.done = False, True
-        return self.profile.describe(self.first, step)
+        if step >= self.last or final:
+            self.close(step, log)
 
-    def close(self, step: int) -> str | None:
-        """The loop ended inside the window (the data ran out): the line for the steps done."""
+    def close(self, step: int, log) -> None:
+        """The window ends at ``step`` (also when the data ran out inside it)."""
+        import sys
+
         if not self.active:
-            return None
+            return
         self.profile.stop()
         self.active, self.done = False, True
-        return self.profile.describe(self.first, step)
+        print(f"[molds] {self.profile.describe(self.first, step)}", file=sys.stderr)
+        log.scalars(step, self.scalars())
 
     def scalars(self) -> dict:
         return {f"profile/{k}_ms": v for k, v in self.profile.report().items()}
