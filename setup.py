@@ -61,8 +61,10 @@ setup(
         "safe": ["safe-mol>=0.2"],
         # the documentation site (mkdocs.yml; docs/gen_reference.py writes its reference pages)
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ray[data]>=2.9", "accelerate>=1.1", "selfies>=2.1",
-                "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5"],
+        # pytest-xdist: .ci/run runs test files on two workers (a launch spends most of its start-up
+        # importing on one core, while the other waits)
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "ray[data]>=2.9", "accelerate>=1.1",
+                "selfies>=2.1", "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5"],
         # (liger-kernel and torchao, which benchmarks/kernels.py compares against, are requirements on Linux)
     },
     entry_points={

@@ -82,3 +82,21 @@ def test_the_readme_is_short_and_is_the_package_description():
     for page in ("docs/getting-started.md", "docs/status.md", "docs/guarantees.md", "docs/benchmarks/index.md",
                  "CHANGELOG.md", "CONTRIBUTING.md", "LICENSE"):
         assert page in readme, f"the README does not link {page}"
+
+
+def test_the_citation_file_names_the_package_as_setup_py_does():
+    """CITATION.cff (what GitHub's "Cite this repository" reads) parses as CFF 1.2.0 and
+    carries setup.py's version and licence; the README points at it."""
+    import re
+
+    import yaml
+
+    cff = yaml.safe_load(open(os.path.join(ROOT, "CITATION.cff"), encoding="utf-8"))
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    for key in ("message", "title", "authors"):
+        assert cff.get(key), f"CITATION.cff lacks {key}"
+    assert all(a.get("name") or a.get("family-names") for a in cff["authors"])
+    assert str(cff["version"]) == re.search(r'version="([^"]+)"', setup).group(1)
+    assert cff["license"] == re.search(r'license="([^"]+)"', setup).group(1)
+    assert "CITATION.cff" in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
