@@ -144,6 +144,7 @@ class Canonicalizer:
         self._steps = []
         self._cx = None
         self.cxsmiles = 0  # molecules read from CXSMILES (``SMILES |extension|``), counted in the manifest
+        self._read_cx = False  # the last ``parse`` read a CXSMILES extension
         if options.standardizes:
             from rdkit.Chem.MolStandardize import rdMolStandardize
 
@@ -155,7 +156,21 @@ class Canonicalizer:
                 self._steps.append(rdMolStandardize.Uncharger().uncharge)
 
     def __call__(self, raw: str) -> Molecule | str:
+        mol = self.parse(raw)
+        if isinstance(mol, str):
+            return mol
+        molecule = self.from_mol(mol)
+        if self._read_cx and isinstance(molecule, Molecule):
+            self.cxsmiles += 1
+        return molecule
+
+    def parse(self, raw: str):
+        """One raw SMILES (or CXSMILES) to an RDKit molecule, or the reason it is refused;
+        the length checks that come before parsing included. ``__call__`` is ``parse`` then
+        ``from_mol``; a caller that changes the molecule in between (``molds.pairs`` clears
+        atom maps) calls the two itself."""
         opts = self.options
+        self._read_cx = False
         smiles = raw.strip()
         if not smiles:
             return "empty"
@@ -179,10 +194,8 @@ class Canonicalizer:
                 return "cxsmiles_error"
         if mol is None:
             return self._classify_failure(smiles)
-        molecule = self.from_mol(mol)
-        if cx is not None and isinstance(molecule, Molecule):
-            self.cxsmiles += 1
-        return molecule
+        self._read_cx = cx is not None
+        return mol
 
     def _cx_params(self):
         """RDKit's strict CXSMILES reading: the extension applied to the molecule (radicals,

@@ -1,0 +1,171 @@
+"""Pair tasks as data: a reaction or a molecule pair turned into a canonical (source, target).
+
+Reaction prediction (``forward``: reactants to products), retrosynthesis (``retro``:
+products to reactants) and molecule-to-molecule models (``mol2mol``) train on pairs of
+SMILES sides. A side is one or several molecules (``A.B``). The ETL reads a pair either as
+a reaction SMILES (``reactants>reagents>products``, ``reactants>>products``, the layout of
+USPTO-50k and USPTO-MIT) or as two columns (source, target); this module makes both
+canonical, so that the same reaction written with other atom maps, another molecule order
+or another SMILES spelling is the same pair:
+
+- atom maps are removed (``[CH3:1]`` is ``C``), then each molecule of a side is
+  canonicalized by the ETL's own ``Canonicalizer`` (the manifest's options: stereo,
+  standardization, size caps), one fragment at a time (``GetMolFrags``, so a ring bond
+  written across a dot stays one molecule);
+- a side's molecules are put in canonical order (sorted canonical SMILES, joined by ``.``);
+- reagents follow a policy (``reagents``): ``mix`` puts them among the reactants (the
+  Molecular Transformer's "mixed" USPTO-MIT task), ``separate`` keeps them after a ``>``
+  (``reactants>reagents``), ``drop`` leaves them out; ``auto`` is ``mix`` for ``forward``
+  and ``drop`` otherwise (retrosynthesis predicts the reactants, not the solvent);
+- the pair's split group is the scaffold of its product side (the target of ``forward`` and
+  ``mol2mol``, the source of ``retro``), so a scaffold split holds out product scaffolds.
+
+Every refusal is a named reason: the molecule reasons of ``molds.chem.REJECT_REASONS`` for
+a molecule of either side, and ``PAIR_REASONS`` for the pair itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .chem import Canonicalizer, ChemOptions
+
+TASKS = ("forward", "retro", "mol2mol")
+REAGENT_POLICIES = ("auto", "mix", "separate", "drop")
+
+PAIR_REASONS = {
+    "not_a_reaction": "the reaction SMILES is not reactants>reagents>products (exactly two '>'), or text other "
+                      "than a CXSMILES extension follows it",
+    "empty_side": "the source or the target holds no molecule (reactants or products missing, an empty column)",
+    "no_op_reaction": "every product is also a reactant or reagent: nothing reacts",
+}
+
+# a trailing CXSMILES extension (``|f:0.1|``: USPTO's fragment groups), read as nothing more
+_TRAILING_EXTENSION = re.compile(r"^(\S+)[ \t]+\|[^\s|]*\|\s*$")
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    """What makes a pair of a record; recorded in the manifest."""
+
+    task: str = "forward"
+    reagents: str = "auto"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.reagents not in REAGENT_POLICIES:
+            raise ValueError(f"reagents must be one of {', '.join(REAGENT_POLICIES)}, got {self.reagents!r}")
+
+    @property
+    def reagent_policy(self) -> str:
+        """The policy ``auto`` stands for with this task."""
+        if self.reagents != "auto":
+            return self.reagents
+        return "mix" if self.task == "forward" else "drop"
+
+    def describe(self) -> dict:
+        """The manifest's ``pairs`` block."""
+        product = "source" if self.task == "retro" else "target"
+        return {"task": self.task, "reagents": self.reagent_policy, "product_side": product,
+                "atom_maps": "removed", "side_order": "sorted canonical SMILES"}
+
+
+@dataclass
+class Pair:
+    source: str  # the canonical source side
+    target: str  # the canonical target side
+    scaffold: str  # the product side's scaffold: the split group
+    key: str  # the dedupe key: the pair itself
+
+
+def split_reaction(text: str) -> tuple[str, str, str] | str:
+    """``(reactants, reagents, products)`` of a reaction SMILES, or ``not_a_reaction``."""
+    text = text.strip()
+    if any(c.isspace() for c in text):
+        m = _TRAILING_EXTENSION.match(text)
+        if m is None:
+            return "not_a_reaction"
+        text = m.group(1)
+    parts = text.split(">")  # '>' never occurs inside a SMILES (nor inside its bracket atoms)
+    if len(parts) != 3:
+        return "not_a_reaction"
+    return parts[0], parts[1], parts[2]
+
+
+class PairCanonicalizer:
+    """Reactions (``reaction``) or source / target texts (``pair``) to a ``Pair``, or the
+    reason it is refused. Built once per worker process, as ``Canonicalizer`` is."""
+
+    def __init__(self, chem: ChemOptions, options: PairOptions):
+        from rdkit import Chem
+
+        self.chem, self.options = chem, options
+        self._canon = Canonicalizer(chem)
+        self._frags = Chem.GetMolFrags
+
+    def molecules(self, text: str) -> tuple[list[str], list[str]] | str:
+        """The canonical SMILES of each molecule of a side (in canonical order) and their
+        scaffolds, or a reason. An empty side is ``([], [])``."""
+        text = text.strip()
+        if not text:
+            return [], []
+        mol = self._canon.parse(text)
+        if isinstance(mol, str):
+            return mol
+        for atom in mol.GetAtoms():
+            atom.SetAtomMapNum(0)
+        found = []
+        for frag in self._frags(mol, asMols=True):
+            molecule = self._canon.from_mol(frag, check_length=True)
+            if isinstance(molecule, str):
+                return molecule
+            found.append((molecule.canonical, molecule.scaffold))
+        found.sort()
+        return [c for c, _ in found], [s for _, s in found]
+
+    def reaction(self, text: str) -> Pair | str:
+        parts = split_reaction(text)
+        if isinstance(parts, str):
+            return parts
+        sides = []
+        for part in parts:
+            got = self.molecules(part)
+            if isinstance(got, str):
+                return got
+            sides.append(got)
+        (reactants, _), (reagents, _), (products, product_scaffolds) = sides
+        if not reactants or not products:
+            return "empty_side"
+        if set(products) <= set(reactants) | set(reagents):
+            return "no_op_reaction"
+        policy = self.options.reagent_policy
+        if policy == "mix":
+            left = ".".join(sorted(reactants + reagents))
+        elif policy == "separate":
+            left = ".".join(reactants) + ">" + ".".join(reagents)
+        else:
+            left = ".".join(reactants)
+        right = ".".join(products)
+        if self.options.task == "retro":
+            return self._pair(right, left, product_scaffolds)
+        return self._pair(left, right, product_scaffolds)
+
+    def pair(self, source: str, target: str) -> Pair | str:
+        sides = []
+        for text in (source, target):
+            got = self.molecules(text)
+            if isinstance(got, str):
+                return got
+            if not got[0]:
+                return "empty_side"
+            sides.append(got)
+        (src, src_scaffolds), (tgt, tgt_scaffolds) = sides
+        product = src_scaffolds if self.options.task == "retro" else tgt_scaffolds
+        return self._pair(".".join(src), ".".join(tgt), product)
+
+    @staticmethod
+    def _pair(source: str, target: str, product_scaffolds: list[str]) -> Pair:
+        scaffold = ".".join(sorted(s for s in product_scaffolds if s))
+        return Pair(source, target, scaffold, f"{source}>>{target}")
