@@ -144,7 +144,6 @@ class Canonicalizer:
         self._steps = []
         self._cx = None
         self.cxsmiles = 0  # molecules read from CXSMILES (``SMILES |extension|``), counted in the manifest
-        self._read_cx = False  # the last ``parse`` read a CXSMILES extension
         if options.standardizes:
             from rdkit.Chem.MolStandardize import rdMolStandardize
 
@@ -160,7 +159,9 @@ class Canonicalizer:
         if isinstance(mol, str):
             return mol
         molecule = self.from_mol(mol)
-        if self._read_cx and isinstance(molecule, Molecule):
+        # a parsed SMILES with whitespace in it was read with its CXSMILES extension (any other
+        # whitespace is refused by ``parse``)
+        if isinstance(molecule, Molecule) and _WHITESPACE.search(raw.strip()):
             self.cxsmiles += 1
         return molecule
 
@@ -170,7 +171,6 @@ class Canonicalizer:
         ``from_mol``; a caller that changes the molecule in between (``molds.pairs`` clears
         atom maps) calls the two itself."""
         opts = self.options
-        self._read_cx = False
         smiles = raw.strip()
         if not smiles:
             return "empty"
@@ -194,7 +194,6 @@ class Canonicalizer:
                 return "cxsmiles_error"
         if mol is None:
             return self._classify_failure(smiles)
-        self._read_cx = cx is not None
         return mol
 
     def _cx_params(self):
