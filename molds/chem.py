@@ -17,6 +17,18 @@ from dataclasses import dataclass
 
 from .representation import REASONS as REPRESENTATION_REASONS
 
+# the refusals of a pair record as a whole (``molds.pairs``); a molecule of either side is
+# refused for the molecule reasons below
+PAIR_REASONS = {
+    "not_a_reaction": "the reaction SMILES is not reactants>reagents>products (exactly two '>'), or text other "
+                      "than a CXSMILES extension follows it",
+    "empty_side": "the source or the target holds no molecule (reactants or products missing, an empty column)",
+    "no_op_reaction": "every product is also a reactant or reagent: nothing reacts",
+    "target_in_two_splits": "the pair's target is also the target of a pair in an earlier split (train before "
+                            "valid before test): kept only there, so no target is learnt in one split and "
+                            "scored in another",
+}
+
 REJECT_REASONS = {
     "malformed_row": "the row has a different number of fields than the header, or is not a JSON object, or its "
                      "SMILES value is not a string",
@@ -48,7 +60,10 @@ REJECT_REASONS = {
                "records should be can mean a copy or download that did not finish",
     "truncated_input": "the compressed input ends before its end marker: the record cut there (SDF), or the "
                        "unreadable rest of the file (one count per file); the records before it are read",
+    "bad_split": "with --split given: the row's --split_column value (or its file's name) names no split (train, "
+                 "val / valid / validation / dev, test)",
     **REPRESENTATION_REASONS,
+    **PAIR_REASONS,
 }
 
 # Hard bounds on the caps: RDKit's Murcko scaffold costs ~0.1 s at 500 heavy atoms, ~1 s at

@@ -29,17 +29,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .chem import Canonicalizer, ChemOptions
+from .chem import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
 
 TASKS = ("forward", "retro", "mol2mol")
 REAGENT_POLICIES = ("auto", "mix", "separate", "drop")
 
-PAIR_REASONS = {
-    "not_a_reaction": "the reaction SMILES is not reactants>reagents>products (exactly two '>'), or text other "
-                      "than a CXSMILES extension follows it",
-    "empty_side": "the source or the target holds no molecule (reactants or products missing, an empty column)",
-    "no_op_reaction": "every product is also a reactant or reagent: nothing reacts",
-}
 
 # a trailing CXSMILES extension (``|f:0.1|``: USPTO's fragment groups), read as nothing more
 _TRAILING_EXTENSION = re.compile(r"^(\S+)[ \t]+\|[^\s|]*\|\s*$")
@@ -76,8 +70,9 @@ class PairOptions:
 class Pair:
     source: str  # the canonical source side
     target: str  # the canonical target side
-    scaffold: str  # the product side's scaffold: the split group
+    scaffold: str  # the product side's scaffolds: the split group
     key: str  # the dedupe key: the pair itself
+    product: str  # the product side (the target, or the source of ``retro``): ``--split random``'s group
 
 
 def split_reaction(text: str) -> tuple[str, str, str] | str:
@@ -149,8 +144,8 @@ class PairCanonicalizer:
             left = ".".join(reactants)
         right = ".".join(products)
         if self.options.task == "retro":
-            return self._pair(right, left, product_scaffolds)
-        return self._pair(left, right, product_scaffolds)
+            return self._pair(right, left, right, product_scaffolds)
+        return self._pair(left, right, right, product_scaffolds)
 
     def pair(self, source: str, target: str) -> Pair | str:
         sides = []
@@ -162,10 +157,12 @@ class PairCanonicalizer:
                 return "empty_side"
             sides.append(got)
         (src, src_scaffolds), (tgt, tgt_scaffolds) = sides
-        product = src_scaffolds if self.options.task == "retro" else tgt_scaffolds
-        return self._pair(".".join(src), ".".join(tgt), product)
+        source, target = ".".join(src), ".".join(tgt)
+        if self.options.task == "retro":
+            return self._pair(source, target, source, src_scaffolds)
+        return self._pair(source, target, target, tgt_scaffolds)
 
     @staticmethod
-    def _pair(source: str, target: str, product_scaffolds: list[str]) -> Pair:
+    def _pair(source: str, target: str, product: str, product_scaffolds: list[str]) -> Pair:
         scaffold = ".".join(sorted(s for s in product_scaffolds if s))
-        return Pair(source, target, scaffold, f"{source}>>{target}")
+        return Pair(source, target, scaffold, f"{source}>>{target}", product)

@@ -71,9 +71,40 @@ class PreprocessConfig:
     scaffold: Literal["murcko", "generic"] = "murcko"
     """Bemis-Murcko scaffold, or its generic (all-carbon, single-bond) framework."""
 
-    split: Literal["scaffold", "random", "scaffold_random"] = "scaffold"
+    split: Literal["scaffold", "random", "scaffold_random", "given"] = "scaffold"
     """``scaffold``: largest scaffold groups to train; ``scaffold_random``: scaffold groups in
-    seeded random order; ``random``: molecules in seeded random order."""
+    seeded random order; ``random``: molecules in seeded random order (with ``--task``: pairs,
+    grouped by their product side). ``given``: the input's own split, from ``--split_column``
+    or, without it, from each input's file name (``raw_train.csv``, ``valid.txt``,
+    ``test.smi``: one of train / val / valid / validation / dev / test as a word of the name)."""
+
+    split_column: Optional[str] = None
+    """With ``--split given``: the column (or JSONL key, SD tag) naming each row's split:
+    ``train``, ``val`` / ``valid`` / ``validation`` / ``dev`` or ``test`` (case aside); a row
+    with another value is refused (``bad_split``)."""
+
+    task: Literal["none", "forward", "retro", "mol2mol"] = "none"
+    """``none``: molecules. Otherwise the rows are pairs for a sequence-to-sequence task:
+    ``forward`` (reactants to products), ``retro`` (products to reactants) or ``mol2mol`` (a
+    molecule to another). Each row is a reaction SMILES (``reactants>reagents>products``,
+    ``reactants>>products``, with atom maps or without; in ``--smiles_column``, or the first
+    field of a .smi / .txt line as USPTO-MIT writes it), or, with ``--target_column``, a source
+    in ``--smiles_column`` and a target in ``--target_column``. Each side is canonicalized
+    molecule by molecule (the options above), atom maps removed, its molecules put in canonical
+    order; pairs are deduplicated as pairs; the split groups are the product side's scaffolds
+    (``--split random``: the product side itself), and a target in two splits stays only in
+    the first (the others counted as ``target_in_two_splits``). SMILES only: no
+    ``--representation``, conformers or ``--randomized_variants``."""
+
+    target_column: Optional[str] = None
+    """With ``--task``: the column (or JSONL key) holding each pair's target side; the source
+    side is in ``--smiles_column``. Without it, ``--smiles_column`` holds reaction SMILES."""
+
+    reagents: Literal["auto", "mix", "separate", "drop"] = "auto"
+    """With ``--task`` on reaction SMILES: ``mix`` puts the reagents among the reactants (the
+    Molecular Transformer's mixed USPTO-MIT task), ``separate`` keeps them after a ``>``
+    (``reactants>reagents``), ``drop`` leaves them out; ``auto`` is ``mix`` for ``forward``
+    and ``drop`` for ``retro``."""
 
     split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """Train, valid (and test) fractions of the kept rows; they must sum to 1."""

@@ -32,6 +32,14 @@ class MapStage:
     def __init__(self, options: StageOptions, work_dir: str, name: str, spill_rows: int = 200_000):
         self.options, self.work_dir, self.name, self.spill_rows = options, work_dir, name, spill_rows
         self.canonicalize = Canonicalizer(options.chem)
+        self.pairs = None  # --task: reactions or molecule pairs, each side canonicalized
+        if options.pairs is not None:
+            from molds.pairs import PairCanonicalizer
+
+            self.pairs = PairCanonicalizer(options.chem, options.pairs)
+        # values read after the labels: the pair's target (--target_column), the row's split (--split_column)
+        self._extras = int(options.pair_target) + int(options.split_from == "column")
+        self._file_splits: dict[str, int | None] = {}
         self._sd_parser = None
         self.represent = None
         if options.representation != "smiles":
@@ -50,7 +58,8 @@ class MapStage:
 
     def _empty(self) -> dict:
         return {k: [] for k in ("order", "raw_smiles", "canonical_smiles", "text", "scaffold", "dedupe_key",
-                                "compound_id", "source", "labels", "rank")}
+                                "compound_id", "source", "labels", "rank", "source_smiles", "target_smiles",
+                                "product", "given_split")}
 
     def process(self, chunk: RawChunk) -> tuple[int, int]:
         """Returns (rows, rejected) of this chunk, for progress reporting."""
@@ -66,8 +75,20 @@ class MapStage:
             if raw is None:
                 stats.reject(chunk.reasons.get(pos, "missing_field"), source, None)
                 continue
-            outcome = sd_rows[pos] if sdf else self._smiles_row(raw, chunk.ids[pos], chunk.labels[pos],
-                                                                chunk.units[pos] if chunk.units else None)
+            values, given = chunk.labels[pos], None
+            if self._extras:
+                values, extras = self._peel(values)
+            if opts.split_from:
+                given = self._given_split(chunk.path, extras if self._extras else [])
+                if given is None:
+                    stats.reject("bad_split", source, extras[-1] if opts.split_from == "column" else chunk.path)
+                    continue
+            if sdf:
+                outcome = sd_rows[pos]
+            elif self.pairs is not None:
+                outcome = self._pair_row(raw, chunk.ids[pos], values, extras[0] if opts.pair_target else None)
+            else:
+                outcome = self._smiles_row(raw, chunk.ids[pos], values, chunk.units[pos] if chunk.units else None)
             reason, kept, repaired = outcome
             if repaired:  # an SD record read after a repair (blank lines before the header): counted
                 stats.sd_repaired += 1
@@ -76,19 +97,27 @@ class MapStage:
                 continue
             raw, mol, cid, labels, text, rank = kept
             accepted.append(((chunk.file_index << 40) | row, raw or mol.canonical, mol, cid or source, source, labels,
-                             text, rank))
+                             text, rank, given))
         if self.canonicalize.cxsmiles:
             stats.cxsmiles += self.canonicalize.cxsmiles
             self.canonicalize.cxsmiles = 0
         if opts.check_regex and accepted:
             accepted = self._check_regex(accepted)
-        for order, raw, mol, cid, source, labels, text, rank in accepted:
+        for order, raw, mol, cid, source, labels, text, rank, given in accepted:
             cols["order"].append(order)
             cols["raw_smiles"].append(raw)
-            cols["canonical_smiles"].append(mol.canonical)
+            if self.pairs is not None:  # a Pair: deduplicated by its key, the pair itself
+                cols["canonical_smiles"].append(mol.key)
+                cols["dedupe_key"].append(mol.key)
+                cols["source_smiles"].append(mol.source)
+                cols["target_smiles"].append(mol.target)
+                cols["product"].append(mol.product)
+            else:
+                cols["canonical_smiles"].append(mol.canonical)
+                cols["dedupe_key"].append(mol.dedupe_key)
+            cols["given_split"].append(given)
             cols["text"].append(text)
             cols["scaffold"].append(mol.scaffold)
-            cols["dedupe_key"].append(mol.dedupe_key)
             cols["compound_id"].append(cid)
             cols["source"].append(source)
             cols["labels"].append(labels)
@@ -113,6 +142,40 @@ class MapStage:
         if reason is not None:
             return reason, text, False
         return None, (raw, mol, cid, labels, text, rank), False
+
+    def _peel(self, values) -> tuple:
+        """(the label values, the values read after them: target, split)."""
+        n = self.options.num_labels
+        if values is None:  # a format without columns (.smi): nothing was read after the labels
+            return None, [None] * self._extras
+        return (list(values[:n]) if n else None), list(values[n:])
+
+    def _given_split(self, path: str, extras: list) -> int | None:
+        """``--split given``: the row's split (0, 1, 2), or None when nothing names one."""
+        from .split import split_of_file, split_of_value
+
+        if self.options.split_from == "column":
+            return split_of_value(extras[-1])
+        if path not in self._file_splits:
+            self._file_splits[path] = split_of_file(path)
+        return self._file_splits[path]
+
+    def _pair_row(self, raw: str, cid, label_values, target) -> tuple:
+        """One pair row's outcome, shaped as ``_smiles_row``'s, with a ``molds.pairs.Pair`` for
+        the molecule: a reaction SMILES, or (with ``--target_column``) a source and ``target``."""
+        labels = self._labels(label_values)
+        if labels is False:
+            return "bad_label", label_values, False
+        if self.options.pair_target:
+            if target is not None and not isinstance(target, str):
+                return "malformed_row", f"{raw} (target {target!r}: not a string)", False
+            pair = self.pairs.pair(raw, target or "")
+            raw = f"{raw}>>{target or ''}"
+        else:
+            pair = self.pairs.reaction(raw)
+        if isinstance(pair, str):
+            return pair, raw, False
+        return None, (raw, pair, cid, labels, None, None), False
 
     def _rank(self, value):
         """A conformer's ``--conformer_rank_by`` number, or False when it is missing or no number."""
@@ -235,6 +298,14 @@ class MapStage:
         """Reject rows whose text (canonical SMILES, or the representation's string) the
         tokenizer regex does not cover, and count the tokens of the rest, in one batch pass
         over the chunk."""
+        if self.pairs is not None:  # both sides are tokenized, each alone
+            tc = token_codes([side for a in accepted for side in (a[2].source, a[2].target)], self.grammar)
+            both = tc.covered.reshape(-1, 2).all(axis=1)
+            self.tokens.update(counts_of_codes(tc, np.repeat(both, 2)))
+            for a, ok in zip(accepted, both.tolist()):
+                if not ok:
+                    self.stats.reject("tokenizer_roundtrip", a[4], a[1])
+            return [a for a, ok in zip(accepted, both.tolist()) if ok]
         tc = token_codes([a[6] if a[6] is not None else a[2].canonical for a in accepted], self.grammar)
         covered = tc.covered.tolist()
         for a, ok in zip(accepted, covered):
@@ -250,8 +321,8 @@ class MapStage:
         opts = self.options
         seed = opts.seed
         row_hash = hash64(cols["canonical_smiles"], seed)
-        if opts.split == "random":
-            group_src = cols["dedupe_key"]
+        if opts.split in ("random", "given"):  # a pair's product side; a molecule
+            group_src = cols["product"] if self.pairs is not None else cols["dedupe_key"]
         else:
             group_src = cols["scaffold"]
         group_hash = hash64(group_src, seed ^ GROUP_SALT)
@@ -278,6 +349,12 @@ class MapStage:
             table = table.append_column("text", pa.array(cols["text"], pa.string()))
         if self._rank_key:
             table = table.append_column("rank", pa.array(cols["rank"], pa.float64()))
+        if self.pairs is not None:
+            table = table.append_column("source_smiles", pa.array(cols["source_smiles"], pa.string()))
+            table = table.append_column("target_smiles", pa.array(cols["target_smiles"], pa.string()))
+            table = table.append_column("target_hash", pa.array(hash64(cols["target_smiles"], seed)))
+        if opts.split_from:
+            table = table.append_column("given_split", pa.array(cols["given_split"], pa.int8()))
         self._cols = self._empty()
         path = os.path.join(self.work_dir, f"spill-{self.name}-{self._written}.arrow")
         self._written += 1

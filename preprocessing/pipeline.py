@@ -16,7 +16,7 @@ from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
-                     partition_token_counts, reduce_partition, write_shard)
+                     partition_targets, partition_token_counts, reduce_partition, targets_in_two_splits, write_shard)
 from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
                         train_bpe_tokenizer, vocab_from_counts)
 
@@ -90,8 +90,63 @@ def _validate(cfg: PreprocessConfig) -> None:
     if cfg.conformer_decimals != 2 and cfg.conformers == "none" and cfg.unit_template is None:
         raise ValueError("--conformer_decimals sets the digits of conformer units: it needs --conformers or "
                          "--unit_template")
+    _check_pairs(cfg)
     _chem_options(cfg)  # the chemistry caps, checked before anything is created
     _representation(cfg)  # the representation's package, asked for by name when it is missing
+
+
+def _check_pairs(cfg: PreprocessConfig) -> None:
+    """The pair options (``--task``, ``--target_column``, ``--reagents``) and ``--split given``."""
+    if cfg.split_column is not None and cfg.split != "given":
+        raise ValueError(f"--split_column names each row's split: it needs --split given (not {cfg.split})")
+    if cfg.split_column is not None and not cfg.split_column.strip():
+        raise ValueError("--split_column: give the column naming each row's split")
+    if cfg.task == "none":
+        for option, value, default in (("target_column", cfg.target_column, None), ("reagents", cfg.reagents, "auto")):
+            if value != default:
+                raise ValueError(f"--{option} sets how pairs are read: it needs --task forward, retro or mol2mol")
+        return
+    if cfg.representation != "smiles" or cfg.conformers != "none" or cfg.unit_template is not None:
+        raise ValueError(f"--task {cfg.task} writes pairs of canonical SMILES: it needs --representation smiles, "
+                         f"--conformers none and no --unit_template")
+    if cfg.randomized_variants:
+        raise ValueError(f"--randomized_variants writes randomized spellings of molecules; --task {cfg.task} pairs "
+                         f"have none yet")
+    if cfg.dedupe_key != "canonical":
+        raise ValueError(f"--task {cfg.task} deduplicates pairs by their canonical sides: it needs --dedupe_key "
+                         f"canonical")
+    if cfg.target_column is not None and not cfg.target_column.strip():
+        raise ValueError("--target_column: give the column holding each pair's target")
+    if cfg.target_column is not None and cfg.reagents != "auto":
+        raise ValueError("--reagents sets what is done with a reaction's reagents; with --target_column the rows "
+                         "are a source and a target, not reactions")
+
+
+def _check_inputs_for_pairs(cfg: PreprocessConfig, inputs) -> None:
+    """What a format cannot give to ``--task``, ``--target_column`` or ``--split given``, said by file."""
+    from .split import split_of_file
+
+    for _, path, fmt in inputs:
+        if cfg.task != "none" and fmt == "sdf":
+            raise InputError(f"--task {cfg.task} reads reaction SMILES or SMILES pairs; {path} is SD records")
+        if cfg.target_column is not None and fmt == "smi":
+            raise InputError(f"--target_column reads a column; {path} is a .smi file, one SMILES (or reaction) a "
+                             f"line (use csv, tsv, parquet or jsonl)")
+        if cfg.split_column is not None and fmt == "sdf":
+            raise InputError(f"--split_column reads a column; {path} is SD records (name the files by split and "
+                             f"leave --split_column out)")
+        if cfg.split == "given" and cfg.split_column is None and fmt != "hf" and split_of_file(path) is None:
+            raise InputError(f"--split given without --split_column takes each input's split from its name; "
+                             f"{path} names none (or several) of train, val / valid / validation / dev, test")
+
+
+def _pair_options(cfg: PreprocessConfig):
+    """The ``molds.pairs.PairOptions`` of ``--task``, None for molecules."""
+    if cfg.task == "none":
+        return None
+    from molds.pairs import PairOptions
+
+    return PairOptions(task=cfg.task, reagents=cfg.reagents)
 
 
 def representation_spec(cfg: PreprocessConfig) -> tuple[str, tuple]:
@@ -249,6 +304,7 @@ def run(cfg: PreprocessConfig) -> str:
     if cfg.conformers == "sd" and any(fmt != "sdf" for _, _, fmt in inputs):
         other = next((p, fmt) for _, p, fmt in inputs if fmt != "sdf")
         raise InputError(f"--conformers sd reads the 3D coordinates of SD records; {other[0]} is {other[1]}")
+    _check_inputs_for_pairs(cfg, inputs)
     final_dir = os.path.abspath(cfg.output)
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise FileExistsError(f"--output {cfg.output} exists; pass --overwrite true to replace it")
@@ -261,13 +317,18 @@ def run(cfg: PreprocessConfig) -> str:
     os.makedirs(work_dir, exist_ok=True)
     chem = _chem_options(cfg)
     spelled, spelled_options = representation_spec(cfg)
+    roles = (((cfg.target_column, "target"),) if cfg.target_column is not None else ()) + \
+        (((cfg.split_column, "split"),) if cfg.split_column is not None else ())
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
                            check_regex=cfg.tokenizer == "regex",
-                           two_stage=cfg.dedupe_key == "inchikey" and cfg.split != "random",
-                           columns=Columns(cfg.smiles_column, cfg.id_column, tuple(cfg.label_columns),
-                                           unit_fields(cfg), cfg.conformer_rank_by),
+                           two_stage=cfg.dedupe_key == "inchikey" and cfg.split not in ("random", "given"),
+                           columns=Columns(cfg.smiles_column, cfg.id_column,
+                                           tuple(cfg.label_columns) + tuple(name for name, _ in roles),
+                                           unit_fields(cfg), cfg.conformer_rank_by, roles),
                            representation=spelled, representation_options=spelled_options, decimal=cfg.decimal,
-                           per_molecule=cfg.conformers_per_molecule)
+                           per_molecule=cfg.conformers_per_molecule, pairs=_pair_options(cfg),
+                           pair_target=cfg.target_column is not None,
+                           split_from=None if cfg.split != "given" else "column" if cfg.split_column else "file")
     cols = options.columns
     engine = _make_engine(cfg)
     signal_guard = _InterruptOnTerm()  # SIGTERM unwinds like Ctrl-C, so the temporary output is removed
@@ -301,7 +362,11 @@ def run(cfg: PreprocessConfig) -> str:
             for p in parts:
                 yield load_group_table(p["groups"], cfg.split)
 
-        thresholds = plan_split(tables, kept, cfg.split_fractions)
+        thresholds = None if cfg.split == "given" else plan_split(tables, kept, cfg.split_fractions)
+        targets_first = {}  # pairs: each target held by two splits -> the first one, where it stays
+        if options.pairs is not None:
+            targets_first = targets_in_two_splits(engine.run_tasks(
+                partition_targets, [(p["staged"], p["groups"], cfg.split, thresholds) for p in parts]))
         timings["split_s"] = time.time() - t
 
         t = time.time()
@@ -310,7 +375,8 @@ def run(cfg: PreprocessConfig) -> str:
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
                                                         cfg.vocab_from, work_dir, spelled,
-                                                        (cfg.randomized_variants, cfg.seed)) for p in parts])
+                                                        (cfg.randomized_variants, cfg.seed), targets_first)
+                                                       for p in parts])
         for f in finals:
             stats.merge(f["stats"])
         timings["tokenize_s"] = time.time() - t

@@ -61,7 +61,8 @@ def _read_file_batches(batch):
     rows = zip(*(batch.column(c).to_pylist() for c in ("file_index", "path", "format", "options")))
     for file_index, path, fmt, opts in rows:
         o = json.loads(opts)
-        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]), tuple(o.get("units", ())), o.get("rank"))
+        cols = Columns(o["smiles"], o["id"], tuple(o["labels"]), tuple(o.get("units", ())), o.get("rank"),
+                       tuple(tuple(r) for r in o.get("roles", ())))
         last = None
         try:
             for chunk in _kept_until_cut(read_chunks(int(file_index), str(path), str(fmt), cols, o["chunk_rows"],
@@ -168,7 +169,7 @@ class RayEngine:
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
         opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units),
-                           "rank": cols.rank, "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
+                           "rank": cols.rank, "roles": [list(r) for r in cols.roles], "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
                            "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}
                                      for i, p, f in inputs], override_num_blocks=max(1, len(inputs)))

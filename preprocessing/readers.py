@@ -73,6 +73,13 @@ class Columns:
     labels: tuple[str, ...] = ()
     units: tuple[str, ...] = ()  # JSONL keys ``--unit_template`` names
     rank: str | None = None  # the JSONL key or SD tag ``--conformer_rank_by`` names
+    # (name, role) of the columns read after the labels, in ``labels`` too: ``--target_column``
+    # ("target"), ``--split_column`` ("split"); the role names the column in an error
+    roles: tuple[tuple[str, str], ...] = ()
+
+    def role(self, name: str) -> str:
+        """What a column of ``labels`` holds, as an error names it."""
+        return dict(self.roles).get(name, "label")
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -341,7 +348,7 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
             return
         s_idx = _resolve(path, header, cols.smiles, "SMILES")
         i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
-        l_idx = [_resolve(path, header, name, "label") for name in cols.labels]
+        l_idx = [_resolve(path, header, name, cols.role(name)) for name in cols.labels]
         width = len(header)
         while True:
             line = reader.line_num + 1 + skipped  # the line this record starts on (the header is line 1)
@@ -465,7 +472,7 @@ def _check_smiles_type(path: str, schema, cols: Columns) -> None:
 def _read_arrow_batches(path, batches, names: list[str], cols: Columns):
     s_name = names[_resolve(path, names, cols.smiles, "SMILES")]
     i_name = names[_resolve(path, names, cols.id, "id")] if cols.id else None
-    l_names = [names[_resolve(path, names, n, "label")] for n in cols.labels]
+    l_names = [names[_resolve(path, names, n, cols.role(n))] for n in cols.labels]
     row = 0
     for batch in batches:
         smiles = batch.column(s_name).to_pylist()

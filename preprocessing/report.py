@@ -55,7 +55,9 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "generator": {"name": "molds-preprocess", "version": __version__},
-        "inputs": {"paths": inputs, "smiles_column": cfg.smiles_column, "id_column": cfg.id_column},
+        "inputs": {"paths": inputs, "smiles_column": cfg.smiles_column, "id_column": cfg.id_column,
+                   **({"target_column": cfg.target_column} if cfg.target_column is not None else {}),
+                   **({"split_column": cfg.split_column} if cfg.split_column is not None else {})},
         "canonicalization": chem.describe(),
         "dedupe": {"key": cfg.dedupe_key,
                    "keeps": "first occurrence in input order" if cfg.conformer_rank_by is None else
@@ -64,8 +66,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
                       if cfg.conformers_per_molecule != 1 else {}),
                    **({"conformers_ranked_by": cfg.conformer_rank_by} if cfg.conformer_rank_by is not None else {})},
         "scaffold": {"kind": cfg.scaffold, "include_chirality": False},
-        "split": {"method": cfg.split, "fractions": list(cfg.split_fractions), "seed": cfg.seed,
-                  "group": "molecule" if cfg.split == "random" else "scaffold"},
+        "split": _split_block(cfg),
         "tokenizer": {
             **tok_info,
             "path": "tokenizer",
@@ -90,6 +91,20 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "splits": split_stats,
         },
     }
+    if cfg.task != "none":  # pairs: both sides' columns instead of one molecule's
+        from molds.pairs import PairOptions
+
+        manifest["pairs"] = {**PairOptions(cfg.task, cfg.reagents).describe(),
+                             "read_from": ("source and target columns" if cfg.target_column is not None
+                                           else "reaction SMILES (reactants>reagents>products)"),
+                             "targets": "each target in one split: a pair whose target an earlier split holds is "
+                                        "refused (target_in_two_splits)"}
+        if cfg.target_column is not None:
+            del manifest["pairs"]["reagents"]
+        manifest["length_buckets"]["measure"] = "token_length = source_length + target_length"
+        manifest["columns"] = (["compound_id", "raw_smiles", "source_smiles", "target_smiles", "scaffold",
+                                "source_token_ids", "source_length", "target_token_ids", "target_length",
+                                "token_length"] + (["labels"] if cfg.label_columns else []) + ["source"])
     if representation and representation.get("name", "smiles") != "smiles":  # SMILES manifests keep their keys
         manifest["representation"] = representation
         manifest["stats"]["representation"] = dict(sorted(stats.notes.items()))
@@ -129,6 +144,20 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
     return path
 
 
+def _split_block(cfg) -> dict:
+    """The manifest's ``split``: how rows were split, and what may not straddle two splits."""
+    if cfg.split == "given":
+        given = f"column {cfg.split_column!r}" if cfg.split_column is not None else "each input's file name"
+        return {"method": "given", "from": given, "seed": cfg.seed}
+    if cfg.task != "none":
+        product = "source" if cfg.task == "retro" else "target"
+        group = f"the {product} side (the products)" if cfg.split == "random" else \
+            f"the scaffolds of the {product} side (the products)"
+    else:
+        group = "molecule" if cfg.split == "random" else "scaffold"
+    return {"method": cfg.split, "fractions": list(cfg.split_fractions), "seed": cfg.seed, "group": group}
+
+
 def _report(m, stats, finals, timings, cfg) -> str:
     s = m["stats"]
     lines = [
@@ -141,7 +170,10 @@ def _report(m, stats, finals, timings, cfg) -> str:
         f"`{m['canonicalization']['hash'][:16]}`",
         f"- tokenizer: {m['tokenizer']['kind']}, {m['tokenizer']['vocab_size']} tokens "
         f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
-        f"- split: {m['split']['method']} {m['split']['fractions']} seed {m['split']['seed']}",
+        f"- split: {m['split']['method']} {m['split'].get('fractions', m['split'].get('from'))} seed "
+        f"{m['split']['seed']}",
+        *([f"- pairs: task {m['pairs']['task']}, read from {m['pairs']['read_from']}"
+           + (f", reagents {m['pairs']['reagents']}" if "reagents" in m["pairs"] else "")] if "pairs" in m else []),
         *([f"- conformers kept a molecule: {m['dedupe'].get('conformers_per_molecule', 1) or 'all'} (its distinct "
            f"units, {m['dedupe']['keeps']}); the molecule's other conformers are among the duplicates"]
           if "conformers_per_molecule" in m["dedupe"] or "conformers_ranked_by" in m["dedupe"] else []),

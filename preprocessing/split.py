@@ -17,12 +17,30 @@ number of groups, so a billion singleton groups need no billion-entry array.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 SPLITS = ("train", "valid", "test")
-METHODS = ("scaffold", "random", "scaffold_random")
+METHODS = ("scaffold", "random", "scaffold_random", "given")
+# ``--split given``: the names a split column or a file name may use for each split
+SPLIT_NAMES = {"train": 0, "training": 0, "val": 1, "valid": 1, "validation": 1, "dev": 1, "test": 2, "testing": 2}
+
+
+def split_of_value(value) -> int | None:
+    """The split (0, 1, 2) a ``--split_column`` value names, or None."""
+    return SPLIT_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
+
+
+def split_of_file(path: str) -> int | None:
+    """The split a file's name names as one of its words (``raw_train.csv``, ``src-valid.txt``,
+    ``test.smi``), else its folder's (``valid/part-0.csv``); None when neither names exactly one."""
+    for name in reversed(re.split(r"[\\/]", path.rstrip("/\\"))[-2:]):
+        found = {SPLIT_NAMES[w] for w in re.split(r"[^a-z0-9]+", name.lower()) if w in SPLIT_NAMES}
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return None
 _TOP = 1 << 64
 _MINOR_SHIFT = 48
 _MIN_MAJOR = -(1 << 63)

@@ -36,8 +36,12 @@ NUM_BUCKETS = 4096
 BUCKET_SHIFT = np.uint64(64 - 12)
 GROUP_SALT = 0x5CAF_F01D
 _EXAMPLES_PER_REASON = 5
-SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "token_ids", "token_length",
-                 "randomized_token_ids", "labels", "source")  # text: the SELFIES / SAFE string the tokens spell (absent for SMILES)
+SHARD_COLUMNS = ("compound_id", "raw_smiles", "canonical_smiles", "text", "source_smiles", "target_smiles", "scaffold",
+                 "token_ids", "source_token_ids", "source_length", "target_token_ids", "target_length", "token_length",
+                 "randomized_token_ids", "labels", "source")
+# text: the SELFIES / SAFE string the tokens spell (absent for SMILES). Pair shards (``--task``)
+# hold source_* and target_* instead of canonical_smiles and token_ids; their token_length is
+# source_length + target_length.
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class StageOptions:
     representation_options: tuple = ()  # (key, value) pairs: the conformer units' embedding options
     decimal: str = "."  # the decimal mark of label values
     per_molecule: int = 1  # conformer units of one molecule kept (0: all; the input's conformers)
+    pairs: object = None  # molds.pairs.PairOptions: the rows are pairs for this task (None: molecules)
+    pair_target: bool = False  # a pair's target is in a column (--target_column), else rows are reactions
+    split_from: str | None = None  # --split given: "column" (--split_column) or "file" (the input's name)
 
 
 @dataclass
@@ -201,7 +208,9 @@ def load_group_table(path: str, method: str):
 
 
 def partition_splits(staged_table: pa.Table, groups_path: str, method: str, thresholds) -> np.ndarray:
-    """Split index (0/1/2) of every row of a reduced partition."""
+    """Split index (0/1/2) of every row of a reduced partition (``given``: the input's own)."""
+    if method == "given":
+        return staged_table.column("given_split").to_numpy().astype(np.int8)
     major, hashes, _ = load_group_table(groups_path, method)
     row_groups = staged_table.column("group_hash").to_numpy()
     pos = np.searchsorted(hashes, row_groups)
@@ -214,12 +223,38 @@ def token_texts(table: pa.Table) -> pa.ChunkedArray:
 
 
 def partition_smiles(staged: str, groups: str, method: str, thresholds, splits: set[int]):
-    """The token texts (canonical SMILES, or the representation's strings) of a partition's
-    rows that fall in ``splits`` (vocabulary passes)."""
+    """The token texts (canonical SMILES, the representation's strings, or both sides of
+    each pair) of a partition's rows that fall in ``splits`` (vocabulary passes)."""
     table = read_ipc(staged)
     which = partition_splits(table, groups, method, thresholds)
-    mask = np.isin(which, list(splits))
-    return token_texts(table).filter(pa.array(mask)).to_pylist()
+    mask = pa.array(np.isin(which, list(splits)))
+    if "source_smiles" in table.column_names:
+        return (table.column("source_smiles").filter(mask).to_pylist()
+                + table.column("target_smiles").filter(mask).to_pylist())
+    return token_texts(table).filter(mask).to_pylist()
+
+
+def partition_targets(staged: str, groups: str, method: str, thresholds) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (target hash, split) of a partition's pairs: where a target lies."""
+    table = read_ipc(staged)
+    which = partition_splits(table, groups, method, thresholds).astype(np.uint64)
+    both = np.unique(np.stack([table.column("target_hash").to_numpy(), which], axis=1), axis=0)
+    return both[:, 0], both[:, 1].astype(np.int8)
+
+
+def targets_in_two_splits(found) -> dict:
+    """{target hash: the first split holding it} of each target that more than one split holds
+    (``found``: every partition's ``partition_targets``)."""
+    if not found:
+        return {}
+    hashes = np.concatenate([h for h, _ in found])
+    splits = np.concatenate([s for _, s in found])
+    order = np.lexsort((splits, hashes))
+    hashes, splits = hashes[order], splits[order]
+    uniq, first = np.unique(hashes, return_index=True)
+    # a target in two partitions of one split shows twice with the same split: count distinct splits
+    spread = np.maximum.reduceat(splits, first) > splits[first]
+    return {int(h): int(s) for h, s in zip(uniq[spread].tolist(), splits[first][spread].tolist())}
 
 
 def partition_token_counts(staged: str, groups: str, method: str, thresholds, splits: set[int],
@@ -266,20 +301,36 @@ def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.nda
     return outer, int(len(texts) - good.sum())
 
 
-def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
-                       work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0)) -> dict:
-    """Tokenize, check the round trip, bucket by length and order a reduced partition
-    (``randomized``: (K, seed), K randomized spellings of each training molecule too)."""
-    encoder = make_encoder(encoder_spec)
-    table = read_ipc(result["staged"])
-    n = len(table)
-    split = partition_splits(table, result["groups"], method, thresholds)
-    texts = token_texts(table).to_pylist()
+def _encode(encoder, texts: list[str]) -> tuple[pa.ListArray, np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids as list<uint16>, lengths, round trip ok, holds an unknown token) of each text."""
     flat, lengths = encoder.encode_batch(texts)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     ok = encoder.roundtrip_ok(flat, lengths, texts)
     unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
     unk = (unk_cum[offsets[1:]] - unk_cum[offsets[:-1]]) > 0
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint16())), np.asarray(lengths), ok, unk
+
+
+def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
+                       work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0),
+                       targets_first: dict | None = None) -> dict:
+    """Tokenize, check the round trip, bucket by length and order a reduced partition
+    (``randomized``: (K, seed), K randomized spellings of each training molecule too). Pairs:
+    both sides tokenized, and a pair whose target ``targets_first`` (target hash -> split)
+    puts in an earlier split is refused (``target_in_two_splits``)."""
+    encoder = make_encoder(encoder_spec)
+    table = read_ipc(result["staged"])
+    n = len(table)
+    split = partition_splits(table, result["groups"], method, thresholds)
+    pairs = "source_smiles" in table.column_names
+    if pairs:
+        source_ids, source_lengths, ok, unk = _encode(encoder, table.column("source_smiles").to_pylist())
+        target_ids, target_lengths, ok_t, unk_t = _encode(encoder, table.column("target_smiles").to_pylist())
+        ok, unk, lengths = ok & ok_t, unk | unk_t, source_lengths + target_lengths
+        sides = {"source_token_ids": source_ids, "source_length": pa.array(source_lengths, pa.int32()),
+                 "target_token_ids": target_ids, "target_length": pa.array(target_lengths, pa.int32())}
+    else:
+        token_ids, lengths, ok, unk = _encode(encoder, token_texts(table).to_pylist())
     # unknown tokens are expected outside the vocabulary's own split: kept, counted
     expected_unk = unk & (split != 0) if vocab_from == "train" else np.zeros(n, dtype=bool)
     ok = (ok & ~unk) | expected_unk
@@ -289,7 +340,14 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         raws = table.column("raw_smiles").to_pylist()
         for i in np.flatnonzero(~ok).tolist():
             stats.reject("tokenizer_roundtrip", sources[i], raws[i])
-    token_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.uint16()))
+    if pairs and targets_first:
+        first = np.array([targets_first.get(h, 3) for h in table.column("target_hash").to_numpy().tolist()])
+        later = ok & (split > first)
+        if later.any():
+            sources, raws = table.column("source").to_pylist(), table.column("raw_smiles").to_pylist()
+            for i in np.flatnonzero(later).tolist():
+                stats.reject("target_in_two_splits", sources[i], raws[i])
+            ok &= ~later
     variants = None
     if randomized[0]:
         variants, failed = randomized_variants(table.column("canonical_smiles").to_pylist(),
@@ -300,10 +358,11 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
     out = pa.table({
         "compound_id": table.column("compound_id"),
         "raw_smiles": table.column("raw_smiles"),
-        "canonical_smiles": table.column("canonical_smiles"),
+        **({"source_smiles": table.column("source_smiles"), "target_smiles": table.column("target_smiles")}
+           if pairs else {"canonical_smiles": table.column("canonical_smiles")}),
         **({"text": table.column("text")} if "text" in table.column_names else {}),
         "scaffold": table.column("scaffold"),
-        "token_ids": token_ids,
+        **(sides if pairs else {"token_ids": token_ids}),
         "token_length": pa.array(lengths, pa.int32()),
         **({"randomized_token_ids": variants} if variants is not None else {}),
         **({"labels": table.column("labels")} if "labels" in table.column_names else {}),
@@ -332,7 +391,8 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
     segments = {(int(k) // 1024, int(k) % 1024): int(c) for k, c in zip(keys, seg_rows)}
     seg_start = {(int(k) // 1024, int(k) % 1024): int(f) for k, f in zip(keys, seg_first)}
     text_bytes = sum(pc.sum(pc.binary_length(out.column(c))).as_py() or 0
-                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "text", "scaffold", "source")
+                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "text", "source_smiles",
+                               "target_smiles", "scaffold", "source")
                      if c in out.column_names)
     return {
         "index": result["index"],

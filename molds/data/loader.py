@@ -186,6 +186,7 @@ class MoleculeLoader:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.manifest = Manifest.load(cfg.manifest)
+        self.manifest.require_molecules("the data loader")
         self.specials = tokenizer_info(self.manifest)
         if cfg.mode == "bucketed" and cfg.mlm_probability > 0 and self.specials.mask is None:
             raise ManifestError(f"{self.manifest.path}: data.mlm_probability > 0 needs a mask token; the tokenizer "

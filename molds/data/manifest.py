@@ -118,6 +118,20 @@ class Manifest:
         contained_path(self.base, self.data["tokenizer"].get("path"), "tokenizer.path", self.path)
 
     @property
+    def pairs(self) -> dict | None:
+        """The ``pairs`` block of a manifest of pairs (``molds-preprocess --task``), else None."""
+        block = self.data.get("pairs")
+        return block if isinstance(block, dict) else None
+
+    def require_molecules(self, what: str) -> None:
+        """Refuse a manifest of pairs where molecules are read (their shards have no ``token_ids``)."""
+        if self.pairs is not None:
+            task = self.pairs.get("task", "?")
+            raise ManifestError(f"{self.path}: its shards hold {task} pairs (molds-preprocess --task {task}), not "
+                                f"molecules; {what} reads molecule shards (canonical_smiles, token_ids), and no "
+                                f"trainer of this release reads pair shards")
+
+    @property
     def hash(self) -> str:
         return manifest_hash(self.data)
 

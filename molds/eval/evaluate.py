@@ -192,6 +192,7 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
 
     lines = read_samples_file(path)
     m = Manifest.load(manifest_dir)
+    m.require_molecules("molds-eval --samples")
     smiles = lines
     if conformers:
         from .sampling import texts_to_smiles

@@ -1,0 +1,97 @@
+"""molds/sample_data/make_pairs.py: the template-reaction set and the matched-pair set, held
+to chemistry checked independently of the templates (atoms balance, each class's leaving
+group in the reactants and its bond in the product, the core in both molecules of a pair),
+and the bundled samples to what the script writes."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+import sys
+from collections import Counter
+
+import pytest
+from rdkit import Chem
+
+HERE = os.path.join(os.path.dirname(__file__), "..", "molds", "sample_data")
+sys.path.insert(0, HERE)
+import make_pairs  # noqa: E402
+
+# per class: a SMARTS the reactants must hold (what leaves or reacts), one the product must hold
+CHECKS = {
+    "amide_coupling": ("C(=O)[OH]", "C(=O)N"),
+    "ester_formation": ("C(=O)[OH]", "C(=O)O[CX4]"),
+    "sulfonamide_formation": ("S(=O)(=O)Cl", "S(=O)(=O)N"),
+    "urea_formation": ("N=C=O", "NC(=O)N"),
+    "suzuki_coupling": ("cB(O)O", "c-!@c"),
+    "buchwald_amination": ("cBr", "c-!@N"),
+    "reductive_amination": ("[CH]=O", "[CH2]N"),
+    "williamson_ether": ("[CH2]Br", "cO[CH2]"),
+    "boc_deprotection": ("CC(C)(C)OC(=O)N", "[N;!H0]"),
+    "ester_hydrolysis": ("C(=O)O[CH3]", "C(=O)[OH]"),
+    "nitro_reduction": ("[N+](=O)[O-]", "c[NH2]"),
+    "ketone_reduction": ("[#6]C(=O)[#6]", "[CH]([OH])"),
+}
+
+
+def elements(smiles: str) -> Counter:
+    mol = Chem.AddHs(Chem.MolFromSmiles(smiles))
+    return Counter(a.GetSymbol() for a in mol.GetAtoms() if a.GetSymbol() != "H")
+
+
+def read_rows(name: str) -> list[list[str]]:
+    with gzip.open(os.path.join(HERE, name), "rt") as fh:
+        rows = list(csv.reader(fh))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def molecules():
+    return make_pairs.read_smiles(os.path.join(HERE, "moses_sample.csv.gz"), limit=600)
+
+
+@pytest.fixture(scope="module")
+def reactions(molecules):
+    return make_pairs.make_reactions(molecules)
+
+
+def test_every_reaction_balances_and_has_its_class_chemistry(reactions, molecules):
+    assert set(CHECKS) == set(make_pairs.CLASSES)
+    inputs = {Chem.MolToSmiles(Chem.MolFromSmiles(s)) for s in molecules}
+    assert len({r[1] for r in reactions}) >= 8 and len(reactions) > len(molecules) // 2
+    for rid, name, text in reactions:
+        reactants, reagents, product = text.split(">")
+        assert product in inputs  # every product is a real molecule of the input
+        assert Chem.MolFromSmiles(reagents) is not None
+        # no heavy element appears in the product more than the reactants hold
+        have, made = elements(reactants), elements(product)
+        assert all(made[e] <= have[e] for e in made), (rid, text)
+        leaving, formed = CHECKS[name]
+        assert Chem.MolFromSmiles(reactants).HasSubstructMatch(Chem.MolFromSmarts(leaving)), (rid, text)
+        assert Chem.MolFromSmiles(product).HasSubstructMatch(Chem.MolFromSmarts(formed)), (rid, text)
+    assert len({r[2] for r in reactions}) == len(reactions)  # no reaction twice
+
+
+def test_matched_pairs_share_their_core(molecules):
+    rows = make_pairs.make_mmp(molecules, max_variable=8, per_core=10)
+    assert len(rows) > 30
+    assert len({(a, b) for a, b, _ in rows}) == len(rows)
+    for source, target, core in rows:
+        assert source != target
+        query = Chem.MolFromSmarts(core.replace("[*:1]", "*"))  # the core as a query, its cut atom any atom
+        for smiles in (source, target):
+            mol = Chem.MolFromSmiles(smiles)
+            assert mol.HasSubstructMatch(query), (smiles, core)
+            # what the core leaves is the changed part: at most max_variable heavy atoms (+ the bond)
+            assert mol.GetNumHeavyAtoms() - (query.GetNumAtoms() - 1) <= 8
+
+
+def test_the_bundled_samples_are_what_the_script_writes(molecules):
+    rows = read_rows("moses_sample_reactions.csv.gz")
+    assert rows[0] == ["id", "class", "reactants>reagents>production"]
+    again = make_pairs.make_reactions(molecules)
+    assert rows[1:1 + len(again)] == again
+    mmp = read_rows("moses_sample_mmp.csv.gz")
+    assert mmp[0] == ["source", "target", "core"] and len(mmp) > 5_000
+    assert len(Counter(r[1] for r in rows[1:])) >= 10  # the bundled set has at least ten classes
