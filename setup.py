@@ -75,6 +75,7 @@ setup(
             "molds-average=molds.cli.average:main",
             "molds-schedule=molds.cli.schedule:main",
             "molds-sample=molds.cli.sample:main",
+            "molds-predict=molds.cli.predict:main",
             "molds-eval=molds.cli.evaluate:main",
             "molds-score=molds.cli.score:main",
         ]

@@ -101,6 +101,15 @@ class ChemOptions:
     scaffold: str = "murcko"  # or "generic"
     dedupe_key: str = "canonical"  # or "inchikey"
 
+    @classmethod
+    def of_manifest(cls, manifest) -> "ChemOptions":
+        """The options a manifest was canonicalized with (``canonicalization.options``)."""
+        import dataclasses
+
+        fields = {f.name for f in dataclasses.fields(cls)}
+        opts = manifest.data["canonicalization"]["options"] if manifest is not None else {}
+        return cls(**{k: v for k, v in opts.items() if k in fields})
+
     def __post_init__(self):
         if self.scaffold not in ("murcko", "generic"):
             raise ValueError(f"scaffold must be 'murcko' or 'generic', got {self.scaffold!r}")

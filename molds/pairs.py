@@ -120,6 +120,25 @@ class PairCanonicalizer:
         found.sort()
         return [c for c, _ in found], [s for _, s in found]
 
+    def source(self, text: str) -> tuple[str | None, str | None]:
+        """A source side given alone (``molds-predict``'s input) made canonical as the ETL makes
+        the sources of this task: ``(source, None)``, or ``(None, reason)`` when it is refused.
+        With ``separate`` reagents (forward) it is ``reactants>reagents``, else the molecules of
+        ``text`` (a ``>`` in it: ``not_a_reaction``; no molecule: ``empty_side``)."""
+        separate = self.options.reagent_policy == "separate" and self.options.task == "forward"
+        parts = text.split(">") if separate else [text]
+        if len(parts) > 2 or (not separate and ">" in text):
+            return None, "not_a_reaction"
+        found = []
+        for part in parts:
+            got = self.molecules(part)
+            if isinstance(got, str):
+                return None, got
+            found.append(".".join(got[0]))
+        if not found[0]:
+            return None, "empty_side"
+        return (">".join(found) if separate else found[0]), None
+
     def reaction(self, text: str) -> Pair | str:
         parts = split_reaction(text)
         if isinstance(parts, str):

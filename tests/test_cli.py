@@ -109,7 +109,7 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
                            text=True, env=env)
     assert str(venv) in check.stdout, check.stdout + check.stderr  # the install, not the source tree
     for script in ("molds-preprocess", "molds-train", "molds-sample", "molds-eval", "molds-export", "molds-average",
-                   "molds-schedule", "molds-score"):
+                   "molds-schedule", "molds-score", "molds-predict"):
         proc = subprocess.run([str(venv / "bin" / script), "--help"], cwd=here, capture_output=True, text=True,
                               env=env, timeout=300)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (script, proc.stderr[-2000:])

@@ -25,7 +25,10 @@ def build_parser():
     p.add_argument("--manifest", type=str, default=None,
                    help="evaluate on this manifest (default: the one the checkpoint trained on)")
     p.add_argument("--split", type=str, default="test", help="the split scored")
-    p.add_argument("--num", type=int, default=10000, help="samples per seed (decoders)")
+    p.add_argument("--num", type=int, default=10000, help="samples per seed (decoders); pairs of the split scored "
+                                                          "(a pair model: molds-preprocess --task)")
+    p.add_argument("--beams", type=int, default=10,
+                   help="a pair model: beam width, and the largest k of the top-k accuracy reported")
     p.add_argument("--seeds", type=str, default="0",
                    help="comma-separated: sampling seeds of a checkpoint, or training seeds with --recipe")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
@@ -78,14 +81,15 @@ def run(argv: list[str]) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise UsageError(f"--seeds {args.seeds!r}: give comma-separated integers") from None
-    if not seeds or args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.max_batches < 0:
-        raise UsageError("--seeds needs one seed at least, --num >= 1, --temperature > 0, --top_k and "
+    if not seeds or args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.max_batches < 0 \
+            or args.beams < 1:
+        raise UsageError("--seeds needs one seed at least, --num and --beams >= 1, --temperature > 0, --top_k and "
                          "--max_batches >= 0")
     if overrides and not args.recipe:
         raise UsageError(f"recipe overrides ({' '.join(overrides)}) need --recipe")
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
                   top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd, moses=args.moses,
-                  reference_file=args.reference, conformers=args.conformers)
+                  reference_file=args.reference, conformers=args.conformers, beams=args.beams)
     if args.samples:
         if args.checkpoint or args.recipe or not args.manifest:
             raise UsageError("--samples takes --manifest and neither a CHECKPOINT nor --recipe")

@@ -186,8 +186,9 @@ class MoleculeLoader:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.manifest = Manifest.load(cfg.manifest)
-        self.manifest.require_molecules("the data loader")
         self.specials = tokenizer_info(self.manifest)
+        if self.manifest.pairs is not None:
+            self._check_pairs(cfg)
         if cfg.mode == "bucketed" and cfg.mlm_probability > 0 and self.specials.mask is None:
             raise ManifestError(f"{self.manifest.path}: data.mlm_probability > 0 needs a mask token; the tokenizer "
                                 f"has none")
@@ -220,7 +221,7 @@ class MoleculeLoader:
                                   max_skipped_fraction=cfg.max_skipped_fraction,
                                   span_molecules=(cfg.shuffle_window if cfg.shuffle else 0)
                                   + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool),
-                                  randomizer=randomizer, vocab_size=sp.vocab_size)
+                                  randomizer=randomizer, vocab_size=sp.vocab_size, sep_id=sp.sep)
         self.k = max(1, cfg.num_workers)
         self.vworld = world_size * self.k
         self.vranks = [rank * self.k + w for w in range(self.k)]
@@ -253,6 +254,25 @@ class MoleculeLoader:
                               f"data.randomized_from to auto or rdkit")
         return 0 if cfg.randomized_from == "rdkit" else k
 
+    def _check_pairs(self, cfg: DataConfig) -> None:
+        """A manifest of pairs (``molds-preprocess --task``) is read as prompt and completion:
+        packed rows of BOS source SEP target EOS, the loss on the target and EOS only."""
+        from ..errors import RecipeError
+
+        task = self.manifest.pairs.get("task")
+        if cfg.mode != "packed":
+            raise RecipeError(f"{self.manifest.path} holds {task} pairs: a decoder reads them as prompt and "
+                              f"completion in data.mode packed, not {cfg.mode}")
+        if self.specials.sep is None:
+            raise ManifestError(f"{self.manifest.path} holds pairs but its tokenizer has no sep token to put "
+                                f"between source and target")
+        if cfg.randomized_smiles > 0:
+            raise RecipeError(f"data.randomized_smiles={cfg.randomized_smiles}: {self.manifest.path} holds {task} "
+                              f"pairs, which have no randomized spellings; set data.randomized_smiles to 0")
+        if cfg.too_long != "reject":
+            raise RecipeError(f"data.too_long=truncate would cut the targets of {task} pairs; set data.too_long "
+                              f"to reject (pairs longer than data.seq_len are left out and counted)")
+
     def _check(self, cfg: DataConfig) -> None:
         from ..errors import RecipeError
 
@@ -263,7 +283,8 @@ class MoleculeLoader:
         span = self.manifest.length_range(cfg.split)
         self.longest = None
         if span is not None:
-            shortest, self.longest = span[0] + 2, span[1] + 2
+            extra = 3 if self.manifest.pairs is not None else 2  # BOS, EOS (and SEP between a pair's sides)
+            shortest, self.longest = span[0] + extra, span[1] + extra
             limit = cfg.seq_len if cfg.mode == "packed" else cfg.max_length
             key = "data.seq_len" if cfg.mode == "packed" else "data.max_length"
             if limit < shortest:

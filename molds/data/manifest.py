@@ -128,8 +128,7 @@ class Manifest:
         if self.pairs is not None:
             task = self.pairs.get("task", "?")
             raise ManifestError(f"{self.path}: its shards hold {task} pairs (molds-preprocess --task {task}), not "
-                                f"molecules; {what} reads molecule shards (canonical_smiles, token_ids), and no "
-                                f"trainer of this release reads pair shards")
+                                f"molecules; {what} reads molecule shards (canonical_smiles, token_ids)")
 
     @property
     def hash(self) -> str:
@@ -221,25 +220,29 @@ def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
 
 
 def check_token_ids(pf, where: str, vocab_size: int) -> None:
-    """Every token id of a shard's ``token_ids`` inside the vocabulary: a row group whose
-    Parquet statistics say so costs nothing more; one without them, or whose statistics
-    reach outside, is read and its first bad row named (an id outside the vocabulary
-    would reach the embedding: an IndexError on a CPU, a device-side assert on a GPU)."""
+    """Every token id of a shard's ``token_ids`` (a pair shard's ``source_token_ids`` and
+    ``target_token_ids``) inside the vocabulary: a row group whose Parquet statistics say so
+    costs nothing more; one without them, or whose statistics reach outside, is read and its
+    first bad row named (an id outside the vocabulary would reach the embedding: an
+    IndexError on a CPU, a device-side assert on a GPU)."""
     meta = pf.metadata
-    leaf = next((i for i in range(meta.num_columns) if meta.schema.column(i).path.startswith("token_ids.")), None)
-    if leaf is None:
-        raise ManifestError(f"{where}: no token_ids column")
-    first = 0
-    for rg in range(meta.num_row_groups):
-        md = meta.row_group(rg)
-        st = md.column(leaf).statistics
-        known = st is not None and st.has_min_max and st.min is not None and st.max is not None
-        if not (known and st.min >= 0 and st.max < vocab_size):
-            found = first_id_outside(pf.read_row_group(rg, columns=["token_ids"]).column(0).combine_chunks(),
-                                     vocab_size)
-            if found is not None:
-                raise outside_vocabulary(where, first + found[0], rg, found[1], vocab_size)
-        first += md.num_rows
+    paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    names = [n for n in ("token_ids", "source_token_ids", "target_token_ids") if any(p.startswith(n + ".")
+                                                                                  for p in paths)]
+    if not names or names == ["source_token_ids"] or names == ["target_token_ids"]:
+        raise ManifestError(f"{where}: no token_ids column (nor source_token_ids and target_token_ids)")
+    for name in names:
+        leaf = next(i for i, p in enumerate(paths) if p.startswith(name + "."))
+        first = 0
+        for rg in range(meta.num_row_groups):
+            md = meta.row_group(rg)
+            st = md.column(leaf).statistics
+            known = st is not None and st.has_min_max and st.min is not None and st.max is not None
+            if not (known and st.min >= 0 and st.max < vocab_size):
+                found = first_id_outside(pf.read_row_group(rg, columns=[name]).column(0).combine_chunks(), vocab_size)
+                if found is not None:
+                    raise outside_vocabulary(where, first + found[0], rg, found[1], vocab_size)
+            first += md.num_rows
 
 
 def outside_vocabulary(where: str, row: int, row_group: int, token_id: int, vocab_size: int) -> ManifestError:

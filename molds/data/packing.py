@@ -171,6 +171,9 @@ class Packer:
             input_ids.flat[dest] = flat
             labels.flat[dest] = flat
             labels.flat[dest_start] = IGNORE_INDEX
+            prompt = _prompt_lengths(entries)
+            if prompt is not None:  # pairs: no loss on BOS source SEP, only on the completion
+                labels.flat[dest[offset_in_mol < np.repeat(prompt, lens)]] = IGNORE_INDEX
             position_ids.flat[dest] = offset_in_mol
             doc_in_row = np.arange(len(entries)) - first_entry[row_of]
             document_ids.flat[dest] = np.repeat(doc_in_row, lens)
@@ -197,6 +200,16 @@ class Packer:
                       "length_sq_sum": int((lens * lens).sum()),
                       "padding_ratio": 1.0 - real / (b * s) if b else 0.0},
         }
+
+
+def _prompt_lengths(entries) -> np.ndarray | None:
+    """Each entry's prompt length (pairs: BOS source SEP), None when no entry is a pair."""
+    if not entries or entries[0][2].prompt is None:
+        return None
+    out = np.empty(len(entries), np.int64)
+    for i, (_, _, unit, start, _) in enumerate(entries):
+        out[i] = unit.prompt[int(np.searchsorted(unit.offsets, start, side="right")) - 1]
+    return out
 
 
 def block_causal_mask(document_ids):

@@ -35,6 +35,7 @@ class LoadedUnit:
     tokens: np.ndarray  # int32, BOS t1 .. tn EOS for each molecule, back to back
     offsets: np.ndarray  # int64, len num_rows + 1, into ``tokens``
     labels: np.ndarray | None  # float32 [num_rows, num_labels] (NaN = missing)
+    prompt: np.ndarray | None = None  # pairs: int64 [num_rows], tokens of BOS source SEP (no loss on them)
 
     def span(self, row: int) -> tuple[int, int]:
         return int(self.offsets[row]), int(self.offsets[row + 1])
@@ -46,7 +47,7 @@ class SplitSource:
     def __init__(self, manifest: Manifest, split: str, *, verify: str = "eager", on_bad_shard: str = "error",
                  bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, with_labels: bool = False, cache_units: int = 8,
                  max_skipped_fraction: float = 0.0, span_molecules: int = 0, randomizer=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, sep_id: int | None = None):
         if verify not in ("eager", "lazy", "off"):
             raise ValueError(f"data.verify must be eager, lazy or off, got {verify!r}")
         if on_bad_shard not in ("error", "skip"):
@@ -58,6 +59,12 @@ class SplitSource:
         self.randomizer = randomizer  # randomize.Randomizer: some molecules read as randomized SMILES
         self.epoch = 0  # which epoch's randomized forms ``load`` returns
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        # a manifest of pairs: each row is read as BOS source SEP target EOS (a prompt and its completion)
+        self.pairs = manifest.pairs is not None
+        if self.pairs and (sep_id is None or randomizer is not None or with_labels):
+            raise ManifestError(f"{manifest.path} holds pairs: they are read with a sep token between source and "
+                                f"target, without randomized spellings or labels")
+        self.sep_id = sep_id
         self.vocab_size = vocab_size  # token ids at or above it are refused (checked with the shards, and as read)
         shards = manifest.shards(split)
         if not shards or sum(s.num_rows for s in shards) == 0:
@@ -174,6 +181,8 @@ class SplitSource:
             self._cache.move_to_end(unit_index)
             return hit
         unit = self.units[unit_index]
+        if self.pairs:
+            return self._load_pairs(unit_index)
         columns = (["token_ids"] + (["labels"] if self.with_labels else [])
                    + ([self.randomizer.column] if self.randomizer is not None else []))
         try:
@@ -210,6 +219,45 @@ class SplitSource:
             width = len(lab[0].as_py()) if n else 0
             labels = lab.values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, width)
         loaded = LoadedUnit(unit, tokens, new_offsets, labels)
+        self._cache[unit_index] = loaded
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return loaded
+
+    def _load_pairs(self, unit_index: int) -> LoadedUnit:
+        """A row group of pairs as BOS source SEP target EOS, with each row's prompt length."""
+        unit = self.units[unit_index]
+        where = f"shard {self.shards[unit.shard].uri} of {self.manifest.path}"
+        try:
+            table = self._file(unit.shard).read_row_group(unit.row_group,
+                                                          columns=["source_token_ids", "target_token_ids"])
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"{where}: row group {unit.row_group} is not readable ({exc})") from exc
+        sides = []
+        for name in ("source_token_ids", "target_token_ids"):
+            ids = table.column(name).combine_chunks()
+            if self.vocab_size is not None:
+                found = first_id_outside(ids, self.vocab_size)
+                if found is not None:
+                    raise outside_vocabulary(where, unit.first_row + found[0], unit.row_group, found[1],
+                                             self.vocab_size)
+            offsets = ids.offsets.to_numpy().astype(np.int64)
+            sides.append((ids.values.to_numpy(zero_copy_only=False).astype(np.int32), offsets - offsets[0]))
+        (src, src_off), (tgt, tgt_off) = sides
+        src_len, tgt_len = np.diff(src_off), np.diff(tgt_off)
+        n = len(src_len)
+        lengths = src_len + tgt_len + 3
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+        start = offsets[:-1]
+        tokens[start] = self.bos_id
+        tokens[start + 1 + src_len] = self.sep_id
+        tokens[offsets[1:] - 1] = self.eos_id
+        row = np.repeat(np.arange(n), src_len)
+        tokens[start[row] + 1 + np.arange(len(src)) - src_off[row]] = src
+        row = np.repeat(np.arange(n), tgt_len)
+        tokens[start[row] + 2 + src_len[row] + np.arange(len(tgt)) - tgt_off[row]] = tgt
+        loaded = LoadedUnit(unit, tokens, offsets, None, prompt=src_len + 2)
         self._cache[unit_index] = loaded
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -101,7 +101,7 @@ def split_token_lengths(manifest, split: str, limit: int = 20000):
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
-                        reference_file: str | None = None, conformers: bool = False) -> dict:
+                        reference_file: str | None = None, conformers: bool = False, beams: int = 10) -> dict:
     import numpy as np
 
     from ..checkpoint import open_checkpoint
@@ -120,7 +120,17 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         raise MoldsError(f"{m.path} has no rows in split {split!r}")
     model_cfg = loaded.recipe["model"]
     forward = model_forward(loaded.model, build_loss(model_cfg))
-    if loaded.family == "decoder":
+    if loaded.family == "decoder" and m.pairs is not None:  # a pair model: its loss, and the top-k of its beams
+        from .pairs import evaluate_pairs
+
+        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="packed")
+        total, count = split_loss(forward, "decoder", cfg, max_batches=max_batches)
+        report["loss"] = total / count
+        report["perplexity"] = math.exp(min(report["loss"], 50.0))
+        report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64))
+        report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(("top", "invalid", "similarity",
+                                                                                        "returns"))}
+    elif loaded.family == "decoder":
         from ..metrics.generation import generation_metrics
 
         cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="packed")

@@ -43,13 +43,9 @@ MAX_RING = 8
 
 
 def _canonicalizer(manifest):
-    import dataclasses
-
     from molds.chem import Canonicalizer, ChemOptions
 
-    fields = {f.name for f in dataclasses.fields(ChemOptions)}
-    opts = manifest.data["canonicalization"]["options"] if manifest is not None else {}
-    return Canonicalizer(ChemOptions(**{k: v for k, v in opts.items() if k in fields}))
+    return Canonicalizer(ChemOptions.of_manifest(manifest))
 
 
 def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | None]:

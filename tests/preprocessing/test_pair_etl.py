@@ -337,16 +337,16 @@ def test_inputs_that_cannot_give_what_is_asked_are_named(tmp_path):
 
 
 def test_a_pair_manifest_is_refused_where_molecules_are_read(uspto_50k, tmp_path):
-    from molds.config import DataConfig
-    from molds.data.loader import MoleculeLoader
     from molds.errors import ManifestError
+    from molds.eval.evaluate import evaluate_samples
 
     d, _, _ = uspto_50k
     out = str(tmp_path / "out")
     run_etl(out, [str(d / "raw_train.csv")], task="forward", smiles_column="reactants>reagents>production",
             split_fractions=[1.0, 0.0, 0.0])
-    with pytest.raises(ManifestError, match="shards hold forward pairs .* no trainer of this release reads pair shards"):
-        MoleculeLoader(DataConfig(manifest=out))
+    (tmp_path / "samples.smi").write_text("CCO\n")
+    with pytest.raises(ManifestError, match="shards hold forward pairs .* molds-eval --samples reads molecule"):
+        evaluate_samples(str(tmp_path / "samples.smi"), out)
 
 
 def test_a_target_token_outside_the_train_vocabulary_is_counted_in_its_split(tmp_path):

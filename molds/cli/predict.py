@@ -1,0 +1,130 @@
+"""``molds-predict CHECKPOINT --input FILE``: the top-k predictions of a pair model
+(reaction prediction, retrosynthesis, Mol2Mol) for each source in a file.
+
+    molds-predict runs/forward --input reactants.smi --beams 10 --out predictions.csv
+
+The input holds one source a line (reactants for ``forward``, a product for ``retro``, a
+molecule for ``mol2mol``; a CSV with ``--column``), canonicalized as the ETL canonicalized
+the model's training sources. The output is a CSV with one row per prediction: ``row``
+(the input's line or row), ``input``, ``rank``, ``prediction`` (canonical molecules; empty
+when the beam is no molecule), ``score`` (log-probability / length ** length_penalty),
+``text`` (what the tokens spell) and ``note`` (why an input has no predictions: a molecule
+RDKit refuses, a token the vocabulary lacks, too long for the model).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import CHECKPOINT_HELP, new_parser, parse
+
+
+def build_parser():
+    p = new_parser("molds-predict", "The top-k predictions (beam search) of a pair model for each source of a file.")
+    p.add_argument("checkpoint", type=str, help=CHECKPOINT_HELP)
+    p.add_argument("--input", type=str, required=True,
+                   help="sources, one a line (.smi/.txt: the first field), or a CSV with --column")
+    p.add_argument("--column", type=str, default=None, help="the CSV column holding the sources")
+    p.add_argument("--beams", type=int, default=10, help="predictions per source (the beam width)")
+    p.add_argument("--length_penalty", type=float, default=1.0,
+                   help="a hypothesis scores log-probability / length ** this")
+    p.add_argument("--max_tokens", type=int, default=0,
+                   help="tokens per prediction at most (0: 1.5 x the manifest's longest pair + 8, within the model)")
+    p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
+    p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
+    return p
+
+
+def read_sources(path: str, column: str | None) -> list[tuple[int, str]]:
+    """(line or row, text) of each source of the input; blank lines are no sources."""
+    import csv
+
+    from ..errors import MoldsError
+
+    with open(path, encoding="utf-8", newline="") as fh:
+        if column is None:
+            return [(n, line.split()[0]) for n, line in enumerate(fh, 1) if line.strip()]
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None or column not in header:
+            raise MoldsError(f"{path}: no column {column!r}; the file has columns {header}")
+        at = header.index(column)
+        return [(n, row[at].strip()) for n, row in enumerate(reader, 2) if len(row) > at]
+
+
+def run(argv: list[str]) -> int:
+    import csv
+    import io
+    import json
+
+    from ..atomic import write_text
+    from ..checkpoint import open_checkpoint
+    from ..chem import ChemOptions
+    from ..errors import MoldsError
+    from ..eval.pairs import predict, read_back
+    from ..pairs import PairCanonicalizer, PairOptions
+
+    args = parse(build_parser(), argv)
+    if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0:
+        raise MoldsError("--beams and --batch_size must be >= 1, --max_tokens >= 0")
+    loaded = open_checkpoint(args.checkpoint)
+    info = loaded.manifest.pairs
+    if info is None or loaded.family != "decoder":
+        raise MoldsError(f"{loaded.checkpoint} is no pair model (its manifest {loaded.manifest.path} holds molecules"
+                         f"{'' if info is None else ', its family is ' + loaded.family}); molds-sample samples a "
+                         f"molecule model")
+    sides = PairCanonicalizer(ChemOptions.of_manifest(loaded.manifest),
+                              PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
+    sp, tok = loaded.specials, loaded.tokenizer
+    limit = loaded.model.config.max_position_embeddings
+    longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
+    max_tokens = args.max_tokens or int(1.5 * longest) + 8
+    sources = read_sources(args.input, args.column)
+    notes, ids = {}, {}
+    for row, text in sources:
+        canonical, reason = sides.source(text)
+        if reason is not None:
+            notes[row] = reason
+            continue
+        enc = tok(canonical, add_special_tokens=False)["input_ids"]
+        if sp.unk in enc:
+            notes[row] = "unknown_token"
+        elif len(enc) + 3 > limit:
+            notes[row] = "too_long"
+        else:
+            ids[row] = enc
+    rows = sorted(ids)
+    hyps = predict(loaded.model, sp, [ids[r] for r in rows], beams=args.beams,
+                   max_tokens=max(1, min(max_tokens, limit - max((len(v) for v in ids.values()), default=0) - 2)),
+                   length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
+    found = dict(zip(rows, read_back(tok, hyps, sides)))
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["row", "input", "rank", "prediction", "score", "text", "note"])
+    for row, text in sources:
+        if row in notes:
+            w.writerow([row, text, "", "", "", "", notes[row]])
+            continue
+        for rank, p in enumerate(found[row], 1):
+            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text,
+                        "" if p.side else ("unfinished" if not p.ended else "invalid")])
+    if args.out == "-":
+        sys.stdout.write(buf.getvalue())
+    else:
+        write_text(args.out, buf.getvalue())
+    summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "inputs": len(sources),
+               "predicted": len(rows), "refused": dict(sorted(
+                   {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
+               "beams": args.beams, "out": args.out}
+    print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import run_cli
+
+    return run_cli("molds-predict", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Predictions of a pair model (reaction prediction, retrosynthesis, Mol2Mol) and their
+accuracy, as the field reports it: the top-k exact match of canonical molecules.
+
+A decoder trained on a manifest of pairs completes the prompt ``BOS source SEP`` with the
+target and ``EOS``; ``predict`` runs the beam search (``molds.eval.beam``) on each source and
+returns its best ``beams`` hypotheses. A hypothesis is read back as a side the way the ETL
+reads one (``molds.pairs.PairCanonicalizer.molecules``: each molecule canonicalized with the
+manifest's options, the molecules sorted), so a prediction matches its target exactly when
+it spells the same molecules in any order or spelling. One that does not parse is invalid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .beam import DecoderSteps, Hypothesis, beam_search
+
+TOP_KS = (1, 3, 5, 10)
+
+
+@dataclass
+class Prediction:
+    """One hypothesis read back: its canonical side (None: invalid), its text and score."""
+
+    side: str | None
+    text: str
+    score: float
+    ended: bool
+
+
+def forbidden_in_targets(specials) -> tuple[int, ...]:
+    """Tokens a target never holds (BOS, SEP, PAD, MASK, UNK): never chosen by the search."""
+    return tuple(sorted({t for t in (specials.bos, specials.sep, specials.pad, specials.mask, specials.unk)
+                         if t is not None}))
+
+
+@torch.no_grad()
+def predict(model, specials, sources: list[list[int]], *, beams: int, max_tokens: int, length_penalty: float = 1.0,
+            batch_size: int = 64, early_stopping: str = "heuristic") -> list[list[Hypothesis]]:
+    """The best ``beams`` hypotheses of each source (its token ids, without BOS and SEP), in
+    the order of ``sources``. Sources of one length are searched together."""
+    device = next(model.parameters()).device
+    by_length: dict[int, list[int]] = {}
+    for i, src in enumerate(sources):
+        by_length.setdefault(len(src), []).append(i)
+    out: list[list[Hypothesis] | None] = [None] * len(sources)
+    forbid = forbidden_in_targets(specials)
+    for length in sorted(by_length):
+        order = by_length[length]
+        for lo in range(0, len(order), batch_size):
+            chosen = order[lo:lo + batch_size]
+            prompts = torch.tensor([[specials.bos, *sources[i], specials.sep] for i in chosen], dtype=torch.long,
+                                   device=device)
+            found = beam_search(DecoderSteps(model, prompts), beams=beams, eos=specials.eos, max_tokens=max_tokens,
+                                length_penalty=length_penalty, early_stopping=early_stopping, forbid=forbid)
+            for i, hyps in zip(chosen, found):
+                out[i] = hyps
+    return out
+
+
+def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list[Prediction]]:
+    """Each hypothesis as a canonical side (``sides``: a ``PairCanonicalizer``), None when
+    it did not end or does not parse."""
+    from .sampling import ids_to_texts
+
+    out = []
+    for hyps in hypotheses:
+        texts = ids_to_texts(tokenizer, [h.ids if h.ended else None for h in hyps])
+        row = []
+        for h, text in zip(hyps, texts):
+            side = None
+            if text:
+                got = sides.molecules(text)
+                if not isinstance(got, str) and got[0]:
+                    side = ".".join(got[0])
+            row.append(Prediction(side, text or "", h.score, h.ended))
+        out.append(row)
+    return out
+
+
+def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TOP_KS) -> dict:
+    """``top{k}``: the share of inputs whose target is among their first k predictions
+    (exact match of canonical sides); ``invalid_beams``: the share of all predictions that
+    are no molecules (or never ended); ``invalid_top1``: the share of first predictions."""
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
+    n = max(1, len(targets))
+    out = {}
+    for k in ks:
+        out[f"top{k}"] = sum(any(p.side == t for p in preds[:k]) for preds, t in zip(predictions, targets)) / n
+    beams = [p for preds in predictions for p in preds]
+    out["invalid_beams"] = sum(p.side is None for p in beams) / max(1, len(beams))
+    out["invalid_top1"] = sum(not preds or preds[0].side is None for preds in predictions) / n
+    out["inputs"] = len(targets)
+    return out
+
+
+def split_pairs(manifest, split: str, num: int) -> list[dict]:
+    """The first ``num`` pairs of a split, in the manifest's order: compound_id, source_smiles,
+    target_smiles, source_token_ids, target_length."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    columns = ["compound_id", "source_smiles", "target_smiles", "source_token_ids", "target_length"]
+    for shard in manifest.shards(split):
+        if len(rows) >= num:
+            break
+        rows.extend(pq.read_table(shard.path, columns=columns).slice(0, num - len(rows)).to_pylist())
+    return rows
+
+
+def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]) -> dict:
+    """Mol2Mol: the Tanimoto similarity (Morgan radius 2, 2,048 bits) of each valid first
+    prediction to its source, and the share of first predictions that return the source."""
+    from rdkit import Chem, DataStructs
+    from rdkit.Chem import rdFingerprintGenerator
+
+    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
+    sims, same = [], 0
+    for preds, src in zip(predictions, sources):
+        if not preds or preds[0].side is None:
+            continue
+        a, b = Chem.MolFromSmiles(preds[0].side), Chem.MolFromSmiles(src)
+        if a is None or b is None:
+            continue
+        sims.append(DataStructs.TanimotoSimilarity(gen.GetFingerprint(a), gen.GetFingerprint(b)))
+        same += preds[0].side == src
+    n = max(1, len(sims))
+    return {"similarity_to_source": sum(sims) / n, "returns_source": same / n}
+
+
+def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_tokens: int = 0,
+                   length_penalty: float = 1.0, batch_size: int = 64) -> dict:
+    """Top-k accuracy of a pair checkpoint (``open_checkpoint``'s result) on ``num`` pairs of
+    ``split``: its beams' canonical sides against each target."""
+    from ..chem import ChemOptions
+    from ..pairs import PairCanonicalizer, PairOptions
+
+    m = loaded.manifest
+    info = m.pairs
+    rows = split_pairs(m, split, num)
+    if not rows:
+        raise ValueError(f"{m.path} has no pairs in split {split!r}")
+    limit = loaded.model.config.max_position_embeddings
+    longest_prompt = max(len(r["source_token_ids"]) for r in rows) + 2
+    if not max_tokens:
+        max_tokens = int(1.5 * max(r["target_length"] for r in rows)) + 8
+    max_tokens = max(1, min(max_tokens, limit - longest_prompt))
+    hyps = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=beams,
+                   max_tokens=max_tokens, length_penalty=length_penalty, batch_size=batch_size)
+    sides = PairCanonicalizer(ChemOptions.of_manifest(m), PairOptions(info.get("task", "forward"),
+                                                                       info.get("reagents", "auto")))
+    preds = read_back(loaded.tokenizer, hyps, sides)
+    ks = tuple(k for k in TOP_KS if k <= beams)
+    report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
+              "length_penalty": length_penalty, **topk_accuracy(preds, [r["target_smiles"] for r in rows], ks)}
+    if info.get("task") == "mol2mol":
+        report.update(similarity_to_source(preds, [r["source_smiles"] for r in rows]))
+    report["examples"] = [{"source": r["source_smiles"], "target": r["target_smiles"],
+                           "predictions": [p.side or p.text for p in ps[:3]]} for r, ps in zip(rows[:10], preds)]
+    return report

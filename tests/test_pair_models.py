@@ -1,0 +1,128 @@
+"""A decoder trained on pairs (prompt and completion) end to end: the trainer on the pair
+shards, ``molds-predict`` (its inputs canonicalized and tokenized as the ETL did, its rows
+the beam search's), ``molds-eval`` (top-k accuracy), and the accuracy rule itself held to
+RDKit: a prediction matches when it is the same molecules in any order or spelling."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from rdkit import Chem
+
+from molds.eval.pairs import Prediction, topk_accuracy
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample_reactions.csv.gz")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+    from molds.train import main as train
+
+    d = tmp_path_factory.mktemp("pairmodel")
+    with gzip.open(SAMPLE, "rt") as fh:
+        rows = list(csv.reader(fh))[:401]
+    with open(d / "reactions.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(rows)
+    data = str(d / "retro")
+    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=data, smiles_column="reactants>reagents>production",
+                         id_column="id", task="retro", workers=1, progress=False))
+    recipe = {
+        "run": {"name": "retro-test", "output_dir": str(d / "run"), "seed": 0},
+        "data": {"manifest": data, "mode": "packed", "seq_len": 192, "micro_batch_size": 4, "lookahead": 64,
+                 "too_long": "reject"},
+        "model": {"family": "decoder", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_position_embeddings": 256},
+        "parallel": {"engine": "ddp"},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "trainer": {"max_steps": 12, "precision": "fp32"},
+        "checkpoint": {"interval_steps": 12},
+        "logging": {"interval_steps": 4, "tensorboard": False, "progress": False},
+    }
+    (d / "recipe.json").write_text(json.dumps(recipe))
+    result = train(["--recipe", str(d / "recipe.json")])
+    return d, data, result["checkpoint"]
+
+
+def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, capsys):
+    from molds.checkpoint import open_checkpoint
+    from molds.cli.predict import main as predict_cli
+    from molds.data.manifest import Manifest
+    from molds.eval.pairs import predict, read_back
+
+    d, data, checkpoint = trained
+    m = Manifest.load(data)
+    rows = pq.read_table(m.shards("test")[0].path).to_pylist()[:4]
+    lines = []
+    for r in rows:  # each source in another spelling: the model must see the ETL's canonical tokens
+        mol = Chem.MolFromSmiles(r["source_smiles"])
+        lines.append(Chem.MolToSmiles(mol, doRandom=True, canonical=False))
+    lines += ["C1CC", "CC[Se]CC>CC"]  # unparsable; a reaction where a product is expected
+    (d / "in.smi").write_text("\n".join(lines) + "\n\n")
+    out = d / "pred.csv"
+    assert predict_cli([checkpoint, "--input", str(d / "in.smi"), "--beams", "3", "--max_tokens", "40",
+                        "--out", str(out)]) == 0
+    table = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert [r["note"] for r in table if r["row"] in ("5", "6")] == ["parse_error", "not_a_reaction"]
+    loaded = open_checkpoint(checkpoint)
+    direct = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=3, max_tokens=40)
+    from molds.chem import ChemOptions
+    from molds.pairs import PairCanonicalizer, PairOptions
+
+    want = read_back(loaded.tokenizer, direct, PairCanonicalizer(ChemOptions.of_manifest(m), PairOptions("retro")))
+    for i, preds in enumerate(want, 1):
+        got = [r for r in table if r["row"] == str(i)]
+        assert [int(r["rank"]) for r in got] == [1, 2, 3]
+        assert [r["text"] for r in got] == [p.text for p in preds]
+        assert [float(r["score"]) for r in got] == pytest.approx([p.score for p in preds], abs=1e-5)
+
+
+def test_sampling_a_pair_model_is_refused(trained):
+    from molds.cli.sample import run as sample
+
+    from molds.errors import MoldsError
+
+    _, _, checkpoint = trained
+    with pytest.raises(MoldsError, match="retro pair model: it completes a source, and molds-predict"):
+        sample([checkpoint, "--num", "2"])
+
+
+def test_eval_reports_top_k_accuracy_of_the_split(trained):
+    from molds.eval.evaluate import evaluate_checkpoint
+
+    _, _, checkpoint = trained
+    report = evaluate_checkpoint(checkpoint, split="test", num=6, beams=5)
+    pairs = report["pairs"]
+    assert pairs["task"] == "retro" and pairs["inputs"] == 6 and pairs["beams"] == 5
+    assert set(report["metrics"]) >= {"top1", "top3", "top5", "invalid_beams"} and "top10" not in report["metrics"]
+    assert 0 <= pairs["top1"] <= pairs["top3"] <= pairs["top5"] <= 1
+    assert report["loss"] > 0 and len(pairs["examples"]) == 6
+
+
+def pred(side):
+    return Prediction(side, side or "x", 0.0, True)
+
+
+def test_top_k_is_an_exact_match_of_canonical_sides():
+    def canon(text):
+        return ".".join(sorted(Chem.MolToSmiles(Chem.MolFromSmiles(p)) for p in text.split(".")))
+
+    targets = [canon("OCC.c1ccccc1"), canon("CC(=O)O"), canon("CCN")]
+    predictions = [
+        [pred(canon("c1ccccc1.CCO")), pred(None)],  # the same molecules, another order: a top-1 hit
+        [pred(canon("CC(=O)OC")), pred(canon("OC(C)=O")), pred(None)],  # a hit at rank 2
+        [pred(canon("CCO")), pred(canon("CCCN")), pred(canon("NCC"))],  # a hit at rank 3
+    ]
+    got = topk_accuracy(predictions, targets, ks=(1, 2, 3))
+    assert got["top1"] == pytest.approx(1 / 3) and got["top2"] == pytest.approx(2 / 3) and got["top3"] == 1.0
+    assert got["invalid_beams"] == pytest.approx(2 / 8) and got["invalid_top1"] == 0.0
+    with pytest.raises(ValueError, match="2 predictions for 3 targets"):
+        topk_accuracy(predictions[:2], targets)
