@@ -443,7 +443,7 @@ class EvalConfig:
     RANGES: ClassVar[dict] = {
         "interval_steps": (0, _BIG), "full_interval_steps": (0, _BIG), "max_batches": (0, _BIG),
         "samples": (1, 1 << 24), "full_samples": (1, 1 << 24), "temperature": (1e-3, 100.0), "top_k": (0, 1 << 20),
-        "grid": (0, 256),
+        "grid": (0, 256), "beams": (1, 64),
     }
 
     interval_steps: int = 0
@@ -479,6 +479,13 @@ class EvalConfig:
 
     grid: int = 16
     """Molecules drawn in the TensorBoard image."""
+
+    beams: int = 5
+    """Pair models (a manifest of ``molds-preprocess --task``): a full evaluation scores
+    ``full_samples`` pairs of ``split`` by beam search of this width (``eval/top{k}`` for k up
+    to it, ``eval/invalid_beams``); a smoke evaluation scores ``samples`` pairs greedily
+    (``eval/top1``). Needs the whole model on every rank: ddp, zero stages 0-2, or the
+    pipeline (its stages gathered), not ZeRO-3."""
 
 
 @dataclass

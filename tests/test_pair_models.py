@@ -45,6 +45,8 @@ def trained(tmp_path_factory):
         "optim": {"lr": 3e-3, "warmup_steps": 2},
         "trainer": {"max_steps": 12, "precision": "fp32"},
         "checkpoint": {"interval_steps": 12},
+        "eval": {"interval_steps": 6, "full_interval_steps": 12, "samples": 4, "full_samples": 6, "beams": 3,
+                 "max_batches": 2},
         "logging": {"interval_steps": 4, "tensorboard": False, "progress": False},
     }
     (d / "recipe.json").write_text(json.dumps(recipe))
@@ -105,6 +107,25 @@ def test_eval_reports_top_k_accuracy_of_the_split(trained):
     assert set(report["metrics"]) >= {"top1", "top3", "top5", "invalid_beams"} and "top10" not in report["metrics"]
     assert 0 <= pairs["top1"] <= pairs["top3"] <= pairs["top5"] <= 1
     assert report["loss"] > 0 and len(pairs["examples"]) == 6
+
+
+def test_the_run_scores_its_beams_as_molds_eval_scores_the_checkpoint(trained):
+    """The full evaluation at the last step (eval/top1, eval/top3 in metrics.jsonl) equals
+    molds-eval on the checkpoint of that step, same split, pairs and beam width."""
+    from molds.eval.evaluate import evaluate_checkpoint
+
+    d, _, checkpoint = trained
+    logged = {}
+    with open(d / "run" / "metrics.jsonl") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if any(k.startswith("eval/top") for k in rec):
+                logged[rec["step"]] = rec
+    assert set(logged) == {6, 12}
+    assert "eval/top1" in logged[6] and "eval/top3" not in logged[6]  # the smoke evaluation decodes greedily
+    report = evaluate_checkpoint(checkpoint, split="valid", num=6, beams=3, max_batches=2)
+    for k in ("top1", "top3", "invalid_beams", "top1_score"):  # top1_score: the same beams, whatever their quality
+        assert logged[12][f"eval/{k}"] == pytest.approx(report["pairs"][k], abs=1e-5)
 
 
 def pred(side):

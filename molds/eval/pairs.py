@@ -83,7 +83,8 @@ def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list
 def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TOP_KS) -> dict:
     """``top{k}``: the share of inputs whose target is among their first k predictions
     (exact match of canonical sides); ``invalid_beams``: the share of all predictions that
-    are no molecules (or never ended); ``invalid_top1``: the share of first predictions."""
+    are no molecules (or never ended); ``invalid_top1``: the share of first predictions;
+    ``top1_score``: the mean score of the first predictions."""
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
     n = max(1, len(targets))
@@ -93,6 +94,8 @@ def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TO
     beams = [p for preds in predictions for p in preds]
     out["invalid_beams"] = sum(p.side is None for p in beams) / max(1, len(beams))
     out["invalid_top1"] = sum(not preds or preds[0].side is None for preds in predictions) / n
+    firsts = [preds[0].score for preds in predictions if preds]
+    out["top1_score"] = sum(firsts) / max(1, len(firsts))  # the model's confidence in its first beam
     out["inputs"] = len(targets)
     return out
 

@@ -30,6 +30,13 @@ class TrainingEvaluator:
         if self.enabled and not manifest.shards(ev.split):
             raise ValueError(f"eval.split={ev.split!r}: {manifest.path} has no rows in that split")
         self.family = recipe.model.family
+        self.pairs = manifest.pairs is not None and self.family == "decoder"
+        if self.enabled and self.pairs and recipe.parallel.engine == "zero" and recipe.parallel.zero_stage == 3:
+            from molds.errors import RecipeError
+
+            raise RecipeError("eval on pairs searches beams with the whole model on every rank; ZeRO-3 partitions "
+                              "it: set eval.interval_steps and eval.full_interval_steps to 0 and score the "
+                              "checkpoints with molds-eval, or train with zero_stage 2")
         self.tokenizer = None
         self.train_lengths = None
         self.final: dict = {}
@@ -81,8 +88,10 @@ class TrainingEvaluator:
             if count:
                 values["eval/loss"] = total / count
                 values["eval/perplexity"] = math.exp(min(total / count, 50.0))
-            samples = predictions = None
-            if self.family == "decoder" and (model is not None or hasattr(self.engine, "gather_weights")):
+            samples = predictions = beams = None
+            if self.pairs:
+                beams = gather_objects(self._predict_pairs(kind), dist)
+            elif self.family == "decoder" and (model is not None or hasattr(self.engine, "gather_weights")):
                 samples = self._sample(ev.full_samples if kind == "full" else ev.samples, step)
                 samples = [s for part in gather_objects(samples, dist) for s in part]
             elif kind == "full" and self.recipe.model.num_tasks:
@@ -96,12 +105,55 @@ class TrainingEvaluator:
                 model.train(was_training)
         if dist.is_main and samples is not None:
             values.update(self._score(samples, step, kind))
+        if dist.is_main and beams is not None:
+            values.update(self._score_pairs(beams, kind, step))
         if dist.is_main and predictions is not None:
             values.update(self._score_properties(predictions))
         self.log.scalars(step, values)
         if kind == "full":
             self.final = values
         return values
+
+    def _predict_pairs(self, kind: str) -> list:
+        """This rank's share of the split's first pairs, each with its beams read back as
+        canonical sides: (predictions, target) pairs. A smoke evaluation decodes greedily."""
+        from molds.chem import ChemOptions
+        from molds.eval.pairs import predict, read_back, split_pairs
+        from molds.pairs import PairCanonicalizer, PairOptions
+
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.specials.path, local_files_only=True)
+        ev, dist = self.recipe.eval, self.dist
+        rows = split_pairs(self.manifest, ev.split, ev.full_samples if kind == "full" else ev.samples)
+        mine = rows[dist.rank::dist.world_size]
+        if not mine:
+            return []
+        model = self.engine.model if self.engine.model is not None else self._gathered_model()
+        limit = self.recipe.model.max_position_embeddings
+        prompt = max(len(r["source_token_ids"]) for r in rows) + 2
+        max_tokens = max(1, min(int(1.5 * max(r["target_length"] for r in rows)) + 8, limit - prompt))
+        with self.engine.autocast():
+            hyps = predict(model, self.specials, [r["source_token_ids"] for r in mine],
+                           beams=ev.beams if kind == "full" else 1, max_tokens=max_tokens, batch_size=32)
+        info = self.manifest.pairs
+        sides = PairCanonicalizer(ChemOptions.of_manifest(self.manifest),
+                                  PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
+        return list(zip(read_back(self.tokenizer, hyps, sides), [r["target_smiles"] for r in mine]))
+
+    def _score_pairs(self, parts: list, kind: str, step: int) -> dict:
+        from molds.eval.pairs import TOP_KS, topk_accuracy
+
+        found = [x for part in parts for x in part]
+        if not found:
+            return {}
+        beams = self.recipe.eval.beams if kind == "full" else 1
+        ks = tuple(k for k in TOP_KS if k <= beams)
+        acc = topk_accuracy([p for p, _ in found], [t for _, t in found], ks)
+        shown = "\n".join(f"    {t}  <-  {(p[0].side or '(invalid)') if p else '(none)'}" for p, t in found[:32])
+        self.log.text("eval/predictions", shown, step)
+        return {f"eval/{k}": v for k, v in acc.items() if k != "inputs"}
 
     def _score_properties(self, parts: list) -> dict:
         import numpy as np
