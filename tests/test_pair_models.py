@@ -147,3 +147,21 @@ def test_top_k_is_an_exact_match_of_canonical_sides():
     assert got["invalid_beams"] == pytest.approx(2 / 8) and got["invalid_top1"] == 0.0
     with pytest.raises(ValueError, match="2 predictions for 3 targets"):
         topk_accuracy(predictions[:2], targets)
+
+
+def test_mol2mol_similarity_and_property_change_equal_rdkit_read_directly():
+    from rdkit import DataStructs
+    from rdkit.Chem import QED, Crippen, rdFingerprintGenerator
+
+    from molds.eval.pairs import similarity_to_source
+
+    sources = ["CCOc1ccccc1", "CC(=O)Nc1ccccc1", "CCN"]
+    firsts = ["CCCOc1ccccc1", "CC(=O)Nc1ccccc1", None]  # a near molecule, the source itself, an invalid beam
+    got = similarity_to_source([[pred(f)] for f in firsts], sources)
+    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
+    pairs = [(Chem.MolFromSmiles(f), Chem.MolFromSmiles(s)) for f, s in zip(firsts[:2], sources[:2])]
+    sims = [DataStructs.TanimotoSimilarity(gen.GetFingerprint(a), gen.GetFingerprint(b)) for a, b in pairs]
+    assert got["scored"] == 2 and got["returns_source"] == 0.5
+    assert got["similarity_to_source"] == pytest.approx(sum(sims) / 2)
+    assert got["delta_logp"] == pytest.approx(sum(Crippen.MolLogP(a) - Crippen.MolLogP(b) for a, b in pairs) / 2)
+    assert got["abs_delta_qed"] == pytest.approx(sum(abs(QED.qed(a) - QED.qed(b)) for a, b in pairs) / 2)

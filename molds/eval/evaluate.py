@@ -129,7 +129,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64))
         report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(("top", "invalid", "similarity",
-                                                                                        "returns"))}
+                                                                                        "returns", "delta", "abs_delta"))}
     elif loaded.family == "decoder":
         from ..metrics.generation import generation_metrics
 

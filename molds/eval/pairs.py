@@ -115,13 +115,16 @@ def split_pairs(manifest, split: str, num: int) -> list[dict]:
 
 
 def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]) -> dict:
-    """Mol2Mol: the Tanimoto similarity (Morgan radius 2, 2,048 bits) of each valid first
-    prediction to its source, and the share of first predictions that return the source."""
+    """Mol2Mol: over the valid first predictions, the mean Tanimoto similarity (Morgan radius
+    2, 2,048 bits) to the source, the share that return the source, and the mean change of
+    logP (Crippen), QED and molecular weight from the source to the prediction (signed, and
+    absolute as ``abs_delta_*``)."""
     from rdkit import Chem, DataStructs
-    from rdkit.Chem import rdFingerprintGenerator
+    from rdkit.Chem import QED, Crippen, Descriptors, rdFingerprintGenerator
 
     gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
-    sims, same = [], 0
+    props = {"logp": Crippen.MolLogP, "qed": QED.qed, "mw": Descriptors.MolWt}
+    sims, same, deltas = [], 0, {k: [] for k in props}
     for preds, src in zip(predictions, sources):
         if not preds or preds[0].side is None:
             continue
@@ -130,8 +133,14 @@ def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]
             continue
         sims.append(DataStructs.TanimotoSimilarity(gen.GetFingerprint(a), gen.GetFingerprint(b)))
         same += preds[0].side == src
+        for k, f in props.items():
+            deltas[k].append(f(a) - f(b))
     n = max(1, len(sims))
-    return {"similarity_to_source": sum(sims) / n, "returns_source": same / n}
+    out = {"similarity_to_source": sum(sims) / n, "returns_source": same / n, "scored": len(sims)}
+    for k, d in deltas.items():
+        out[f"delta_{k}"] = sum(d) / n
+        out[f"abs_delta_{k}"] = sum(abs(x) for x in d) / n
+    return out
 
 
 def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_tokens: int = 0,
