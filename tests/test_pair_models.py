@@ -165,3 +165,13 @@ def test_mol2mol_similarity_and_property_change_equal_rdkit_read_directly():
     assert got["similarity_to_source"] == pytest.approx(sum(sims) / 2)
     assert got["delta_logp"] == pytest.approx(sum(Crippen.MolLogP(a) - Crippen.MolLogP(b) for a, b in pairs) / 2)
     assert got["abs_delta_qed"] == pytest.approx(sum(abs(QED.qed(a) - QED.qed(b)) for a, b in pairs) / 2)
+
+
+def test_a_pair_model_is_refused_as_a_goal_prior(trained, tmp_path):
+    from molds.errors import RecipeError
+    from molds.train import main
+
+    _, _, checkpoint = trained
+    with pytest.raises(RecipeError, match="retro pair model, which completes a source"):
+        main(["--goal.prior", checkpoint, "--goal.scoring", json.dumps({"oracle": "qed"}), "--goal.batch_size", "4",
+              "--trainer.max_steps", "1", "--run.output_dir", str(tmp_path / "g"), "--logging.progress", "false"])

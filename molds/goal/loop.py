@@ -118,6 +118,10 @@ def setup_goal(recipe, scorers) -> GoalRun:
     if prior.family != "decoder":
         raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} holds an encoder; the agent samples, so "
                           f"its prior must be a decoder")
+    if prior.manifest.pairs is not None:
+        raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} is a {prior.manifest.pairs.get('task')} "
+                          f"pair model, which completes a source; the agent samples molecules from nothing, so its "
+                          f"prior must be trained on a manifest of molecules")
     for p in prior.model.parameters():
         p.requires_grad_(False)
     recipe, notes = goal_recipe(recipe, prior, dist.world_size)
