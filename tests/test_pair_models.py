@@ -54,6 +54,27 @@ def trained(tmp_path_factory):
     return d, data, result["checkpoint"]
 
 
+def test_a_resumed_pair_run_ends_where_the_uninterrupted_one_does(trained, tmp_path):
+    """4 steps, then a resume to 8, give the weights 8 uninterrupted steps give: the pair
+    stream's cursor is restored as the molecule stream's is."""
+    import torch
+    from safetensors.torch import load_file
+
+    from molds.train import main as train
+
+    d, _, _ = trained
+    common = ["--recipe", str(d / "recipe.json"), "--eval.interval_steps", "0", "--eval.full_interval_steps", "0",
+              "--checkpoint.interval_steps", "4", "--optim.warmup_steps", "0", "--optim.min_lr_ratio", "1.0"]
+    # (a constant rate: a run stopped at 4 by max_steps has the schedule a run of 8 has)
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    a = train([*common, "--run.output_dir", whole, "--trainer.max_steps", "8"])
+    train([*common, "--run.output_dir", parts, "--trainer.max_steps", "4"])
+    b = train([*common, "--run.output_dir", parts, "--trainer.max_steps", "8", "--checkpoint.resume", "auto"])
+    wa = load_file(os.path.join(a["checkpoint"], "model.safetensors"))
+    wb = load_file(os.path.join(b["checkpoint"], "model.safetensors"))
+    assert b["checkpoint"].endswith("step-00000008") and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, capsys):
     from molds.checkpoint import open_checkpoint
     from molds.cli.predict import main as predict_cli
