@@ -227,3 +227,23 @@ def model_card(loaded, architecture: str) -> str:
             lines += ["import safe; smiles = safe.decode(text)"]
         lines += ["```", ""]
     return "\n".join(lines)
+
+
+def hf_bart(model, specials):
+    """The encoder-decoder as transformers' ``BartForConditionalGeneration``, weights copied
+    one to one (the layers carry BART's names); decoding starts at ``<bos>``."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = model.config
+    hf_cfg = BartConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, encoder_layers=cfg.encoder_layers,
+        decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
+        encoder_ffn_dim=cfg.intermediate_size, decoder_ffn_dim=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings, activation_function="gelu", dropout=cfg.dropout,
+        attention_dropout=0.0, activation_dropout=0.0, scale_embedding=cfg.scale_embedding, tie_word_embeddings=True,
+        pad_token_id=specials.pad, bos_token_id=specials.bos, eos_token_id=specials.eos,
+        decoder_start_token_id=specials.bos, forced_eos_token_id=None, forced_bos_token_id=None)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    for side in ("encoder", "decoder"):  # transformers keeps the shared table under each side too
+        state[f"model.{side}.embed_tokens.weight"] = state["model.shared.weight"]
+    return _strict(BartForConditionalGeneration(hf_cfg), state)
