@@ -75,3 +75,37 @@ def test_cached_decoding_equals_the_full_forward():
     for t in range(tgt.shape[1]):
         step = model.decode(tgt[:, t:t + 1], memory, mask, cache, t)
         torch.testing.assert_close(step, full[:, t], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping,hf", [(1.0, "heuristic", False), (0.6, "never", "never"),
+                                                             (0.0, "heuristic", False)])
+def test_beam_search_finds_what_bart_generate_finds(length_penalty, early_stopping, hf):
+    from molds.eval.beam import Seq2SeqSteps, beam_search
+    from molds.export import hf_bart
+
+    model = tiny(3, vocab_size=8)
+    with torch.no_grad():  # the end token likely (the bias travels with the export): searches end early
+        model.final_logits_bias[0, SPECIALS.eos] = 4.0
+    twin = hf_bart(model, SPECIALS).eval()
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(4, 8, (3, 6), generator=g)
+    mask = torch.ones_like(src)
+    mask[2, 4:] = 0
+    src = src.masked_fill(mask == 0, SPECIALS.pad)
+    k, max_tokens = 3, 8
+    ours = beam_search(Seq2SeqSteps(model, src, mask, SPECIALS.bos), beams=k, eos=SPECIALS.eos,
+                       max_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping)
+    out = twin.generate(src, attention_mask=mask, num_beams=k, num_return_sequences=k, max_new_tokens=max_tokens,
+                        length_penalty=length_penalty, early_stopping=hf, do_sample=False, no_repeat_ngram_size=0,
+                        decoder_start_token_id=SPECIALS.bos, eos_token_id=SPECIALS.eos, pad_token_id=SPECIALS.pad,
+                        output_scores=True, return_dict_in_generate=True)
+    seqs = out.sequences[:, 1:].tolist()  # after the decoder's start token
+    for i in range(src.shape[0]):
+        theirs = []
+        for row, score in zip(seqs[i * k:(i + 1) * k], out.sequences_scores[i * k:(i + 1) * k].tolist()):
+            ended = SPECIALS.eos in row
+            theirs.append((row[:row.index(SPECIALS.eos)] if ended else row, ended, score))
+        assert [(h.ids, h.ended) for h in ours[i]] == [(t[0], t[1]) for t in theirs]
+        assert [h.score for h in ours[i]] == pytest.approx([t[2] for t in theirs], abs=1e-4)
+    if length_penalty == 0.0:  # raw log-probabilities: hypotheses that end are among the best
+        assert any(h.ended for hyps in ours for h in hyps)

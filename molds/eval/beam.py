@@ -164,3 +164,37 @@ class DecoderSteps:
         for layer in self.cache:
             for key in layer:
                 layer[key] = layer[key].index_select(0, rows)
+
+
+class Seq2SeqSteps:
+    """The encoder-decoder (``molds.models.seq2seq``): the sources encoded once (right padded,
+    ``attention_mask`` marking their tokens), the decoder started at ``start`` (``<bos>``)
+    with its self- and cross-attention caches."""
+
+    def __init__(self, model, sources: torch.Tensor, attention_mask: torch.Tensor, start: int):
+        from ..models.seq2seq import _key_mask
+
+        self.model = model
+        self.memory = model.encode(sources, attention_mask)
+        self.mask = _key_mask(attention_mask, self.memory.dtype)
+        self.start = torch.full((sources.shape[0], 1), start, dtype=torch.long, device=sources.device)
+        self.cache = model.new_cache()
+
+    def first(self) -> torch.Tensor:
+        return self.model.decode(self.start, self.memory, self.mask, self.cache, 0)
+
+    def _each(self, fn) -> None:
+        self.memory, self.mask = fn(self.memory), fn(self.mask)
+        for layer in self.cache:
+            for part in layer.values():
+                for key in part:
+                    part[key] = fn(part[key])
+
+    def expand(self, beams: int) -> None:
+        self._each(lambda t: t.repeat_interleave(beams, dim=0))
+
+    def step(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
+        return self.model.decode(tokens[:, None], self.memory, self.mask, self.cache, index + 1)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self._each(lambda t: t.index_select(0, rows))
