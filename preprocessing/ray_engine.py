@@ -169,7 +169,8 @@ class RayEngine:
         # Small blocks out of the reader, so one big file feeds every actor, not one.
         ctx.target_max_block_size = 1 << 20
         opts = json.dumps({"smiles": cols.smiles, "id": cols.id, "labels": list(cols.labels), "units": list(cols.units),
-                           "rank": cols.rank, "roles": [list(r) for r in cols.roles], "chunk_rows": cfg.chunk_rows, "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
+                           "rank": cols.rank, "roles": [list(r) for r in cols.roles], "chunk_rows": cfg.chunk_rows,
+                           "delimiter": cfg.delimiter, "smi_header": cfg.smi_header,
                            "on_truncated": cfg.on_truncated})
         files = ray.data.from_items([{"file_index": i, "path": p, "format": f, "options": opts}
                                      for i, p, f in inputs], override_num_blocks=max(1, len(inputs)))

@@ -6,7 +6,6 @@ RDKit: a prediction matches when it is the same molecules in any order or spelli
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import json
 import os
@@ -17,24 +16,15 @@ from rdkit import Chem
 
 from molds.eval.pairs import Prediction, topk_accuracy
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample_reactions.csv.gz")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from molds.preprocessing.config import PreprocessConfig
-    from molds.preprocessing.pipeline import run
     from molds.train import main as train
+    from tests.data.conftest import pair_manifest
 
     d = tmp_path_factory.mktemp("pairmodel")
-    with gzip.open(SAMPLE, "rt") as fh:
-        rows = list(csv.reader(fh))[:401]
-    with open(d / "reactions.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(rows)
-    data = str(d / "retro")
-    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=data, smiles_column="reactants>reagents>production",
-                         id_column="id", task="retro", workers=1, progress=False))
+    data = pair_manifest(d, 400, "retro")
     recipe = {
         "run": {"name": "retro-test", "output_dir": str(d / "run"), "seed": 0},
         "data": {"manifest": data, "mode": "packed", "seq_len": 192, "micro_batch_size": 4, "lookahead": 64,

@@ -128,8 +128,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64))
-        report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(("top", "invalid", "similarity",
-                                                                                        "returns", "delta", "abs_delta"))}
+        scored = ("top", "invalid", "similarity", "returns", "delta", "abs_delta")
+        report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(scored)}
     elif loaded.family == "decoder":
         from ..metrics.generation import generation_metrics
 

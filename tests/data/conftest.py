@@ -42,6 +42,28 @@ def dataset_variants(tmp_path_factory) -> str:
     return _build(tmp_path_factory.mktemp("dpv"), randomized_variants=VARIANTS)
 
 
+REACTIONS = os.path.join(os.path.dirname(__file__), "..", "..", "molds", "sample_data",
+                         "moses_sample_reactions.csv.gz")
+
+
+def pair_manifest(d, rows: int, task: str) -> str:
+    """The first ``rows`` reactions of the bundled reaction sample, preprocessed as ``task``
+    pairs into ``d`` (the default split: by product scaffold, 80/10/10)."""
+    import gzip
+
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    with gzip.open(REACTIONS, "rt") as fh:
+        body = list(csv.reader(fh))[:rows + 1]
+    with open(d / "reactions.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(body)
+    out = str(d / task)
+    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=out, smiles_column="reactants>reagents>production",
+                         id_column="id", task=task, workers=1, progress=False))
+    return out
+
+
 def make_loader(dataset: str, rank: int = 0, world: int = 1, **overrides):
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader

@@ -4,10 +4,6 @@ run alone; every pair once an epoch; the refusals of what pairs cannot be read w
 
 from __future__ import annotations
 
-import csv
-import gzip
-import os
-
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -17,23 +13,12 @@ from molds.data.loader import MoleculeLoader
 from molds.errors import RecipeError
 from molds.tokens import IGNORE_INDEX
 
-SAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "molds", "sample_data", "moses_sample_reactions.csv.gz")
+from .conftest import pair_manifest
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from molds.preprocessing.config import PreprocessConfig
-    from molds.preprocessing.pipeline import run
-
-    d = tmp_path_factory.mktemp("pairdata")
-    with gzip.open(SAMPLE, "rt") as fh:
-        rows = list(csv.reader(fh))[:301]
-    with open(d / "reactions.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(rows)
-    out = str(d / "fwd")
-    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=out, smiles_column="reactants>reagents>production",
-                         id_column="id", task="forward", workers=1, progress=False, split_fractions=[0.8, 0.1, 0.1]))
-    return out
+    return pair_manifest(tmp_path_factory.mktemp("pairdata"), 300, "forward")
 
 
 def shard_sides(out: str) -> dict:
