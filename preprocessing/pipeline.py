@@ -101,6 +101,9 @@ def _check_pairs(cfg: PreprocessConfig) -> None:
         raise ValueError(f"--split_column names each row's split: it needs --split given (not {cfg.split})")
     if cfg.split_column is not None and not cfg.split_column.strip():
         raise ValueError("--split_column: give the column naming each row's split")
+    if cfg.split == "given" and [float(f) for f in cfg.split_fractions] != [0.8, 0.1, 0.1]:
+        raise ValueError(f"--split_fractions {cfg.split_fractions} would change nothing: --split given keeps the "
+                         f"input's own split")
     if cfg.task == "none":
         for option, value, default in (("target_column", cfg.target_column, None), ("reagents", cfg.reagents, "auto")):
             if value != default:

@@ -312,6 +312,7 @@ def test_molecules_split_by_a_column_too(tmp_path):
     ({"task": "forward", "randomized_variants": 4}, "pairs have none yet"),
     ({"task": "forward", "dedupe_key": "inchikey"}, "it needs --dedupe_key canonical"),
     ({"task": "mol2mol", "target_column": "b", "reagents": "drop"}, "not reactions"),
+    ({"split": "given", "split_column": "b", "split_fractions": [0.5, 0.5]}, "would change nothing"),
 ])
 def test_options_that_do_not_fit_are_refused_by_name(options, message, tmp_path):
     (tmp_path / "a.csv").write_text("smiles,b\nCCO,CC\n")
