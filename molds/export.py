@@ -216,7 +216,23 @@ def model_card(loaded, architecture: str) -> str:
              "## Reading its output", "", _DECODING[rep.name], ""]
     if rep.name != "smiles":
         lines += [f"Representation: `{json.dumps(block, sort_keys=True)}`.", ""]
-    if loaded.family == "decoder":
+    pairs = loaded.manifest.pairs if loaded.manifest else None
+    if pairs is not None and loaded.family == "decoder":  # a pair model completes a source
+        task = pairs.get("task")
+        lines += [f"A `{task}` pair model: it completes the prompt `<bos> SOURCE <sep>` with the target and "
+                  f"`<eos>` (SOURCE and target: canonical SMILES, molecules sorted, as `molds-preprocess --task "
+                  f"{task}` wrote them). This beam search is the one `molds-predict` runs (the special tokens "
+                  f"suppressed, as it suppresses them).", "",
+                  "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  "tok = AutoTokenizer.from_pretrained(PATH)", "model = AutoModelForCausalLM.from_pretrained(PATH)",
+                  "ids = [tok.bos_token_id, *tok(SOURCE, add_special_tokens=False).input_ids, tok.sep_token_id]",
+                  "special = [t for t in (tok.bos_token_id, tok.sep_token_id, tok.pad_token_id, tok.mask_token_id, "
+                  "tok.unk_token_id) if t is not None]",
+                  "out = model.generate(torch.tensor([ids]), num_beams=10, num_return_sequences=10, "
+                  "max_new_tokens=200, do_sample=False, suppress_tokens=special)",
+                  "targets = [tok.decode(o[len(ids):], skip_special_tokens=True).replace(' ', '') for o in out]",
+                  "```", ""]
+    elif loaded.family == "decoder":
         lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "tok = AutoTokenizer.from_pretrained(PATH)", "model = AutoModelForCausalLM.from_pretrained(PATH)",
                   "out = model.generate(tok('', return_tensors='pt').input_ids[:, :1], do_sample=True, max_new_tokens=128)",
