@@ -59,10 +59,8 @@ def run(argv: list[str]) -> int:
 
     from ..atomic import write_text
     from ..checkpoint import open_checkpoint
-    from ..chem import ChemOptions
     from ..errors import MoldsError
-    from ..eval.pairs import predict, read_back
-    from ..pairs import PairCanonicalizer, PairOptions
+    from ..eval.pairs import predict, read_back, sides_of, target_budget
 
     args = parse(build_parser(), argv)
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0:
@@ -73,12 +71,10 @@ def run(argv: list[str]) -> int:
         raise MoldsError(f"{loaded.checkpoint} is no pair model (its manifest {loaded.manifest.path} holds molecules"
                          f"{'' if info is None else ', its family is ' + loaded.family}); molds-sample samples a "
                          f"molecule model")
-    sides = PairCanonicalizer(ChemOptions.of_manifest(loaded.manifest),
-                              PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
+    sides = sides_of(loaded.manifest)
     sp, tok = loaded.specials, loaded.tokenizer
     limit = loaded.model.config.max_position_embeddings
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
-    max_tokens = args.max_tokens or int(1.5 * longest) + 8
     sources = read_sources(args.input, args.column)
     notes, ids = {}, {}
     for row, text in sources:
@@ -95,7 +91,7 @@ def run(argv: list[str]) -> int:
             ids[row] = enc
     rows = sorted(ids)
     hyps = predict(loaded.model, sp, [ids[r] for r in rows], beams=args.beams,
-                   max_tokens=max(1, min(max_tokens, limit - max((len(v) for v in ids.values()), default=0) - 2)),
+                   max_tokens=target_budget(max(len(v) for v in ids.values()), longest, limit, args.max_tokens),
                    length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
     found = dict(zip(rows, read_back(tok, hyps, sides)))
     buf = io.StringIO()

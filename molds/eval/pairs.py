@@ -30,6 +30,24 @@ class Prediction:
     ended: bool
 
 
+def sides_of(manifest):
+    """The ``PairCanonicalizer`` that reads a side as the manifest's ETL wrote its pairs (its
+    canonicalization options, task and reagent policy)."""
+    from ..chem import ChemOptions
+    from ..pairs import PairCanonicalizer, PairOptions
+
+    info = manifest.pairs or {}
+    return PairCanonicalizer(ChemOptions.of_manifest(manifest),
+                             PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
+
+
+def target_budget(longest_source: int, longest_target: int, limit: int, asked: int = 0) -> int:
+    """Tokens a prediction may take: ``asked``, else 1.5 x the longest target + 8; never past
+    the model's ``limit`` positions after the longest prompt (BOS source SEP)."""
+    budget = asked or int(1.5 * longest_target) + 8
+    return max(1, min(budget, limit - longest_source - 2))
+
+
 def forbidden_in_targets(specials) -> tuple[int, ...]:
     """Tokens a target never holds (BOS, SEP, PAD, MASK, UNK): never chosen by the search."""
     return tuple(sorted({t for t in (specials.bos, specials.sep, specials.pad, specials.mask, specials.unk)
@@ -114,6 +132,12 @@ def split_pairs(manifest, split: str, num: int) -> list[dict]:
     return rows
 
 
+def rows_budget(rows: list[dict], limit: int, asked: int = 0) -> int:
+    """``target_budget`` for the pairs ``split_pairs`` read."""
+    return target_budget(max(len(r["source_token_ids"]) for r in rows), max(r["target_length"] for r in rows),
+                         limit, asked)
+
+
 def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]) -> dict:
     """Mol2Mol: over the valid first predictions, the mean Tanimoto similarity (Morgan radius
     2, 2,048 bits) to the source, the share that return the source, and the mean change of
@@ -147,24 +171,15 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
                    length_penalty: float = 1.0, batch_size: int = 64) -> dict:
     """Top-k accuracy of a pair checkpoint (``open_checkpoint``'s result) on ``num`` pairs of
     ``split``: its beams' canonical sides against each target."""
-    from ..chem import ChemOptions
-    from ..pairs import PairCanonicalizer, PairOptions
-
     m = loaded.manifest
     info = m.pairs
     rows = split_pairs(m, split, num)
     if not rows:
         raise ValueError(f"{m.path} has no pairs in split {split!r}")
-    limit = loaded.model.config.max_position_embeddings
-    longest_prompt = max(len(r["source_token_ids"]) for r in rows) + 2
-    if not max_tokens:
-        max_tokens = int(1.5 * max(r["target_length"] for r in rows)) + 8
-    max_tokens = max(1, min(max_tokens, limit - longest_prompt))
+    max_tokens = rows_budget(rows, loaded.model.config.max_position_embeddings, max_tokens)
     hyps = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=beams,
                    max_tokens=max_tokens, length_penalty=length_penalty, batch_size=batch_size)
-    sides = PairCanonicalizer(ChemOptions.of_manifest(m), PairOptions(info.get("task", "forward"),
-                                                                       info.get("reagents", "auto")))
-    preds = read_back(loaded.tokenizer, hyps, sides)
+    preds = read_back(loaded.tokenizer, hyps, sides_of(m))
     ks = tuple(k for k in TOP_KS if k <= beams)
     report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
               "length_penalty": length_penalty, **topk_accuracy(preds, [r["target_smiles"] for r in rows], ks)}

@@ -117,9 +117,7 @@ class TrainingEvaluator:
     def _predict_pairs(self, kind: str) -> list:
         """This rank's share of the split's first pairs, each with its beams read back as
         canonical sides: (predictions, target) pairs. A smoke evaluation decodes greedily."""
-        from molds.chem import ChemOptions
-        from molds.eval.pairs import predict, read_back, split_pairs
-        from molds.pairs import PairCanonicalizer, PairOptions
+        from molds.eval.pairs import predict, read_back, rows_budget, sides_of, split_pairs
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -131,16 +129,11 @@ class TrainingEvaluator:
         if not mine:
             return []
         model = self.engine.model if self.engine.model is not None else self._gathered_model()
-        limit = self.recipe.model.max_position_embeddings
-        prompt = max(len(r["source_token_ids"]) for r in rows) + 2
-        max_tokens = max(1, min(int(1.5 * max(r["target_length"] for r in rows)) + 8, limit - prompt))
+        max_tokens = rows_budget(rows, self.recipe.model.max_position_embeddings)  # every rank the same
         with self.engine.autocast():
             hyps = predict(model, self.specials, [r["source_token_ids"] for r in mine],
                            beams=ev.beams if kind == "full" else 1, max_tokens=max_tokens, batch_size=32)
-        info = self.manifest.pairs
-        sides = PairCanonicalizer(ChemOptions.of_manifest(self.manifest),
-                                  PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
-        return list(zip(read_back(self.tokenizer, hyps, sides), [r["target_smiles"] for r in mine]))
+        return list(zip(read_back(self.tokenizer, hyps, sides_of(self.manifest)), [r["target_smiles"] for r in mine]))
 
     def _score_pairs(self, parts: list, kind: str, step: int) -> dict:
         from molds.eval.pairs import TOP_KS, topk_accuracy
