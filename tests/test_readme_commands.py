@@ -100,6 +100,12 @@ def _launcher(argv: list[str]) -> None:
     _train(rest)
 
 
+def _console_scripts() -> dict[str, str]:
+    """setup.py's console scripts, name -> module (what a user's install puts on the PATH)."""
+    text = open(os.path.join(ROOT, "setup.py")).read()
+    return dict(re.findall(r'"(molds-[a-z-]+)=([\w.]+):\w+"', text))
+
+
 def _console(argv: list[str]) -> None:
     from molds.cli import parse
 
@@ -112,9 +118,9 @@ def _console(argv: list[str]) -> None:
     if name == "molds-train":
         _train(argv[1:])
         return
-    module = {"molds-sample": "sample", "molds-eval": "evaluate", "molds-score": "score", "molds-schedule": "schedule",
-              "molds-export": "export", "molds-average": "average"}[name]
-    cli = __import__(f"molds.cli.{module}", fromlist=["build_parser"])
+    scripts = _console_scripts()
+    assert name in scripts, f"{name}: setup.py installs no such console script"
+    cli = __import__(scripts[name], fromlist=["build_parser"])
     rest = argv[1:]
     if name == "molds-eval":
         rest, overrides = cli._split_overrides(rest)
