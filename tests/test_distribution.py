@@ -113,3 +113,34 @@ def test_sampling_softmax_is_float32_whatever_the_models_precision(monkeypatch):
     upcast = Fixed(torch.float32)
     upcast.table = bf16.table.float()
     assert sampling.sample_ids(upcast, 64, bos=0, eos=1, max_tokens=20, seed=3) == got
+
+
+def test_a_reference_draw_is_uniform_over_every_shard_of_the_split(dataset):
+    """The FCD and property references and the training ranges are a draw of a split: a
+    uniform one over all of its rows, not of the first shards (the ETL's shards are not in
+    random order; a scaffold split's go by group size)."""
+    import pyarrow.parquet as pq
+
+    from molds.data.manifest import Manifest
+    from molds.eval.evaluate import split_token_lengths
+    from molds.metrics.generation import draw_rows, reference_smiles
+
+    m = Manifest.load(dataset)
+    shards = m.shards("train")
+    every = [s for sh in shards for s in pq.read_table(sh.path, columns=["canonical_smiles"]).column(0).to_pylist()]
+    lengths = [n for sh in shards for n in pq.read_table(sh.path, columns=["token_length"]).column(0).to_pylist()]
+    assert len(shards) >= 8 and len(every) == len(set(every)) >= 2000
+    position = {s: i for i, s in enumerate(every)}
+    limit = len(every) // 10
+    drawn = reference_smiles(m, "train", limit, seed=0)
+    assert len(drawn) == len(set(drawn)) == limit and set(drawn) <= set(every)
+    assert drawn == reference_smiles(m, "train", limit, seed=0) and drawn != reference_smiles(m, "train", limit, seed=1)
+    # the draw's rows spread over the split as uniform ones do: each quarter of the rows holds
+    # about a quarter of the draw (binomial sd about 0.024 here), the last shard among them
+    quarters = np.bincount([4 * position[s] // len(every) for s in drawn], minlength=4) / limit
+    assert np.all(np.abs(quarters - 0.25) < 0.1), quarters
+    assert any(position[s] >= len(every) - shards[-1].num_rows for s in drawn)
+    # another column, the same rows; a limit past the split: every row
+    assert draw_rows(m, "train", "token_length", limit, seed=0) == [lengths[position[s]] for s in drawn]
+    assert sorted(reference_smiles(m, "train", 10 * len(every))) == sorted(every)
+    assert sorted(split_token_lengths(m, "train", limit)) == sorted(float(lengths[position[s]]) for s in drawn)

@@ -66,7 +66,7 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     result = main(["--recipe", os.path.join(ROOT, "recipes", "smoke", "gpt_moses.json"), "--data.manifest", dataset,
                    "--data.seq_len", "256", "--data.micro_batch_size", "4", "--run.output_dir", out,
                    "--eval.interval_steps", "300", "--eval.samples", "32", "--eval.full_samples", "64",
-                   "--trainer.max_steps", "1200"])
+                   "--eval.full_interval_steps", "600", "--eval.fcd", "true", "--trainer.max_steps", "1200"])
     report = evaluate_checkpoint(result["checkpoint"], split="test", num=300, seeds=(0,), max_batches=5)
     trained = report["per_seed"][0]["validity"]
     # the same architecture, untrained, sampled the same way
@@ -94,14 +94,39 @@ def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_pa
     assert {"token_length", "weight", "rings"} <= set(first["histograms"])
     assert report["sampling"]["softmax"].startswith("float32")
 
-    # the evaluation during training: smoke evals at 300, 600, 900, a full one at the end
+    # the evaluation during training: smoke evals at 300 and 900, full ones at 600 and 1200,
+    # each full one with the property distances and the FCD: a trajectory a user can watch
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == [300, 600, 900, 1200]
     assert "eval/validity" in evals[300] and "eval/novelty" in evals[1200] and "eval/int_div" in evals[1200]
-    assert {"eval/w_weight", "eval/w_qed", "eval/out_of_train_range", "eval/hit_length_limit"} <= set(evals[1200])
+    drift = {"eval/fcd", "eval/w_weight", "eval/w_logp", "eval/w_sa", "eval/w_qed", "eval/out_of_train_range",
+             "eval/hit_length_limit"}
+    assert drift <= set(evals[600]) and drift <= set(evals[1200]) and "eval/fcd" not in evals[900]
     acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = acc.Tags()
+    assert [e.step for e in acc.Scalars("eval/fcd")] == [600, 1200]
+    assert [e.step for e in acc.Scalars("eval/w_weight")] == [600, 1200]
+    # each FCD is fcd_torch's own, of that evaluation's samples (logged as text) against the
+    # same fixed draw of the split's molecules
+    from fcd_torch import FCD
+    from rdkit import Chem, RDLogger
+
+    from molds.metrics.generation import reference_smiles
+
+    reference = reference_smiles(loaded.manifest, "valid", 10000, 0)
+    checked = []
+    RDLogger.DisableLog("rdApp.*")
+    for event in acc.Tensors("eval/samples/text_summary"):
+        if event.step not in (600, 1200):
+            continue
+        shown = [line.strip() for line in event.tensor_proto.string_val[0].decode().splitlines()]
+        mols = [Chem.MolFromSmiles(s) for s in shown if not s.startswith("(")]
+        canonical = [Chem.MolToSmiles(m) for m in mols if m is not None]
+        want = FCD(device="cpu", n_jobs=1)(gen=canonical, ref=reference)
+        assert evals[event.step]["eval/fcd"] == pytest.approx(want, rel=1e-4, abs=1e-4), event.step
+        checked.append(event.step)
+    assert checked == [600, 1200]
     assert "eval/samples_grid" in tags["images"]
     assert {"eval/sample_token_length", "eval/train_token_length", "eval/property/weight",
             "eval/reference/weight", "eval/property/rotatable_bonds"} <= set(tags["histograms"])

@@ -87,15 +87,12 @@ def _reference_file(path: str | None):
 
 
 def split_token_lengths(manifest, split: str, limit: int = 20000):
-    """Token lengths of up to ``limit`` rows of ``split`` (every shard in proportion)."""
+    """Token lengths of up to ``limit`` rows of ``split`` (a uniform draw over its rows)."""
     import numpy as np
-    import pyarrow.parquet as pq
 
-    shards = manifest.shards(split)
-    total = sum(sh.num_rows for sh in shards) or 1
-    parts = [pq.read_table(sh.path, columns=["token_length"]).column(0).to_numpy()[:max(1, limit * sh.num_rows // total)]
-             for sh in shards]
-    return np.concatenate(parts).astype(float) if parts else np.zeros(0)
+    from ..metrics.generation import draw_rows
+
+    return np.asarray(draw_rows(manifest, split, "token_length", limit, seed=0), dtype=float)
 
 
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",

@@ -136,18 +136,38 @@ def absent_from_split(manifest, split: str, column: str, values: set[str]) -> se
     return missing
 
 
-def reference_smiles(manifest, split: str, limit: int, seed: int = 0) -> list[str]:
-    """Up to ``limit`` canonical SMILES of ``split``, a seeded sample of its shards' rows."""
+def draw_rows(manifest, split: str, column: str, limit: int, seed: int = 0) -> list:
+    """``column`` of up to ``limit`` rows of ``split``: every row when the split holds no
+    more, else a seeded uniform draw over all of its rows (each shard read once, one at a
+    time). Shards are not in random order (the ETL writes them partition by partition, and
+    a scaffold split's partitions by group size), so a draw from the first shards alone is
+    not the split's distribution."""
     import pyarrow.parquet as pq
 
-    rows = []
-    for shard in manifest.shards(split):
-        rows.extend(pq.read_table(shard.path, columns=["canonical_smiles"]).column(0).to_pylist())
-        if len(rows) >= 4 * limit:
-            break
-    if len(rows) > limit:
-        rows = random.Random(seed).sample(rows, limit)
+    shards = manifest.shards(split)
+    total = sum(sh.num_rows for sh in shards)
+    wanted = sorted(random.Random(seed).sample(range(total), limit)) if total > limit else None
+    rows: list = []
+    start, i = 0, 0
+    for shard in shards:
+        end = start + shard.num_rows
+        if wanted is None:
+            rows.extend(pq.read_table(shard.path, columns=[column]).column(0).to_pylist())
+        else:
+            j = i
+            while j < len(wanted) and wanted[j] < end:
+                j += 1
+            if j > i:
+                values = pq.read_table(shard.path, columns=[column]).column(0)
+                rows.extend(values.take([w - start for w in wanted[i:j]]).to_pylist())
+            i = j
+        start = end
     return rows
+
+
+def reference_smiles(manifest, split: str, limit: int, seed: int = 0) -> list[str]:
+    """Up to ``limit`` canonical SMILES of ``split``, a seeded uniform draw (``draw_rows``)."""
+    return draw_rows(manifest, split, "canonical_smiles", limit, seed)
 
 
 def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
