@@ -7,7 +7,7 @@
                                    [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
-   ``--input`` (the MOSES training file: scaffold split 0.8/0.1/0.1, regex tokenizer, and for
+   ``--input`` (the MOSES training file: random split 0.98/0.01/0.01, regex tokenizer, and for
    a recipe that reads randomized SMILES ``--randomized_variants`` stored spellings, 8 by
    default, as the command of docs/tutorials/cpu-moses.md), or from the bundled sample when the manifest is the
    quick start's ``runs/quickstart/data``.
@@ -52,7 +52,7 @@ PUBLISHED = {"CharRNN": {"validity": 0.975, "unique@10k": 0.999, "novelty": 0.84
 def preprocess(source: str, manifest_dir: str, variants: int = 0) -> None:
     """The ETL command of docs/tutorials/cpu-moses.md (``variants``: stored randomized spellings per training molecule)."""
     subprocess.run(["molds-preprocess", "--input", source, "--smiles-column", "SMILES", "--output", manifest_dir,
-                    "--split", "scaffold", "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex",
+                    "--split", "random", "--split-fractions", "0.98,0.01,0.01", "--tokenizer", "regex",
                     "--workers", str(os.cpu_count() or 1)]
                    + (["--randomized-variants", str(variants)] if variants else []), check=True)
 
@@ -78,8 +78,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fcd", action="store_true")
     ap.add_argument("--moses", action="store_true",
-                    help="also MOSES's FCD, SNN, Frag and Scaf against the whole --split (its scaffold-held-out test "
-                         "split: MOSES's TestSF construction)")
+                    help="also MOSES's FCD, SNN, Frag and Scaf against the whole --split (the manifest's own "
+                         "held-out molecules)")
     ap.add_argument("--reference", action="append", default=[], metavar="NAME=FILE",
                     help="also FCD, SNN, Frag and Scaf against a SMILES file, reported under NAME (MOSES's own "
                          "test.csv.gz and test_scaffolds.csv.gz: Test and TestSF); repeatable")
