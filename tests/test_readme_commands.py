@@ -13,6 +13,7 @@ command fails until someone says how to check it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import runpy
@@ -100,6 +101,7 @@ def _launcher(argv: list[str]) -> None:
     _train(rest)
 
 
+@functools.cache
 def _console_scripts() -> dict[str, str]:
     """setup.py's console scripts, name -> module (what a user's install puts on the PATH)."""
     text = open(os.path.join(ROOT, "setup.py")).read()

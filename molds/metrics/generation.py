@@ -142,26 +142,22 @@ def draw_rows(manifest, split: str, column: str, limit: int, seed: int = 0) -> l
     time). Shards are not in random order (the ETL writes them partition by partition, and
     a scaffold split's partitions by group size), so a draw from the first shards alone is
     not the split's distribution."""
+    from bisect import bisect_left
+
     import pyarrow.parquet as pq
 
     shards = manifest.shards(split)
     total = sum(sh.num_rows for sh in shards)
-    wanted = sorted(random.Random(seed).sample(range(total), limit)) if total > limit else None
+    wanted = sorted(random.Random(seed).sample(range(total), limit)) if total > limit else range(total)
     rows: list = []
-    start, i = 0, 0
+    start = i = 0
     for shard in shards:
         end = start + shard.num_rows
-        if wanted is None:
-            rows.extend(pq.read_table(shard.path, columns=[column]).column(0).to_pylist())
-        else:
-            j = i
-            while j < len(wanted) and wanted[j] < end:
-                j += 1
-            if j > i:
-                values = pq.read_table(shard.path, columns=[column]).column(0)
-                rows.extend(values.take([w - start for w in wanted[i:j]]).to_pylist())
-            i = j
-        start = end
+        j = bisect_left(wanted, end, i)  # the drawn rows of this shard: wanted[i:j]
+        if j > i:
+            values = pq.read_table(shard.path, columns=[column]).column(0)
+            rows.extend(values.take([w - start for w in wanted[i:j]]).to_pylist())
+        start, i = end, j
     return rows
 
 
