@@ -157,17 +157,22 @@ class ModelConfig:
         "dropout": (0.0, 0.9), "num_tasks": (0, 1 << 16), "num_experts": (0, 1024), "moe_top_k": (1, 8),
         "moe_expert_size": (0, 1 << 18), "moe_shared_expert_size": (0, 1 << 18), "moe_aux_loss_coef": (0.0, 10.0),
         "moe_z_loss_coef": (0.0, 10.0), "moe_capacity_factor": (0.0, 64.0), "moe_first_dense_layers": (0, 1024),
-        "moe_layer_interval": (1, 1024),
+        "moe_layer_interval": (1, 1024), "decoder_layers": (0, 1024),
     }
 
-    family: Literal["decoder", "encoder"] = "decoder"
-    """``decoder``: causal LM (Llama-style); ``encoder``: RoBERTa-style MLM / property prediction."""
+    family: Literal["decoder", "encoder", "seq2seq"] = "decoder"
+    """``decoder``: causal LM (Llama-style); ``encoder``: RoBERTa-style MLM / property prediction;
+    ``seq2seq``: BART-style encoder-decoder for pair tasks (a manifest of ``molds-preprocess --task``
+    pairs, ``data.mode: bucketed``)."""
 
     hidden_size: int = 256
     """Width of the residual stream."""
 
     num_layers: int = 4
-    """Transformer blocks."""
+    """Transformer blocks (seq2seq: the encoder's)."""
+
+    decoder_layers: int = 0
+    """Seq2seq: the decoder's blocks (0: as many as ``num_layers``)."""
 
     num_heads: int = 8
     """Attention heads."""
@@ -176,7 +181,7 @@ class ModelConfig:
     """Key/value heads (grouped-query attention; decoder only)."""
 
     intermediate_size: int = 0
-    """MLP width (0: 8/3 x hidden for the decoder, 4 x hidden for the encoder)."""
+    """MLP width (0: 8/3 x hidden for the decoder, 4 x hidden for the encoder and seq2seq)."""
 
     max_position_embeddings: int = 2048
     """Longest position the model supports."""
@@ -185,7 +190,7 @@ class ModelConfig:
     """RoPE base (decoder)."""
 
     dropout: float = 0.0
-    """Dropout (encoder)."""
+    """Dropout (encoder, seq2seq)."""
 
     num_tasks: int = 0
     """Encoder property heads: number of label columns (0: MLM only)."""

@@ -175,6 +175,12 @@ def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: st
         forbid = forbidden_tokens(loaded.recipe, loaded.specials)
         if forbid:
             hf.generation_config.suppress_tokens = list(forbid)
+    elif loaded.family == "seq2seq":
+        from .eval.pairs import forbidden_in_targets
+
+        hf = hf_bart(loaded.model, loaded.specials)
+        # generate() never writes the tokens a target never holds, as molds-predict does not
+        hf.generation_config.suppress_tokens = list(forbidden_in_targets(loaded.specials))
     else:
         hf = hf_encoder(loaded.model)
     hf = hf.to(getattr(torch, dtype))
@@ -231,6 +237,19 @@ def model_card(loaded, architecture: str) -> str:
                   "out = model.generate(torch.tensor([ids]), num_beams=10, num_return_sequences=10, "
                   "max_new_tokens=200, do_sample=False, suppress_tokens=special)",
                   "targets = [tok.decode(o[len(ids):], skip_special_tokens=True).replace(' ', '') for o in out]",
+                  "```", ""]
+    elif pairs is not None and loaded.family == "seq2seq":
+        task = pairs.get("task")
+        lines += [f"A `{task}` encoder-decoder: the encoder reads `<bos> SOURCE <eos>`, the decoder writes the "
+                  f"target from `<bos>` to `<eos>` (SOURCE and target: canonical SMILES, molecules sorted, as "
+                  f"`molds-preprocess --task {task}` wrote them). `generate` with beams runs the search "
+                  f"`molds-predict` runs (the tokens a target never holds are suppressed in the generation config).",
+                  "", "```python", "import torch", "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+                  "tok = AutoTokenizer.from_pretrained(PATH)", "model = AutoModelForSeq2SeqLM.from_pretrained(PATH)",
+                  "ids = [tok.bos_token_id, *tok(SOURCE, add_special_tokens=False).input_ids, tok.eos_token_id]",
+                  "out = model.generate(torch.tensor([ids]), num_beams=10, num_return_sequences=10, "
+                  "max_new_tokens=200, do_sample=False)",
+                  "targets = [tok.decode(o, skip_special_tokens=True).replace(' ', '') for o in out]",
                   "```", ""]
     elif loaded.family == "decoder":
         lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",

@@ -261,8 +261,21 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
             raise RecipeError("parallel.engine=pipeline needs fixed-shape micro-batches: data.mode=packed")
     if m.family == "decoder" and d.mode != "packed":
         raise RecipeError("model.family=decoder trains on data.mode=packed")
-    if m.family == "encoder" and d.mode != "bucketed":
-        raise RecipeError("model.family=encoder trains on data.mode=bucketed")
+    if m.family in ("encoder", "seq2seq") and d.mode != "bucketed":
+        raise RecipeError(f"model.family={m.family} trains on data.mode=bucketed")
+    if m.decoder_layers and m.family != "seq2seq":
+        raise RecipeError(f"model.decoder_layers={m.decoder_layers} applies to model.family=seq2seq (the "
+                          f"encoder-decoder)")
+    if m.family == "seq2seq":
+        if d.too_long != "reject":
+            raise RecipeError("model.family=seq2seq: set data.too_long to reject (a cut pair would lose its target; "
+                              "pairs longer than data.max_length are left out and counted)")
+        if d.max_length > m.max_position_embeddings:
+            raise RecipeError(f"data.max_length={d.max_length} exceeds model.max_position_embeddings="
+                              f"{m.max_position_embeddings}")
+        if d.max_tokens_per_batch < d.max_length:
+            raise RecipeError(f"data.max_tokens_per_batch={d.max_tokens_per_batch} is smaller than "
+                              f"data.max_length={d.max_length}: the longest pair would not fit a batch")
     if m.hidden_size % m.num_heads:
         raise RecipeError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
     if m.family == "decoder" and m.num_heads % m.num_kv_heads:
@@ -328,7 +341,8 @@ def check_kernels(recipe: Recipe) -> None:
     if family != "decoder":
         for key in ("fp8", "triton", "compile_regions"):
             if getattr(k, key):
-                raise RecipeError(f"kernels.{key} applies to model.family=decoder (the encoder is HF's RoBERTa)")
+                raise RecipeError(f"kernels.{key} applies to model.family=decoder (model.family={family} has no "
+                                  f"kernel converters)")
     if not k.fp8:
         unused = [f"kernels.{key}" for key, default in (("fp8_recipe", "blockwise"), ("fp8_lm_head", False),
                                                          ("fp8_router", False), ("fp8_pow2_scales", False),

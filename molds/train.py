@@ -286,6 +286,11 @@ def setup(recipe, plan=None) -> Run:
                             need_group=recipe.parallel.engine in ("zero", "pipeline"))
     recipe = _after_elastic_restart(recipe, dist)
     manifest = Manifest.load(recipe.data.manifest)
+    if recipe.model.family == "seq2seq" and manifest.pairs is None:
+        from molds.errors import RecipeError
+
+        raise RecipeError(f"model.family=seq2seq translates a source into a target: {manifest.path} holds "
+                          f"molecules, not pairs (molds-preprocess --task forward|retro|mol2mol writes pairs)")
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     saved = read_lineage(resume_from) if resume_from is not None else None  # read once, for every resume rule

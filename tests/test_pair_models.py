@@ -1,4 +1,5 @@
-"""A decoder trained on pairs (prompt and completion) end to end: the trainer on the pair
+"""Pair models end to end, each test on both families that train on pairs: a decoder (prompt
+and completion) and the encoder-decoder (``model.family: seq2seq``). The trainer on the pair
 shards, ``molds-predict`` (its inputs canonicalized and tokenized as the ETL did, its rows
 the beam search's), ``molds-eval`` (top-k accuracy), and the accuracy rule itself held to
 RDKit: a prediction matches when it is the same molecules in any order or spelling."""
@@ -18,19 +19,27 @@ from molds.eval.pairs import Prediction, topk_accuracy
 
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+#: how each family reads the pair shards: packed prompt + completion rows, or source / target batches
+FAMILIES = {
+    "decoder": ({"mode": "packed", "seq_len": 192, "micro_batch_size": 4, "lookahead": 64},
+                {"family": "decoder", "num_kv_heads": 2}),
+    "seq2seq": ({"mode": "bucketed", "max_length": 192, "max_tokens_per_batch": 768, "bucket_pool": 64},
+                {"family": "seq2seq", "dropout": 0.0}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def trained(tmp_path_factory, request):
     from molds.train import main as train
     from tests.data.conftest import pair_manifest
 
-    d = tmp_path_factory.mktemp("pairmodel")
+    d = tmp_path_factory.mktemp(f"pairmodel-{request.param}")
     data = pair_manifest(d, 400, "retro")
+    data_keys, model_keys = FAMILIES[request.param]
     recipe = {
         "run": {"name": "retro-test", "output_dir": str(d / "run"), "seed": 0},
-        "data": {"manifest": data, "mode": "packed", "seq_len": 192, "micro_batch_size": 4, "lookahead": 64,
-                 "too_long": "reject"},
-        "model": {"family": "decoder", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_position_embeddings": 256},
+        "data": {"manifest": data, "too_long": "reject", **data_keys},
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 256, **model_keys},
         "parallel": {"engine": "ddp"},
         "optim": {"lr": 3e-3, "warmup_steps": 2},
         "trainer": {"max_steps": 12, "precision": "fp32"},
@@ -186,3 +195,75 @@ def test_a_pair_model_is_refused_as_a_goal_prior(trained, tmp_path):
     with pytest.raises(RecipeError, match="retro pair model, which completes a source"):
         main(["--goal.prior", checkpoint, "--goal.scoring", json.dumps({"oracle": "qed"}), "--goal.batch_size", "4",
               "--trainer.max_steps", "1", "--run.output_dir", str(tmp_path / "g"), "--logging.progress", "false"])
+
+
+def test_the_export_generates_the_beams_molds_predict_writes(trained, tmp_path):
+    """transformers' ``generate(num_beams=k)`` on the exported model, loaded from disk
+    (``LlamaForCausalLM`` for the decoder, ``BartForConditionalGeneration`` for the
+    encoder-decoder), finds the top k molds' search finds on the same checkpoint: the same
+    tokens, the same ends and scores. The encoder-decoder's export carries the tokens a target
+    never holds in its generation config; the decoder's caller passes them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from molds.checkpoint import open_checkpoint
+    from molds.data.manifest import Manifest
+    from molds.eval.pairs import forbidden_in_targets, predict
+    from molds.export import export
+
+    _, data, checkpoint = trained
+    loaded = open_checkpoint(checkpoint)
+    sp, seq2seq = loaded.specials, loaded.family == "seq2seq"
+    hf_dir = export(checkpoint, str(tmp_path / "hf"))
+    hf = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(hf_dir).eval()
+    rows = pq.read_table(Manifest.load(data).shards("test")[0].path).to_pylist()[:3]
+    k, n = 3, 12
+    ours = predict(loaded.model, sp, [r["source_token_ids"] for r in rows], beams=k, max_tokens=n)
+    forbid = list(forbidden_in_targets(sp))
+    if seq2seq:
+        assert sorted(hf.generation_config.suppress_tokens) == forbid
+    for r, hyps in zip(rows, ours):
+        ids = torch.tensor([[sp.bos, *r["source_token_ids"], sp.eos if seq2seq else sp.sep]])
+        out = hf.generate(ids, num_beams=k, num_return_sequences=k, max_new_tokens=n, do_sample=False,
+                          length_penalty=1.0, early_stopping=False, eos_token_id=sp.eos, pad_token_id=sp.pad,
+                          output_scores=True, return_dict_in_generate=True,
+                          **({} if seq2seq else {"suppress_tokens": forbid}))
+        seqs = (out.sequences[:, 1:] if seq2seq else out.sequences[:, ids.shape[1]:]).tolist()
+        theirs = [(s[:s.index(sp.eos)], True) if sp.eos in s else (s, False) for s in seqs]
+        assert [(h.ids, h.ended) for h in hyps] == theirs
+        assert [h.score for h in hyps] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+
+
+def test_the_split_loss_is_the_mean_over_target_tokens_of_each_pair_run_alone(trained):
+    """``molds-eval``'s loss on a pair split is the mean negative log-likelihood per scored
+    token (each target token and its EOS) over the whole split, recomputed pair by pair: the
+    decoder on ``<bos> source <sep> target <eos>`` alone, the encoder-decoder on its source and
+    target alone."""
+    import torch
+    import torch.nn.functional as F
+
+    from molds.checkpoint import open_checkpoint
+    from molds.data.manifest import Manifest
+    from molds.eval.evaluate import evaluate_checkpoint
+
+    _, data, checkpoint = trained
+    loaded = open_checkpoint(checkpoint)
+    sp, model = loaded.specials, loaded.model.eval()
+    rows = [r for s in Manifest.load(data).shards("valid") for r in pq.read_table(s.path).to_pylist()]
+    nll = count = 0.0
+    with torch.no_grad():
+        for r in rows:
+            src, tgt = r["source_token_ids"], r["target_token_ids"]
+            if len(src) + len(tgt) + 3 > 192:  # over the recipe's length: left out by the loader too
+                continue
+            want = torch.tensor([*tgt, sp.eos])
+            if loaded.family == "seq2seq":
+                logits = model(torch.tensor([[sp.bos, *src, sp.eos]]),
+                               decoder_input_ids=torch.tensor([[sp.bos, *tgt]]))["logits"][0]
+            else:
+                ids = torch.tensor([[sp.bos, *src, sp.sep, *tgt, sp.eos]])
+                logits = model(ids, position_ids=torch.arange(ids.shape[1])[None])["logits"][0, len(src) + 1:-1]
+            nll += float(F.cross_entropy(logits.double(), want, reduction="sum"))
+            count += len(want)
+    report = evaluate_checkpoint(checkpoint, split="valid", num=2, beams=1)
+    assert report["loss"] == pytest.approx(nll / count, rel=1e-5)

@@ -85,8 +85,8 @@ TAKES_ZERO = {
     "parallel.activation_checkpoint_interval", "optim.warmup_steps", "optim.warmup_fraction", "optim.weight_decay",
     "optim.beta1", "optim.beta2", "optim.grad_clip",
     # derived when 0: MLP and expert widths, batch sizes, sample lengths
-    "model.intermediate_size", "model.moe_expert_size", "trainer.global_batch_size", "trainer.grad_accum",
-    "goal.max_tokens",
+    "model.intermediate_size", "model.moe_expert_size", "model.decoder_layers", "trainer.global_batch_size",
+    "trainer.grad_accum", "goal.max_tokens",
     # a legal value: ZeRO stage 0, learning rate 0 (a frozen run), decay to 0, no non-finite step tolerated
     "parallel.zero_stage", "optim.lr", "optim.min_lr_ratio", "trainer.max_nonfinite_steps",
     # evaluation and checkpoints off or unbounded, sampling without top-k, no picture

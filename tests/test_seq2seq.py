@@ -109,3 +109,99 @@ def test_beam_search_finds_what_bart_generate_finds(length_penalty, early_stoppi
         assert [h.score for h in ours[i]] == pytest.approx([t[2] for t in theirs], abs=1e-4)
     if length_penalty == 0.0:  # raw log-probabilities: hypotheses that end are among the best
         assert any(h.ended for hyps in ours for h in hyps)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from tests.data.conftest import pair_manifest
+
+    return pair_manifest(tmp_path_factory.mktemp("s2s-pairs"), 300, "forward")
+
+
+def _loader(manifest, **over):
+    from molds.config import DataConfig
+    from molds.data.loader import MoleculeLoader
+
+    options = dict(manifest=manifest, mode="bucketed", max_length=160, max_tokens_per_batch=640, bucket_pool=50,
+                   too_long="reject", max_epochs=1, seed=3)
+    return MoleculeLoader(DataConfig(**{**options, **over}))
+
+
+def test_pair_batches_hold_each_pairs_sides_as_the_shards_do(pairs):
+    """``data.mode: bucketed`` on a pair manifest: each row is the encoder's ``<bos> source <eos>``
+    (its attention mask), the decoder's ``<bos> target`` and the labels ``target <eos>``, right
+    padded, read back against the shard's token columns; every pair of the split once an epoch."""
+    import pyarrow.parquet as pq
+
+    from molds.data.manifest import Manifest
+    from molds.tokens import IGNORE_INDEX
+
+    m = Manifest.load(pairs)
+    rows = [r for s in m.shards("train") for r in pq.read_table(s.path).to_pylist()]  # in gid order
+    ld = _loader(pairs)
+    sp = ld.specials
+    seen = []
+    for b in ld:
+        assert b["stats"]["tokens"] == b["input_ids"].numel() + b["decoder_input_ids"].numel()
+        for i, gid in enumerate(b["gids"].tolist()):
+            src, tgt = rows[gid]["source_token_ids"], rows[gid]["target_token_ids"]
+            n, t = len(src) + 2, len(tgt) + 1
+            assert b["input_ids"][i, :n].tolist() == [sp.bos, *src, sp.eos]
+            assert b["attention_mask"][i].tolist() == [1] * n + [0] * (b["input_ids"].shape[1] - n)
+            assert set(b["input_ids"][i, n:].tolist()) <= {sp.pad}
+            assert b["decoder_input_ids"][i, :t].tolist() == [sp.bos, *tgt]
+            assert b["labels"][i].tolist() == [*tgt, sp.eos] + [IGNORE_INDEX] * (b["labels"].shape[1] - t)
+        seen += b["gids"].tolist()
+        rejected = b["stats"]["rejected"]
+    # pairs longer than data.max_length (BOS source SEP target EOS, the decoder's count) are left out, counted
+    fits = [g for g, r in enumerate(rows) if len(r["source_token_ids"]) + len(r["target_token_ids"]) + 3 <= 160]
+    assert sorted(seen) == fits and rejected == len(rows) - len(fits) > 0
+
+
+def test_the_loss_is_barts_own_on_the_same_batch(pairs):
+    """``Seq2SeqLoss`` on molds' logits equals the loss transformers' BART computes from the same
+    weights and batch (``labels=``: cross entropy over the labels that are not -100)."""
+    from molds.export import hf_bart
+    from molds.models import build_model
+    from molds.models.loss import build_loss
+
+    ld = _loader(pairs)
+    section = {"family": "seq2seq", "hidden_size": 32, "num_layers": 2, "decoder_layers": 1, "num_heads": 4,
+               "max_position_embeddings": 160, "dropout": 0.0}
+    model = build_model(section, ld.specials, seed=1).double().eval()
+    twin = hf_bart(model, ld.specials).double().eval()
+    assert model.config.decoder_layers == 1 and model.config.intermediate_size == 128
+    loss_fn = build_loss(section)
+    for b, _ in zip(ld, range(3)):
+        inputs = {k: b[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
+        ours = loss_fn(model(**inputs), inputs)
+        theirs = twin(**inputs).loss
+        assert float(ours) == pytest.approx(float(theirs), rel=1e-10)
+
+
+def test_a_seq2seq_recipe_is_refused_on_molecules_and_its_misuses_by_key(pairs, tmp_path):
+    from molds.errors import RecipeError
+    from molds.recipe import parse_recipe, validate
+    from molds.train import main
+    from tests.data.conftest import _build
+
+    def check(argv):
+        validate(parse_recipe(argv), 1)
+
+    base = ["--model.family", "seq2seq", "--data.mode", "bucketed", "--data.too_long", "reject",
+            "--run.output_dir", str(tmp_path / "r"), "--trainer.max_steps", "1", "--logging.progress", "false"]
+    with pytest.raises(RecipeError, match="data.mode=bucketed"):
+        check([*base, "--data.manifest", pairs, "--data.mode", "packed"])
+    with pytest.raises(RecipeError, match="data.too_long to reject"):
+        check([*base, "--data.manifest", pairs, "--data.too_long", "truncate"])
+    with pytest.raises(RecipeError, match="model.decoder_layers=2 applies to model.family=seq2seq"):
+        check([*base, "--data.manifest", pairs, "--model.family", "decoder", "--data.mode", "packed",
+                      "--model.decoder_layers", "2"])
+    with pytest.raises(RecipeError, match="kernels.triton applies to model.family=decoder"):
+        check([*base, "--data.manifest", pairs, "--kernels.triton", "true"])
+    (tmp_path / "mols").mkdir()
+    molecules = _build(tmp_path / "mols")
+    with pytest.raises(RecipeError, match="holds molecules, not pairs"):
+        main([*base, "--data.manifest", molecules])
+    with pytest.raises(RecipeError, match="data.mlm_probability does not apply"):  # an encoder on pairs
+        main([*base, "--data.manifest", pairs, "--model.family", "encoder", "--data.mlm_probability", "0.15"])

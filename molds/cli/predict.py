@@ -60,20 +60,22 @@ def run(argv: list[str]) -> int:
     from ..atomic import write_text
     from ..checkpoint import open_checkpoint
     from ..errors import MoldsError
-    from ..eval.pairs import predict, read_back, sides_of, target_budget
+    from ..eval.pairs import encoder_decoder, predict, read_back, sides_of, target_budget
 
     args = parse(build_parser(), argv)
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0:
         raise MoldsError("--beams and --batch_size must be >= 1, --max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
     info = loaded.manifest.pairs
-    if info is None or loaded.family != "decoder":
+    if info is None or loaded.family not in ("decoder", "seq2seq"):
         raise MoldsError(f"{loaded.checkpoint} is no pair model (its manifest {loaded.manifest.path} holds molecules"
                          f"{'' if info is None else ', its family is ' + loaded.family}); molds-sample samples a "
                          f"molecule model")
     sides = sides_of(loaded.manifest)
     sp, tok = loaded.specials, loaded.tokenizer
     limit = loaded.model.config.max_position_embeddings
+    seq2seq = encoder_decoder(loaded.model)
+    around = 2 if seq2seq else 3  # BOS source EOS in the encoder, or BOS source SEP and a target token
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
     sources = read_sources(args.input, args.column)
     notes, ids = {}, {}
@@ -85,13 +87,14 @@ def run(argv: list[str]) -> int:
         enc = tok(canonical, add_special_tokens=False)["input_ids"]
         if sp.unk in enc:
             notes[row] = "unknown_token"
-        elif len(enc) + 3 > limit:
+        elif len(enc) + around > limit:
             notes[row] = "too_long"
         else:
             ids[row] = enc
     rows = sorted(ids)
     hyps = predict(loaded.model, sp, [ids[r] for r in rows], beams=args.beams,
-                   max_tokens=target_budget(max(len(v) for v in ids.values()), longest, limit, args.max_tokens),
+                   max_tokens=target_budget(max(len(v) for v in ids.values()), longest, limit, args.max_tokens,
+                                            seq2seq),
                    length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
     found = dict(zip(rows, read_back(tok, hyps, sides)))
     buf = io.StringIO()

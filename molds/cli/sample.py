@@ -74,11 +74,11 @@ def run(argv: list[str]) -> int:
         raise MoldsError("--num, --batch_size and --variants must be >= 1, --temperature > 0, --top_k and "
                          "--max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
-    if loaded.family != "decoder":
-        raise MoldsError(f"{loaded.checkpoint} holds an encoder; sampling needs a decoder")
     if loaded.manifest.pairs is not None:
         raise MoldsError(f"{loaded.checkpoint} is a {loaded.manifest.pairs.get('task')} pair model: it completes a "
                          f"source, and molds-predict writes its predictions")
+    if loaded.family != "decoder":
+        raise MoldsError(f"{loaded.checkpoint} holds an encoder; sampling needs a decoder")
     max_tokens = args.max_tokens or default_max_tokens(loaded.manifest, loaded.model.config.max_position_embeddings)
     common = dict(bos=loaded.specials.bos, eos=loaded.specials.eos, max_tokens=max_tokens, temperature=args.temperature,
                   top_k=args.top_k, batch_size=args.batch_size, forbid=forbidden_tokens(loaded.recipe, loaded.specials))

@@ -1,4 +1,5 @@
-"""Length-grouped, token-budget batches for encoders and property prediction.
+"""Length-grouped, token-budget batches for encoders, property prediction and the
+encoder-decoder's pairs.
 
 Molecules are gathered in pools of ``pool_size``, sorted by length, cut into batches
 whose padded size (rows x longest) stays within ``max_tokens_per_batch``, and the
@@ -70,6 +71,8 @@ class Bucketer:
         return [batches[i] for i in perm]
 
     def collate(self, gids: np.ndarray, mlm: dict | None, mask_key: tuple, with_labels: bool) -> dict:
+        if self.source.pairs:
+            return self.collate_pairs(gids)
         limit = self.fixed_length if self.fixed_shape else self.max_length
         pieces = []
         for gid in gids.tolist():
@@ -99,6 +102,42 @@ class Bucketer:
         if mlm is not None:
             out.update(mask_tokens(input_ids, attention, mask_key, **mlm))
         return out
+
+
+    def collate_pairs(self, gids: np.ndarray) -> dict:
+        """Pairs for the encoder-decoder, right padded: the encoder reads ``<bos> source <eos>``
+        (``attention_mask`` marks it), the decoder reads ``<bos> target`` and is scored on
+        ``target <eos>`` (``labels``, IGNORE on padding). Each row of the source is
+        ``<bos> source <sep> target <eos>`` with its prompt length (``SplitSource``)."""
+        bos, eos, pad = self.source.bos_id, self.source.eos_id, self.source.pad_id
+        sides = []
+        for gid in gids.tolist():
+            unit, row = self.source.molecule(gid)
+            a, b = unit.span(row)
+            p = int(unit.prompt[row])
+            sides.append((unit.tokens[a + 1:a + p - 1], unit.tokens[a + p:b - 1]))
+        rows = len(sides)
+        s_w = max(len(s) for s, _ in sides) + 2
+        t_w = max(len(t) for _, t in sides) + 1
+        input_ids = np.full((rows, s_w), pad, dtype=np.int64)
+        attention = np.zeros((rows, s_w), dtype=np.int64)
+        decoder_input_ids = np.full((rows, t_w), pad, dtype=np.int64)
+        labels = np.full((rows, t_w), IGNORE_INDEX, dtype=np.int64)
+        for i, (src, tgt) in enumerate(sides):
+            n, m = len(src), len(tgt)
+            input_ids[i, 0], input_ids[i, 1:n + 1], input_ids[i, n + 1] = bos, src, eos
+            attention[i, :n + 2] = 1
+            decoder_input_ids[i, 0], decoder_input_ids[i, 1:m + 1] = bos, tgt
+            labels[i, :m], labels[i, m] = tgt, eos
+        s_len, t_len = attention.sum(1), (labels != IGNORE_INDEX).sum(1)
+        real = int(s_len.sum() + t_len.sum())
+        total = rows * (s_w + t_w)
+        return {"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_input_ids,
+                "labels": labels, "gids": np.asarray(gids, np.int64),
+                "stats": {"tokens": total, "real_tokens": real, "molecules": rows,
+                          # attention: the encoder's s^2, the decoder's t^2, the cross s t
+                          "length_sq_sum": int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
+                          "padding_ratio": 1.0 - real / total}}
 
 
 def mask_tokens(input_ids: np.ndarray, attention: np.ndarray, key: tuple, *, probability: float, mask_id: int,

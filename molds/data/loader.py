@@ -255,14 +255,20 @@ class MoleculeLoader:
         return 0 if cfg.randomized_from == "rdkit" else k
 
     def _check_pairs(self, cfg: DataConfig) -> None:
-        """A manifest of pairs (``molds-preprocess --task``) is read as prompt and completion:
-        packed rows of BOS source SEP target EOS, the loss on the target and EOS only."""
+        """A manifest of pairs (``molds-preprocess --task``) is read as prompt and completion
+        (``data.mode packed``, the decoder: rows of BOS source SEP target EOS, the loss on the
+        target and EOS only) or as source and target (``bucketed``, the encoder-decoder)."""
         from ..errors import RecipeError
 
         task = self.manifest.pairs.get("task")
-        if cfg.mode != "packed":
-            raise RecipeError(f"{self.manifest.path} holds {task} pairs: a decoder reads them as prompt and "
-                              f"completion in data.mode packed, not {cfg.mode}")
+        if cfg.mode == "bucketed":
+            unused = [key for key, on in (("data.mlm_probability", cfg.mlm_probability > 0),
+                                          ("data.with_labels", cfg.with_labels),
+                                          ("data.fixed_shape", cfg.fixed_shape)) if on]
+            if unused:
+                raise RecipeError(f"{self.manifest.path} holds {task} pairs, read in data.mode bucketed as the "
+                                  f"encoder-decoder's sources and targets (model.family seq2seq): {', '.join(unused)} "
+                                  f"does not apply; set it off")
         if self.specials.sep is None:
             raise ManifestError(f"{self.manifest.path} holds pairs but its tokenizer has no sep token to put "
                                 f"between source and target")
@@ -270,8 +276,9 @@ class MoleculeLoader:
             raise RecipeError(f"data.randomized_smiles={cfg.randomized_smiles}: {self.manifest.path} holds {task} "
                               f"pairs, which have no randomized spellings; set data.randomized_smiles to 0")
         if cfg.too_long != "reject":
+            limit = "data.seq_len" if cfg.mode == "packed" else "data.max_length"
             raise RecipeError(f"data.too_long=truncate would cut the targets of {task} pairs; set data.too_long "
-                              f"to reject (pairs longer than data.seq_len are left out and counted)")
+                              f"to reject (pairs longer than {limit} are left out and counted)")
 
     def _check(self, cfg: DataConfig) -> None:
         from ..errors import RecipeError
@@ -431,7 +438,8 @@ __all__ = ["MoleculeLoader", "merge_states", "ManifestError"]
 
 
 #: what the models (inputs) and the losses (targets) take from a loader batch
-BATCH_TENSORS = ("input_ids", "position_ids", "document_ids", "attention_mask", "labels", "mlm_labels", "label_mask")
+BATCH_TENSORS = ("input_ids", "position_ids", "document_ids", "attention_mask", "decoder_input_ids", "labels",
+                 "mlm_labels", "label_mask")
 
 
 def batch_tensors(batch: dict, device) -> dict:

@@ -117,11 +117,12 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         raise MoldsError(f"{m.path} has no rows in split {split!r}")
     model_cfg = loaded.recipe["model"]
     forward = model_forward(loaded.model, build_loss(model_cfg))
-    if loaded.family == "decoder" and m.pairs is not None:  # a pair model: its loss, and the top-k of its beams
+    if m.pairs is not None:  # a pair model (a decoder, or the encoder-decoder): its loss, and the top-k of its beams
         from .pairs import evaluate_pairs
 
-        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="packed")
-        total, count = split_loss(forward, "decoder", cfg, max_batches=max_batches)
+        cfg = split_data_config(loaded.recipe["data"], m.path, split,
+                                mode="bucketed" if loaded.family == "seq2seq" else "packed")
+        total, count = split_loss(forward, loaded.family, cfg, max_batches=max_batches)
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64))

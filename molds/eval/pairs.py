@@ -2,7 +2,8 @@
 accuracy, as the field reports it: the top-k exact match of canonical molecules.
 
 A decoder trained on a manifest of pairs completes the prompt ``BOS source SEP`` with the
-target and ``EOS``; ``predict`` runs the beam search (``molds.eval.beam``) on each source and
+target and ``EOS``; the encoder-decoder (``model.family: seq2seq``) encodes the source and
+writes the target. ``predict`` runs the beam search (``molds.eval.beam``) on each source and
 returns its best ``beams`` hypotheses. A hypothesis is read back as a side the way the ETL
 reads one (``molds.pairs.PairCanonicalizer.molecules``: each molecule canonicalized with the
 manifest's options, the molecules sorted), so a prediction matches its target exactly when
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .beam import DecoderSteps, Hypothesis, beam_search
+from .beam import DecoderSteps, Hypothesis, Seq2SeqSteps, beam_search
 
 TOP_KS = (1, 3, 5, 10)
 
@@ -41,11 +42,21 @@ def sides_of(manifest):
                              PairOptions(info.get("task", "forward"), info.get("reagents", "auto")))
 
 
-def target_budget(longest_source: int, longest_target: int, limit: int, asked: int = 0) -> int:
+def encoder_decoder(model) -> bool:
+    """Is ``model`` the encoder-decoder (``molds.models.seq2seq``), which reads the source in
+    its encoder, rather than a decoder completing a prompt?"""
+    from ..models.seq2seq import Seq2SeqModel
+
+    return isinstance(model, Seq2SeqModel)
+
+
+def target_budget(longest_source: int, longest_target: int, limit: int, asked: int = 0,
+                  encoder_decoder: bool = False) -> int:
     """Tokens a prediction may take: ``asked``, else 1.5 x the longest target + 8; never past
-    the model's ``limit`` positions after the longest prompt (BOS source SEP)."""
+    the model's ``limit`` positions: after the longest prompt (BOS source SEP) for a decoder,
+    after the decoder's start token for the encoder-decoder."""
     budget = asked or int(1.5 * longest_target) + 8
-    return max(1, min(budget, limit - longest_source - 2))
+    return max(1, min(budget, limit - 1 if encoder_decoder else limit - longest_source - 2))
 
 
 def forbidden_in_targets(specials) -> tuple[int, ...]:
@@ -58,8 +69,11 @@ def forbidden_in_targets(specials) -> tuple[int, ...]:
 def predict(model, specials, sources: list[list[int]], *, beams: int, max_tokens: int, length_penalty: float = 1.0,
             batch_size: int = 64, early_stopping: str = "heuristic") -> list[list[Hypothesis]]:
     """The best ``beams`` hypotheses of each source (its token ids, without BOS and SEP), in
-    the order of ``sources``. Sources of one length are searched together."""
+    the order of ``sources``. Sources of one length are searched together. A decoder completes
+    ``BOS source SEP``; the encoder-decoder encodes ``BOS source EOS`` (as it was trained,
+    ``molds.data.bucketing``) and decodes from ``BOS``."""
     device = next(model.parameters()).device
+    seq2seq = encoder_decoder(model)
     by_length: dict[int, list[int]] = {}
     for i, src in enumerate(sources):
         by_length.setdefault(len(src), []).append(i)
@@ -69,9 +83,14 @@ def predict(model, specials, sources: list[list[int]], *, beams: int, max_tokens
         order = by_length[length]
         for lo in range(0, len(order), batch_size):
             chosen = order[lo:lo + batch_size]
-            prompts = torch.tensor([[specials.bos, *sources[i], specials.sep] for i in chosen], dtype=torch.long,
+            if seq2seq:
+                ids = torch.tensor([[specials.bos, *sources[i], specials.eos] for i in chosen], dtype=torch.long,
                                    device=device)
-            found = beam_search(DecoderSteps(model, prompts), beams=beams, eos=specials.eos, max_tokens=max_tokens,
+                steps = Seq2SeqSteps(model, ids, torch.ones_like(ids), specials.bos)
+            else:
+                steps = DecoderSteps(model, torch.tensor([[specials.bos, *sources[i], specials.sep] for i in chosen],
+                                                         dtype=torch.long, device=device))
+            found = beam_search(steps, beams=beams, eos=specials.eos, max_tokens=max_tokens,
                                 length_penalty=length_penalty, early_stopping=early_stopping, forbid=forbid)
             for i, hyps in zip(chosen, found):
                 out[i] = hyps
@@ -132,10 +151,10 @@ def split_pairs(manifest, split: str, num: int) -> list[dict]:
     return rows
 
 
-def rows_budget(rows: list[dict], limit: int, asked: int = 0) -> int:
-    """``target_budget`` for the pairs ``split_pairs`` read."""
+def rows_budget(rows: list[dict], model, asked: int = 0) -> int:
+    """``target_budget`` for the pairs ``split_pairs`` read, predicted by ``model``."""
     return target_budget(max(len(r["source_token_ids"]) for r in rows), max(r["target_length"] for r in rows),
-                         limit, asked)
+                         model.config.max_position_embeddings, asked, encoder_decoder(model))
 
 
 def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]) -> dict:
@@ -176,7 +195,7 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
     rows = split_pairs(m, split, num)
     if not rows:
         raise ValueError(f"{m.path} has no pairs in split {split!r}")
-    max_tokens = rows_budget(rows, loaded.model.config.max_position_embeddings, max_tokens)
+    max_tokens = rows_budget(rows, loaded.model, max_tokens)
     hyps = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=beams,
                    max_tokens=max_tokens, length_penalty=length_penalty, batch_size=batch_size)
     preds = read_back(loaded.tokenizer, hyps, sides_of(m))

@@ -50,6 +50,9 @@ def _stand_in(family: str, specials, device) -> dict:
     if family == "decoder":
         return {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1]], device=device),
                 "document_ids": torch.zeros_like(ids)}
+    if family == "seq2seq":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, :1],
+                "labels": ids[:, 1:]}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mlm_labels": torch.full_like(ids, -100)}
 
 
@@ -79,8 +82,10 @@ def split_loss(forward, family: str, data_cfg, *, rank: int = 0, world: int = 1,
         loss = forward(batch)["loss"]
         if b is None:
             continue
-        if family == "decoder":
-            n = b["stats"]["real_tokens"] - b["stats"]["molecules"]  # next-token pairs
+        if family in ("decoder", "seq2seq"):
+            # the positions the loss scores: each molecule's next tokens (a pair's completion only),
+            # or a target and its EOS
+            n = int((batch["labels"] != IGNORE_INDEX).sum())
         else:
             n = int((batch["mlm_labels"] != IGNORE_INDEX).sum())
         if n:

@@ -2,7 +2,9 @@
 
 Runs on every rank inside the training loop; the metrics land as ``eval/*`` scalars in
 TensorBoard and ``metrics.jsonl``. Decoders: loss and perplexity, sampled molecules'
-metrics, a grid image of them, their SMILES and length histograms. Encoders: masked-token
+metrics, a grid image of them, their SMILES and length histograms. Pair models (a decoder or
+the encoder-decoder on a manifest of pairs): loss and perplexity, and the top-k accuracy of
+their beams. Encoders: masked-token
 loss and perplexity, and in full evaluations the property metrics (macro AUROC, AUPRC,
 BEDROC, EF@1 %, or RMSE, MAE, Spearman) on the split's labels. At the end: the run's
 hparams with the final metrics.
@@ -30,7 +32,7 @@ class TrainingEvaluator:
         if self.enabled and not manifest.shards(ev.split):
             raise ValueError(f"eval.split={ev.split!r}: {manifest.path} has no rows in that split")
         self.family = recipe.model.family
-        self.pairs = manifest.pairs is not None and self.family == "decoder"
+        self.pairs = manifest.pairs is not None and self.family in ("decoder", "seq2seq")
         if self.enabled and self.pairs and recipe.parallel.engine == "zero" and recipe.parallel.zero_stage == 3:
             from molds.errors import RecipeError
 
@@ -129,7 +131,7 @@ class TrainingEvaluator:
         if not mine:
             return []
         model = self.engine.model if self.engine.model is not None else self._gathered_model()
-        max_tokens = rows_budget(rows, self.recipe.model.max_position_embeddings)  # every rank the same
+        max_tokens = rows_budget(rows, model)  # every rank the same
         with self.engine.autocast():
             hyps = predict(model, self.specials, [r["source_token_ids"] for r in mine],
                            beams=ev.beams if kind == "full" else 1, max_tokens=max_tokens, batch_size=32)

@@ -115,13 +115,13 @@ def setup_goal(recipe, scorers) -> GoalRun:
         raise
     except Exception as exc:  # a path that is no checkpoint at all
         raise CheckpointError(f"goal.prior={recipe.goal.prior}: not a molds checkpoint ({exc})") from None
-    if prior.family != "decoder":
-        raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} holds an encoder; the agent samples, so "
-                          f"its prior must be a decoder")
     if prior.manifest.pairs is not None:
         raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} is a {prior.manifest.pairs.get('task')} "
                           f"pair model, which completes a source; the agent samples molecules from nothing, so its "
                           f"prior must be trained on a manifest of molecules")
+    if prior.family != "decoder":
+        raise RecipeError(f"goal.prior={recipe.goal.prior}: {prior.checkpoint} holds an encoder; the agent samples, so "
+                          f"its prior must be a decoder")
     for p in prior.model.parameters():
         p.requires_grad_(False)
     recipe, notes = goal_recipe(recipe, prior, dist.world_size)

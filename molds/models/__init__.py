@@ -45,6 +45,14 @@ def family_config(model, tokenizer):
         return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
                              pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
                              **common)
+    if m["family"] == "seq2seq":
+        from .seq2seq import Seq2SeqConfig
+
+        return Seq2SeqConfig(vocab_size=tokenizer.vocab_size, hidden_size=m["hidden_size"],
+                             encoder_layers=m["num_layers"], decoder_layers=m.get("decoder_layers") or m["num_layers"],
+                             num_heads=m["num_heads"], intermediate_size=m["intermediate_size"] or 4 * m["hidden_size"],
+                             max_position_embeddings=m["max_position_embeddings"], dropout=m["dropout"],
+                             pad_token_id=tokenizer.pad)
     raise ValueError(f"unknown model.family {m['family']!r}")
 
 
@@ -70,6 +78,10 @@ def build_model(model, tokenizer, *, seed: int = 0, device=None):
             return CausalDecoder(cfg)
     if device is not None and str(device) != "cpu":
         raise ValueError(f"the {cfg.__class__.__name__} is built on the CPU only (asked: {device})")
+    from .seq2seq import Seq2SeqConfig, Seq2SeqModel
+
+    if isinstance(cfg, Seq2SeqConfig):
+        return Seq2SeqModel(cfg)
     from .encoder import MoleculeEncoder
 
     return MoleculeEncoder(cfg)

@@ -88,6 +88,16 @@ class CausalLMLoss:
                                          targets.index_select(0, outputs["token_index"]))
 
 
+class Seq2SeqLoss:
+    """The encoder-decoder: cross entropy of each decoder position against its label (the
+    batch's ``labels`` are already the next tokens, ``target <eos>``, padding ignored)."""
+
+    def __call__(self, outputs: dict, batch: dict) -> torch.Tensor:
+        logits = outputs["logits"]
+        return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+
+
 class EncoderLoss:
     """Encoders: masked-token cross entropy (when the batch is masked) plus the masked
     property loss (when the model has heads and the batch has labels)."""
@@ -162,4 +172,6 @@ def build_loss(model_section) -> object:
     get = model_section.get if isinstance(model_section, dict) else lambda k: getattr(model_section, k)
     if get("family") == "decoder":
         return CausalLMLoss()
+    if get("family") == "seq2seq":
+        return Seq2SeqLoss()
     return EncoderLoss(get("task_type"))

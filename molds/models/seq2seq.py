@@ -185,6 +185,16 @@ class Seq2SeqModel(nn.Module):
         return {"logits": self._decode(decoder_input_ids, memory, _key_mask(attention_mask, memory.dtype),
                                        self_mask)}
 
+    def flops_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs of a batch = a x tokens + b x the batch's ``length_sq_sum``, which
+        for pairs is the sum of s^2 + t^2 + s t (source length s, target length t: encoder
+        self-attention, decoder self-attention, cross-attention): a = 6 x non-embedding
+        parameters, b = 12 x hidden x the larger layer count (exact when the encoder and the
+        decoder have as many layers, as by default; an upper bound otherwise)."""
+        cfg = self.config
+        params = sum(p.numel() for n, p in self.named_parameters() if "embed" not in n and "shared" not in n)
+        return 6.0 * params, 12.0 * max(cfg.encoder_layers, cfg.decoder_layers) * cfg.hidden_size
+
     def new_cache(self) -> list[dict]:
         return [{} for _ in self.model.decoder.layers]
 

@@ -97,8 +97,10 @@ def test_the_packed_loss_equals_each_pair_alone(pairs):
 def test_what_pairs_cannot_be_read_with_is_refused(pairs):
     with pytest.raises(RecipeError, match="data.too_long=truncate would cut the targets"):
         loader(pairs, too_long="truncate")
-    with pytest.raises(RecipeError, match="in data.mode packed, not bucketed"):
-        loader(pairs, mode="bucketed")
+    # bucketed is the encoder-decoder's reading: masking, labels and fixed shapes do not apply to pairs
+    for key, value in (("mlm_probability", 0.15), ("with_labels", True), ("fixed_shape", True)):
+        with pytest.raises(RecipeError, match=rf"read in data.mode bucketed .*: data.{key} does not apply"):
+            loader(pairs, mode="bucketed", max_length=256, max_tokens_per_batch=1024, **{key: value})
     with pytest.raises(RecipeError, match="which have no randomized spellings"):
         loader(pairs, randomized_smiles=0.5)
 
