@@ -22,6 +22,7 @@ class DataConfig:
         "seq_len": (8, 1 << 20), "micro_batch_size": (1, 1 << 16), "lookahead": (1, 1 << 20),
         "shuffle_window": (0, _BIG), "seed": (0, 2**32 - 1), "max_tokens_per_batch": (8, 1 << 26),
         "bucket_pool": (1, 1 << 24), "max_length": (3, 1 << 20), "mlm_probability": (0.0, 0.9),
+        "mask_span_mean": (0.0, 64.0),
         "randomized_smiles": (0.0, 1.0),
         "num_workers": (0, 256), "max_steps": (1, None), "max_epochs": (1, None), "stop_after_epoch": (0, None),
         "max_skipped_fraction": (0.0, 1.0),
@@ -72,7 +73,15 @@ class DataConfig:
     """Bucketed: every batch exactly ``micro_batch_size`` x ``max_length`` (pipeline engines)."""
 
     mlm_probability: float = 0.0
-    """Bucketed: BERT masking rate (0 disables MLM masking)."""
+    """Bucketed: BERT masking rate (0 disables MLM masking); with ``mask_span_mean``, the share
+    of each molecule's tokens that span masking hides."""
+
+    mask_span_mean: float = 0.0
+    """Bucketed, ``model.family: seq2seq`` on molecules: denoising pretraining (BART's text
+    infilling, as Chemformer pretrains). ``mlm_probability`` of each molecule's tokens are
+    hidden in spans whose lengths are drawn from a Poisson distribution of this mean (at least
+    one token). Each run of hidden tokens becomes one ``<mask>``. The encoder reads the masked
+    molecule, and the decoder writes it whole. 0: off."""
 
     randomized_smiles: float = 0.0
     """Augmentation (Arus-Pous et al. 2019, J. Cheminform. 11:71): the probability that a

@@ -266,10 +266,10 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
     if m.decoder_layers and m.family != "seq2seq":
         raise RecipeError(f"model.decoder_layers={m.decoder_layers} applies to model.family=seq2seq (the "
                           f"encoder-decoder)")
+    if d.mask_span_mean and m.family != "seq2seq":
+        raise RecipeError(f"data.mask_span_mean={d.mask_span_mean} (denoising pretraining) applies to "
+                          f"model.family=seq2seq")
     if m.family == "seq2seq":
-        if d.too_long != "reject":
-            raise RecipeError("model.family=seq2seq: set data.too_long to reject (a cut pair would lose its target; "
-                              "pairs longer than data.max_length are left out and counted)")
         if d.max_length > m.max_position_embeddings:
             raise RecipeError(f"data.max_length={d.max_length} exceeds model.max_position_embeddings="
                               f"{m.max_position_embeddings}")

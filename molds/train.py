@@ -286,11 +286,13 @@ def setup(recipe, plan=None) -> Run:
                             need_group=recipe.parallel.engine in ("zero", "pipeline"))
     recipe = _after_elastic_restart(recipe, dist)
     manifest = Manifest.load(recipe.data.manifest)
-    if recipe.model.family == "seq2seq" and manifest.pairs is None:
+    if recipe.model.family == "seq2seq" and manifest.pairs is None and not recipe.data.mask_span_mean:
         from molds.errors import RecipeError
 
         raise RecipeError(f"model.family=seq2seq translates a source into a target: {manifest.path} holds "
-                          f"molecules, not pairs (molds-preprocess --task forward|retro|mol2mol writes pairs)")
+                          f"molecules, not pairs (molds-preprocess --task forward|retro|mol2mol writes pairs); "
+                          f"to pretrain on molecules by denoising, set data.mask_span_mean and "
+                          f"data.mlm_probability")
     tokenizer = tokenizer_info(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     saved = read_lineage(resume_from) if resume_from is not None else None  # read once, for every resume rule

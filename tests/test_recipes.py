@@ -80,7 +80,7 @@ TAKES_ZERO = {
     "model.num_experts", "model.moe_shared_expert_size", "model.moe_first_dense_layers",
     # off: shuffling window, masking, randomized spellings, skipped shards, early epoch stop, aux / z losses,
     # capacity limit, activation checkpoints, warm-up, weight decay, momentum terms, clipping
-    "data.shuffle_window", "data.mlm_probability", "data.randomized_smiles", "data.max_skipped_fraction",
+    "data.shuffle_window", "data.mlm_probability", "data.mask_span_mean", "data.randomized_smiles", "data.max_skipped_fraction",
     "data.stop_after_epoch", "model.moe_aux_loss_coef", "model.moe_z_loss_coef", "model.moe_capacity_factor",
     "parallel.activation_checkpoint_interval", "optim.warmup_steps", "optim.warmup_fraction", "optim.weight_decay",
     "optim.beta1", "optim.beta2", "optim.grad_clip",

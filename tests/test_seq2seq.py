@@ -192,8 +192,11 @@ def test_a_seq2seq_recipe_is_refused_on_molecules_and_its_misuses_by_key(pairs, 
             "--run.output_dir", str(tmp_path / "r"), "--trainer.max_steps", "1", "--logging.progress", "false"]
     with pytest.raises(RecipeError, match="data.mode=bucketed"):
         check([*base, "--data.manifest", pairs, "--data.mode", "packed"])
-    with pytest.raises(RecipeError, match="data.too_long to reject"):
-        check([*base, "--data.manifest", pairs, "--data.too_long", "truncate"])
+    with pytest.raises(RecipeError, match="data.too_long=truncate would cut the targets"):
+        main([*base, "--data.manifest", pairs, "--data.too_long", "truncate"])
+    with pytest.raises(RecipeError, match="data.mask_span_mean=3.0 .* applies to model.family=seq2seq"):
+        check([*base, "--data.manifest", pairs, "--model.family", "encoder", "--data.mask_span_mean", "3",
+               "--data.mlm_probability", "0.15"])
     with pytest.raises(RecipeError, match="model.decoder_layers=2 applies to model.family=seq2seq"):
         check([*base, "--data.manifest", pairs, "--model.family", "decoder", "--data.mode", "packed",
                       "--model.decoder_layers", "2"])
@@ -205,3 +208,130 @@ def test_a_seq2seq_recipe_is_refused_on_molecules_and_its_misuses_by_key(pairs, 
         main([*base, "--data.manifest", molecules])
     with pytest.raises(RecipeError, match="data.mlm_probability does not apply"):  # an encoder on pairs
         main([*base, "--data.manifest", pairs, "--model.family", "encoder", "--data.mlm_probability", "0.15"])
+
+
+@pytest.fixture(scope="module")
+def molecules(tmp_path_factory):
+    from tests.data.conftest import _build
+
+    return _build(tmp_path_factory.mktemp("s2s-mols"))
+
+
+def _infills(masked: list, tokens: list, mask: int) -> bool:
+    """Does ``masked`` spell ``tokens`` when each ``mask`` stands for one or more tokens? (A
+    table over prefixes, linear in each side, so a wrong masking fails rather than hangs.)"""
+    n, m = len(masked), len(tokens)
+    can = [[False] * (m + 1) for _ in range(n + 1)]  # can[i][j]: masked[:i] spells tokens[:j]
+    can[0][0] = True
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            if masked[i - 1] == mask:
+                can[i][j] = can[i - 1][j - 1] or can[i][j - 1]
+            else:
+                can[i][j] = can[i - 1][j - 1] and masked[i - 1] == tokens[j - 1]
+    return can[n][m]
+
+
+MEAN_RUN = {}  # (probability, span_mean) -> hidden tokens per <mask>, over the batches read
+
+
+@pytest.mark.parametrize("probability,span_mean", [(0.15, 3.0), (0.3, 1.0), (0.3, 6.0)])
+def test_denoising_batches_hide_the_share_asked_each_run_one_mask(molecules, probability, span_mean):
+    """``data.mask_span_mean`` (BART's text infilling): the decoder reads ``<bos> molecule`` and
+    is scored on ``molecule <eos>`` (the shard's tokens); the encoder reads the molecule with
+    round(p x its tokens) of them hidden, each run of hidden tokens one ``<mask>``: the masked
+    text, a mask standing for one or more tokens, spells the molecule, and undoes to it."""
+    import pyarrow.parquet as pq
+
+    from molds.data.manifest import Manifest
+    from molds.tokens import IGNORE_INDEX
+
+    m = Manifest.load(molecules)
+    rows = [r["token_ids"] for s in m.shards("train") for r in pq.read_table(s.path, columns=["token_ids"]).to_pylist()]
+    ld = _loader(molecules, too_long="truncate", max_length=128, max_tokens_per_batch=2048,
+                 mlm_probability=probability, mask_span_mean=span_mean, max_steps=8)
+    sp = ld.specials
+    runs = hidden_total = 0
+    for b in ld:
+        for i, gid in enumerate(b["gids"].tolist()):
+            mol = rows[gid][:126]
+            t = len(mol) + 1
+            assert b["decoder_input_ids"][i, :t].tolist() == [sp.bos, *mol]
+            assert b["labels"][i].tolist() == [*mol, sp.eos] + [IGNORE_INDEX] * (b["labels"].shape[1] - t)
+            src = b["input_ids"][i][b["attention_mask"][i] == 1].tolist()
+            assert src[0] == sp.bos and src[-1] == sp.eos
+            masks = src.count(sp.mask)
+            hidden = len(mol) - (len(src) - 2 - masks)
+            assert hidden == round(probability * len(mol)) and masks >= 1
+            assert not any(a == b == sp.mask for a, b in zip(src, src[1:]))  # a run is one mask, runs are apart
+            assert _infills(src[1:-1], mol, sp.mask)
+            runs, hidden_total = runs + masks, hidden_total + hidden
+    MEAN_RUN[(probability, span_mean)] = hidden_total / runs
+    again = _loader(molecules, too_long="truncate", max_length=128, max_tokens_per_batch=2048,
+                    mlm_probability=probability, mask_span_mean=span_mean, max_steps=2)
+    first = next(iter(_loader(molecules, too_long="truncate", max_length=128, max_tokens_per_batch=2048,
+                              mlm_probability=probability, mask_span_mean=span_mean, max_steps=2)))
+    assert next(iter(again))["input_ids"].equal(first["input_ids"])  # drawn from (seed, step, rank): repeatable
+
+
+def test_longer_spans_hide_longer_runs(molecules):
+    """At the same share, a larger ``mask_span_mean`` hides fewer, longer runs: Poisson(1) spans
+    (at least one token) average under two tokens a mask; Poisson(6) ones, cut by the share
+    and the molecule's end, several."""
+    for key in ((0.3, 1.0), (0.3, 6.0)):
+        if key not in MEAN_RUN:
+            test_denoising_batches_hide_the_share_asked_each_run_one_mask(molecules, *key)
+    assert MEAN_RUN[(0.3, 1.0)] < 2.0 < 3.0 < MEAN_RUN[(0.3, 6.0)]
+
+
+def test_denoising_pretraining_forks_into_a_pair_task(tmp_path):
+    """Chemformer's path: the encoder-decoder pretrains by denoising molecules tokenized with the
+    pair task's vocabulary (``molds-preprocess --tokenizer PAIRS/tokenizer``: a molecule
+    vocabulary lacks what reactions spell, ``.`` and reagent ions), then the pair task forks
+    from its weights (``checkpoint.fork``). A fork at learning rate 0 ends with the
+    pretrained weights, so the pair run starts from them; ``molds-eval`` scores the pretrained
+    checkpoint's denoising loss, the fork's top-k."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+    from molds.train import main
+    from tests.data.conftest import REACTIONS, _build
+
+    import csv
+    import gzip
+
+    with gzip.open(REACTIONS, "rt") as fh:
+        body = list(csv.reader(fh))[:301]
+    with open(tmp_path / "reactions.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(body)
+    pairs = str(tmp_path / "pairs")
+    run(PreprocessConfig(input=[str(tmp_path / "reactions.csv")], output=pairs,
+                         smiles_column="reactants>reagents>production", id_column="id", task="forward", workers=1,
+                         progress=False))
+    (tmp_path / "mols").mkdir()
+    molecules = _build(tmp_path / "mols", tokenizer=os.path.join(pairs, "tokenizer"))
+    model = ["--model.family", "seq2seq", "--model.hidden_size", "32", "--model.num_layers", "2",
+             "--model.num_heads", "4", "--model.max_position_embeddings", "160", "--model.dropout", "0.0"]
+    common = [*model, "--data.mode", "bucketed", "--data.max_length", "160", "--data.max_tokens_per_batch", "1280",
+              "--data.bucket_pool", "64", "--data.too_long", "reject", "--trainer.precision", "fp32",
+              "--logging.progress", "false", "--logging.interval_steps", "1", "--eval.interval_steps", "0"]
+    pre = main([*common, "--data.manifest", molecules, "--data.mlm_probability", "0.15",
+                "--data.mask_span_mean", "3", "--trainer.max_steps", "8", "--optim.lr", "3e-3",
+                "--run.output_dir", str(tmp_path / "pre")])
+    losses = [json.loads(x)["train/loss"] for x in open(tmp_path / "pre" / "metrics.jsonl") if "train/loss" in x]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    report = evaluate_checkpoint(pre["checkpoint"], split="valid", max_batches=2)
+    assert report["family"] == "seq2seq" and report["metrics"]["denoising_loss"] > 0
+    fork = main([*common, "--data.manifest", pairs, "--checkpoint.resume", pre["checkpoint"],
+                 "--checkpoint.fork", "true", "--trainer.max_steps", "1", "--optim.lr", "0", "--optim.weight_decay", "0",
+                 "--run.output_dir", str(tmp_path / "fork")])
+    a = load_file(os.path.join(pre["checkpoint"], "model.safetensors"))
+    b = load_file(os.path.join(fork["checkpoint"], "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert set(evaluate_checkpoint(fork["checkpoint"], split="test", num=4, beams=3)["metrics"]) >= {"top1", "top3"}

@@ -99,6 +99,8 @@ class Bucketer:
                 labels[i] = unit.labels[row]
             out["labels"] = np.nan_to_num(labels, nan=0.0)
             out["label_mask"] = ~np.isnan(labels)
+        if mlm is not None and mlm.get("span_mean"):
+            return denoising_batch([p[2] for p in pieces], out, mask_key, pad=self.source.pad_id, **mlm)
         if mlm is not None:
             out.update(mask_tokens(input_ids, attention, mask_key, **mlm))
         return out
@@ -153,3 +155,63 @@ def mask_tokens(input_ids: np.ndarray, attention: np.ndarray, key: tuple, *, pro
     random_pos = chosen & (roll >= 0.8) & (roll < 0.9)
     masked[random_pos] = rng.integers(first_regular_id, vocab_size, size=int(random_pos.sum()))
     return {"input_ids": masked, "mlm_labels": labels}
+
+
+def span_mask(tokens: np.ndarray, rng, *, probability: float, span_mean: float, special_ids) -> np.ndarray:
+    """bool [len(tokens)]: the tokens BART's text infilling hides in one molecule. Spans of
+    Poisson(``span_mean``) tokens (at least one) start at random molecule tokens (never BOS, EOS
+    or another special token) until ``round(probability x molecule tokens)`` are hidden; the
+    last span is cut to that count, and spans may meet or overlap."""
+    candidates = np.flatnonzero(~np.isin(tokens, np.asarray(special_ids)))
+    want = int(round(len(candidates) * probability))
+    hidden = np.zeros(len(tokens), dtype=bool)
+    placed = tries = 0
+    while placed < want and tries < 16 * len(candidates):  # bounded: each try hides at least its start, or meets
+        tries += 1
+        length = max(1, int(rng.poisson(span_mean)))
+        start = int(rng.integers(0, len(candidates)))
+        for pos in candidates[start:start + length].tolist():
+            if placed == want:
+                break
+            if not hidden[pos]:
+                hidden[pos] = True
+                placed += 1
+    return hidden
+
+
+def denoising_batch(molecules: list, plain: dict, key: tuple, *, probability: float, span_mean: float, mask_id: int,
+                    special_ids, pad: int, **_) -> dict:
+    """Denoising pairs of molecules (``BOS t1 .. tn EOS`` each) for the encoder-decoder, right
+    padded: the encoder reads the molecule with each run of hidden tokens replaced by one
+    ``<mask>`` (``span_mask``), the decoder reads ``BOS t1 .. tn`` and is scored on ``t1 .. tn
+    EOS``. Drawn from a generator seeded by ``key`` (seed, step, virtual rank), so a resumed run
+    masks as an uninterrupted one does."""
+    from ..tokens import IGNORE_INDEX
+
+    rng = _rng(*key)
+    sources = []
+    for toks in molecules:
+        toks = np.asarray(toks, dtype=np.int64)
+        hidden = span_mask(toks, rng, probability=probability, span_mean=span_mean, special_ids=special_ids)
+        starts = hidden & ~np.concatenate([[False], hidden[:-1]])  # the first token of each hidden run
+        src = np.where(starts, mask_id, toks)[~hidden | starts]
+        sources.append(src)
+    rows = len(molecules)
+    s_w = max(len(x) for x in sources)
+    t_w = max(len(m) for m in molecules) - 1
+    input_ids = np.full((rows, s_w), pad, dtype=np.int64)
+    attention = np.zeros((rows, s_w), dtype=np.int64)
+    decoder_input_ids = np.full((rows, t_w), pad, dtype=np.int64)
+    labels = np.full((rows, t_w), IGNORE_INDEX, dtype=np.int64)
+    for i, (src, toks) in enumerate(zip(sources, molecules)):
+        input_ids[i, :len(src)] = src
+        attention[i, :len(src)] = 1
+        decoder_input_ids[i, :len(toks) - 1] = toks[:-1]
+        labels[i, :len(toks) - 1] = toks[1:]
+    s_len, t_len = attention.sum(1), (labels != IGNORE_INDEX).sum(1)
+    real = int(s_len.sum() + t_len.sum())
+    stats = dict(plain["stats"], tokens=rows * (s_w + t_w), real_tokens=real,
+                 length_sq_sum=int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
+                 padding_ratio=1.0 - real / (rows * (s_w + t_w)))
+    return {"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_input_ids,
+            "labels": labels, "gids": plain["gids"], "stats": stats}

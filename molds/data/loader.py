@@ -135,6 +135,8 @@ class VirtualRank:
         if cfg.mlm_probability > 0:
             mlm = {"probability": cfg.mlm_probability, "mask_id": sp.mask, "vocab_size": sp.vocab_size,
                    "first_regular_id": sp.first_regular, "special_ids": sp.special_ids}
+            if cfg.mask_span_mean > 0:  # the encoder-decoder's denoising pairs (bucketing.denoising_batch)
+                mlm["span_mean"] = cfg.mask_span_mean
         while True:
             if not pending:
                 gids = stream.take(cfg.bucket_pool)
@@ -192,6 +194,11 @@ class MoleculeLoader:
         if cfg.mode == "bucketed" and cfg.mlm_probability > 0 and self.specials.mask is None:
             raise ManifestError(f"{self.manifest.path}: data.mlm_probability > 0 needs a mask token; the tokenizer "
                                 f"has none")
+        if cfg.mask_span_mean > 0 and (cfg.mode != "bucketed" or cfg.mlm_probability <= 0 or cfg.with_labels):
+            from ..errors import RecipeError
+
+            raise RecipeError(f"data.mask_span_mean={cfg.mask_span_mean} (denoising pretraining) needs data.mode "
+                              f"bucketed, data.mlm_probability > 0 and data.with_labels false")
         self._check(cfg)
         sp = self.specials
         randomizer, self.randomized_note = None, None

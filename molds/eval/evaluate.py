@@ -164,6 +164,11 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                               "softmax": "float32 (whatever the model's precision)"}
         report["per_seed"] = per_seed
         report["metrics"] = mean_std(per_seed)
+    elif loaded.family == "seq2seq":  # pretrained by denoising: the loss of writing each masked molecule whole
+        cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="bucketed")
+        total, count = split_loss(forward, "seq2seq", cfg, max_batches=max_batches)
+        report["loss"] = total / count
+        report["metrics"] = {"denoising_loss": total / count, "denoising_perplexity": math.exp(min(total / count, 50.0))}
     elif model_cfg["num_tasks"]:
         cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="bucketed", with_labels=True,
                                 mlm_probability=0.0)

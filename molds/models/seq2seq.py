@@ -157,6 +157,23 @@ class Seq2SeqModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.model.shared.weight  # tied, as BART ties them
         self.register_buffer("final_logits_bias", torch.zeros(1, cfg.vocab_size))
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self, std: float = 0.02) -> None:
+        """BART's initialization (``init_std`` 0.02): normal weights for the projections, the
+        embeddings and positions, zero biases and a zero padding row; LayerNorms at one and
+        zero. PyTorch's defaults (unit-variance embeddings, tied to the output) would start the
+        loss near 16 nats instead of the vocabulary's log-size."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         enc = self.model.encoder
