@@ -105,7 +105,6 @@ class Bucketer:
             out.update(mask_tokens(input_ids, attention, mask_key, **mlm))
         return out
 
-
     def collate_pairs(self, gids: np.ndarray) -> dict:
         """Pairs for the encoder-decoder, right padded: the encoder reads ``<bos> source <eos>``
         (``attention_mask`` marks it), the decoder reads ``<bos> target`` and is scored on
