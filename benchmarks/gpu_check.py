@@ -14,7 +14,8 @@ crashes the CUDA context or hangs costs only itself:
 - ``training``: the bundled sample preprocessed, then short runs under the deepspeed
   launcher on one rank of each recipe family that fits one GPU: the dense decoder on DDP,
   ZeRO-2 and ZeRO-3 (``recipes/dense_zero3.json``: the MFU target's model), the MLM
-  encoder, and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (4 of its 16
+  encoder, the BART encoder-decoder (``recipes/bart_retro.json`` on the bundled forward
+  reactions), and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (4 of its 16
   layers, so that its final checkpoint stays small) with kernels off, ``kernels.triton``
   and ``kernels.fp8``. Each reports tokens/s and MFU (medians of the logged windows after
   the second: the first holds start-up and compilation, the second the steps profiled by
@@ -74,6 +75,7 @@ MODULES = ("torch", "deepspeed", "transformers", "tokenizers", "datasets", "rdki
            "fcd_torch", "triton", "liger_kernel", "torchao")
 SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
 LABELLED = os.path.join(ROOT, "molds", "sample_data", "moses_sample_labels.csv.gz")
+REACTIONS = os.path.join(ROOT, "molds", "sample_data", "moses_sample_reactions.csv.gz")
 MOE_RECIPE = os.path.join(ROOT, "recipes", "moe_fp8.json")
 #: fp32 parity: the relative loss difference allowed between device and CPU, at step 1 (the
 #: same weights and batch: only the order of summation differs) and over the first steps
@@ -228,6 +230,8 @@ def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
         ("dense_zero2", os.path.join(rec, "dense_zero2.json"), tiny),
         ("mlm_zero2", os.path.join(rec, "mlm_multitask_zero2.json"), tiny + ["--model.num_tasks", "2"]),
         ("dense_ddp", os.path.join(rec, "dense_ddp.json"), tiny),
+        # the encoder-decoder on the bundled forward reactions (Chemformer's size on a GPU)
+        ("bart_zero2", os.path.join(rec, "bart_forward.json" if dry else "bart_retro.json"), tiny),
     ] + ([] if dry else [  # a GPU's figure; on a CPU it converts nothing (tests/kernels/test_fp8_select.py)
         # the recipe's own kernels: FP8 where measured faster (kernels.fp8_products=faster), Triton
         ("moe_recipe_kernels", os.path.join(rec, "moe_fp8.json"), moe + ["--kernels.fp8_products", "faster"]),
@@ -235,7 +239,8 @@ def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
 
 
 def prepare_data(ctx) -> dict:
-    """The bundled sample (and its labelled twin) preprocessed into the work directory."""
+    """The bundled sample, its labelled twin and its forward reactions, preprocessed into the
+    work directory."""
     from molds.data.manifest import Manifest
     try:  # installed (setup.py maps preprocessing/ to molds.preprocessing)
         from molds.preprocessing.cli import main as preprocess
@@ -243,11 +248,14 @@ def prepare_data(ctx) -> dict:
         from preprocessing.cli import main as preprocess
 
     out = {}
-    for name, src, extra in (("data", SAMPLE, []), ("labelled", LABELLED,
-                                                   ["--label-columns", "logp_gt_3,tpsa_gt_90"])):
+    for name, src, extra in (("data", SAMPLE, ["--smiles-column", "SMILES"]),
+                             ("labelled", LABELLED, ["--smiles-column", "SMILES",
+                                                     "--label-columns", "logp_gt_3,tpsa_gt_90"]),
+                             ("reactions", REACTIONS, ["--smiles-column", "reactants>reagents>production",
+                                                       "--id-column", "id", "--task", "forward"])):
         dest = os.path.join(ctx.work, name)
         if not os.path.exists(os.path.join(dest, "manifest.json")):
-            rc = preprocess(["--input", src, "--smiles-column", "SMILES", "--output", dest, "--split", "scaffold",
+            rc = preprocess(["--input", src, "--output", dest, "--split", "scaffold",
                              "--split-fractions", "0.8,0.1,0.1", "--tokenizer", "regex", "--workers",
                              str(min(8, os.cpu_count() or 1)), "--overwrite", "true", "--progress", "false", *extra])
             if rc:
@@ -329,7 +337,8 @@ def section_training(ctx) -> dict:
         if name == "fp32_parity":
             result[name] = fp32_parity(ctx, data["data"])
         else:
-            manifest = data["labelled" if name.startswith("mlm") else "data"]
+            manifest = data["labelled" if name.startswith("mlm") else "reactions" if name.startswith("bart")
+                            else "data"]
             result["runs"][name] = train_once(ctx, name, recipe, overrides + ["--trainer.precision", "bf16"],
                                               manifest, steps=steps, every=every)
         ctx.save(result)

@@ -87,7 +87,9 @@ class DataConfig:
     """Augmentation (Arus-Pous et al. 2019, J. Cheminform. 11:71): the probability that a
     molecule is read, in a given epoch, as a randomized SMILES (its atoms renumbered at random,
     then RDKit's non-canonical writer) instead of the manifest's canonical one. Drawn per (seed,
-    epoch, molecule), so every epoch sees other forms and a resume is exact. 0 disables it."""
+    epoch, molecule), so every epoch sees other forms and a resume is exact. 0 disables it.
+    On a manifest of pairs: the share of pairs read in one of the root-aligned spellings
+    ``molds-preprocess --task ... --randomized-variants K`` stored (R-SMILES)."""
 
     randomized_marker: Literal["sep", "none"] = "sep"
     """With ``randomized_smiles``: ``sep`` starts each randomized molecule with the tokenizer's

@@ -185,3 +185,72 @@ class PairCanonicalizer:
     def _pair(source: str, target: str, product: str, product_scaffolds: list[str]) -> Pair:
         scaffold = ".".join(sorted(s for s in product_scaffolds if s))
         return Pair(source, target, scaffold, f"{source}>>{target}", product)
+
+
+#: common atoms below which a molecule is not aligned with the anchor side (``_correspondence``)
+MIN_ALIGNED_ATOMS = 3
+
+
+def _correspondence(mol, anchor) -> dict[int, int]:
+    """Atoms of ``mol`` matched to atoms of ``anchor`` (mol index -> anchor index) by their
+    largest common substructure (RDKit's FMCS: elements compared, any bond order, so that a
+    bond the reaction changes still aligns; ring atoms only to ring atoms; at most one second a
+    pair). Fewer than ``MIN_ALIGNED_ATOMS`` in common (a solvent, a base): no correspondence."""
+    from rdkit import Chem
+    from rdkit.Chem import rdFMCS
+
+    found = rdFMCS.FindMCS([mol, anchor], atomCompare=rdFMCS.AtomCompare.CompareElements,
+                           bondCompare=rdFMCS.BondCompare.CompareAny, ringMatchesRingOnly=True, timeout=1)
+    if found.numAtoms < MIN_ALIGNED_ATOMS:
+        return {}
+    query = Chem.MolFromSmarts(found.smartsString)
+    a, b = mol.GetSubstructMatch(query), anchor.GetSubstructMatch(query)
+    return dict(zip(a, b)) if a and b else {}
+
+
+def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tuple[str, str]] | None:
+    """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022): the
+    anchor side (the one with fewer molecules, the source on a tie: the product of a reaction,
+    the source of mol2mol) is written rooted at a random atom, and each molecule of the other
+    side is rooted at its atom that corresponds to the anchor's earliest written atom it holds,
+    and placed in the order of those atoms, so that source and target start alike and differ
+    little. Correspondences come from each molecule's largest common substructure with the
+    anchor (``_correspondence``); a molecule with none (a reagent) follows, as the canonical
+    form writes it. Reagents after a ``>`` stay as they are. Roots are drawn without
+    repetition among the anchor's classes of symmetric atoms while they last, so the first
+    spellings all differ. None when RDKit cannot read a side."""
+    from rdkit import Chem
+
+    def parts(side):
+        head, sep, rest = side.partition(">")
+        return head, (sep + rest)
+
+    (s_head, s_rest), (t_head, t_rest) = parts(source), parts(target)
+    s_mols = [Chem.MolFromSmiles(x) for x in s_head.split(".")] if s_head else []
+    t_mols = [Chem.MolFromSmiles(x) for x in t_head.split(".")] if t_head else []
+    if not s_mols or not t_mols or any(m is None for m in s_mols + t_mols):
+        return None
+    anchor_is_source = len(s_mols) <= len(t_mols)
+    anchors, others = (s_mols, t_mols) if anchor_is_source else (t_mols, s_mols)
+    anchor = Chem.MolFromSmiles(".".join(Chem.MolToSmiles(m) for m in anchors))  # one molecule, or several dotted
+    maps = [_correspondence(m, anchor) for m in others]
+    # one root per class of symmetric atoms (an equivalent root writes the same string)
+    classes = list(Chem.CanonicalRankAtoms(anchor, breakTies=False))
+    firsts = sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
+    roots = [firsts[i] for i in rng.permutation(len(firsts)).tolist()]
+    out = []
+    for k in range(count):
+        root = int(roots[k]) if k < len(roots) else int(roots[int(rng.integers(0, len(roots)))])
+        anchor_text = Chem.MolToSmiles(anchor, rootedAtAtom=root)
+        order = {int(a): i for i, a in enumerate(anchor.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])}
+        placed, loose = [], []
+        for mol, corr in zip(others, maps):
+            if not corr:
+                loose.append(Chem.MolToSmiles(mol))
+                continue
+            atom = min(corr, key=lambda i: order[corr[i]])
+            placed.append((order[corr[atom]], Chem.MolToSmiles(mol, rootedAtAtom=int(atom))))
+        other_text = ".".join([t for _, t in sorted(placed)] + sorted(loose))
+        src, tgt = (anchor_text, other_text) if anchor_is_source else (other_text, anchor_text)
+        out.append((src + s_rest, tgt + t_rest))
+    return out

@@ -94,7 +94,8 @@ class PreprocessConfig:
     order; pairs are deduplicated as pairs; the split groups are the product side's scaffolds
     (``--split random``: the product side itself), and a target in two splits stays only in
     the first (the others counted as ``target_in_two_splits``). SMILES only: no
-    ``--representation``, conformers or ``--randomized_variants``."""
+    ``--representation`` or conformers. ``--randomized_variants K`` stores K root-aligned
+    spellings of each training pair (R-SMILES)."""
 
     target_column: Optional[str] = None
     """With ``--task``: the column (or JSONL key) holding each pair's target side; the source
@@ -175,7 +176,11 @@ class PreprocessConfig:
     the shards' ``randomized_token_ids`` column (0 to 64; 0: none). A recipe with
     ``data.randomized_smiles`` then reads them instead of running RDKit in the training
     process. Needs ``representation smiles`` without conformers. Spellings the vocabulary
-    cannot cover are stored empty and counted (``randomized_failed``)."""
+    cannot cover are stored empty and counted (``randomized_failed``). With ``--task``: K
+    root-aligned spellings of each training pair (R-SMILES, Zhong et al. 2022: the product
+    side rooted at a random atom, the other side's molecules rooted at the atoms that
+    correspond to it by their largest common substructure), each stored as source ``<sep>``
+    target."""
 
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory."""

@@ -112,9 +112,6 @@ def _check_pairs(cfg: PreprocessConfig) -> None:
     if cfg.representation != "smiles" or cfg.conformers != "none" or cfg.unit_template is not None:
         raise ValueError(f"--task {cfg.task} writes pairs of canonical SMILES: it needs --representation smiles, "
                          f"--conformers none and no --unit_template")
-    if cfg.randomized_variants:
-        raise ValueError(f"--randomized_variants writes randomized spellings of molecules; --task {cfg.task} pairs "
-                         f"have none yet")
     if cfg.dedupe_key != "canonical":
         raise ValueError(f"--task {cfg.task} deduplicates pairs by their canonical sides: it needs --dedupe_key "
                          f"canonical")

@@ -114,7 +114,10 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
 
         manifest["randomized"] = {
             "variants": cfg.randomized_variants, "splits": ["train"], "column": "randomized_token_ids",
-            "form": "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)",
+            "form": ("root-aligned pairs (R-SMILES): source <sep> target, the anchor side rooted at a random atom, "
+                     "the other side's molecules rooted at corresponding atoms (molds.pairs.aligned_spellings)"
+                     if cfg.task != "none" else
+                     "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)"),
             "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,
             "failed": int(stats.notes.get("randomized_failed", 0)),
             "rule": "a spelling RDKit or the vocabulary cannot take is stored as an empty list and read canonical",

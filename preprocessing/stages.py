@@ -301,6 +301,55 @@ def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.nda
     return outer, int(len(texts) - good.sum())
 
 
+def aligned_pair_variants(sources: list[str], targets: list[str], row_hash: np.ndarray, rows: np.ndarray, count: int,
+                          seed: int, encoder) -> tuple[pa.ListArray, int]:
+    """``count`` root-aligned spellings of each pair in ``rows`` (``molds.pairs.aligned_spellings``,
+    R-SMILES), each stored as the source's tokens, the sep token, the target's tokens: the
+    layout ``randomized_variants`` gives molecules (list<list<uint16>>, empty for the other
+    rows and for a spelling the vocabulary cannot take, which is counted). Roots come from
+    (seed, the row hash), so any engine and partitioning writes the same ones."""
+    from molds.pairs import aligned_spellings
+
+    from .tokenizer import SPECIAL_TOKENS
+
+    sep = encoder.token_id(SPECIAL_TOKENS["sep_token"])
+    if sep is None:
+        raise ValueError("--randomized_variants with pairs stores each pair as source <sep> target: the tokenizer "
+                         "has no <sep> token")
+    n = len(sources)
+    src_texts, tgt_texts = [], []
+    for i in rows.tolist():
+        rng = np.random.default_rng([_VARIANT_SALT, seed, int(row_hash[i])])
+        found = aligned_spellings(sources[i], targets[i], rng=rng, count=count) or [("", "")] * count
+        src_texts += [a for a, _ in found]
+        tgt_texts += [b for _, b in found]
+    pieces, failed = [], 0
+    if src_texts:
+        sides = []
+        for texts in (src_texts, tgt_texts):
+            flat, lengths = encoder.encode_batch(texts)
+            bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            good = encoder.roundtrip_ok(flat, lengths, texts) & (np.asarray(lengths) > 0)
+            unk_cum = np.concatenate([[0], np.cumsum(flat == encoder.unk_id)])
+            good &= unk_cum[bounds[1:]] - unk_cum[bounds[:-1]] == 0
+            sides.append((flat, bounds, good))
+        (s_flat, s_bounds, s_good), (t_flat, t_bounds, t_good) = sides
+        good = s_good & t_good
+        failed = int(len(good) - good.sum())
+        sep_arr = np.asarray([sep], np.uint16)
+        for j in range(len(good)):
+            pieces.append(np.concatenate([s_flat[s_bounds[j]:s_bounds[j + 1]], sep_arr,
+                                          t_flat[t_bounds[j]:t_bounds[j + 1]]]) if good[j] else sep_arr[:0])
+    lengths = np.fromiter((len(p) for p in pieces), np.int64, count=len(pieces))
+    flat = np.concatenate(pieces).astype(np.uint16) if pieces else np.zeros(0, np.uint16)
+    inner = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+                                          pa.array(flat, pa.uint16()))
+    per_row = np.zeros(n, np.int32)
+    per_row[rows] = count
+    outer = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)), inner)
+    return outer, failed
+
+
 def _encode(encoder, texts: list[str]) -> tuple[pa.ListArray, np.ndarray, np.ndarray, np.ndarray]:
     """(token ids as list<uint16>, lengths, round trip ok, holds an unknown token) of each text."""
     flat, lengths = encoder.encode_batch(texts)
@@ -349,7 +398,13 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
                 stats.reject("target_in_two_splits", sources[i], raws[i])
             ok &= ~later
     variants = None
-    if randomized[0]:
+    if randomized[0] and pairs:  # source and target rooted at matching atoms (R-SMILES)
+        variants, failed = aligned_pair_variants(table.column("source_smiles").to_pylist(),
+                                                 table.column("target_smiles").to_pylist(),
+                                                 table.column("row_hash").to_numpy(), np.flatnonzero(ok & (split == 0)),
+                                                 randomized[0], randomized[1], encoder)
+        stats.notes["randomized_failed"] += failed
+    elif randomized[0]:
         variants, failed = randomized_variants(table.column("canonical_smiles").to_pylist(),
                                                table.column("row_hash").to_numpy(), np.flatnonzero(ok & (split == 0)),
                                                randomized[0], randomized[1], encoder)

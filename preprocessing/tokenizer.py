@@ -268,6 +268,9 @@ class RegexEncoder:
         self._ascii = np.array([vocab.get(chr(c), self.unk_id) for c in range(128)], dtype=np.uint16)
         self._texts = np.array([t if t is not None else "" for t in self.itos], dtype=object)
 
+    def token_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
     def encode_batch(self, smiles_list: list[str]):
         """Returns (flat ids as numpy uint16, lengths as numpy int32)."""
         tc = token_codes(smiles_list, self.grammar)
@@ -308,6 +311,9 @@ class HFEncoder:
 
         self.tok = Tokenizer.from_file(tokenizer_file)
         self.unk_id = -1 if unk_id is None else unk_id
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
 
     def encode_batch(self, smiles_list: list[str]):
         import itertools

@@ -214,12 +214,15 @@ class MoleculeLoader:
                 raise RecipeError(f"data.randomized_marker=sep: the tokenizer of {self.manifest.path} has no sep "
                                   f"token; set data.randomized_marker to none")
             stored = self._stored_variants(cfg)
+            # a pair's stored spelling holds its own sep (source <sep> target): no marker for pairs
+            marked = cfg.randomized_marker == "sep" and self.manifest.pairs is None
             randomizer = Randomizer(cfg.randomized_smiles, cfg.seed, sp.path, bos_id=sp.bos, eos_id=sp.eos,
-                                    unk_id=sp.unk, marker_id=sp.sep if cfg.randomized_marker == "sep" else None,
+                                    unk_id=sp.unk, marker_id=sp.sep if marked else None,
                                     stored=stored, vocab_size=sp.vocab_size)
             self.randomized_note = (
-                f"data.randomized_smiles={cfg.randomized_smiles}: spellings read from the {stored} randomized "
-                f"variants per molecule that {self.manifest.path} stores" if stored else
+                f"data.randomized_smiles={cfg.randomized_smiles}: spellings read from the {stored} "
+                f"{'root-aligned variants per pair' if self.manifest.pairs is not None else 'randomized variants per molecule'} "
+                f"that {self.manifest.path} stores" if stored else
                 f"data.randomized_smiles={cfg.randomized_smiles}: spellings written with RDKit as row groups load, in "
                 f"the training process (molds-preprocess --randomized-variants K writes them offline)")
         self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
@@ -279,9 +282,11 @@ class MoleculeLoader:
         if self.specials.sep is None:
             raise ManifestError(f"{self.manifest.path} holds pairs but its tokenizer has no sep token to put "
                                 f"between source and target")
-        if cfg.randomized_smiles > 0:
-            raise RecipeError(f"data.randomized_smiles={cfg.randomized_smiles}: {self.manifest.path} holds {task} "
-                              f"pairs, which have no randomized spellings; set data.randomized_smiles to 0")
+        if cfg.randomized_smiles > 0 and not self._stored_variants(cfg):
+            raise RecipeError(f"data.randomized_smiles={cfg.randomized_smiles}: {task} pairs are read in root-aligned "
+                              f"spellings the ETL stores (molds-preprocess --task {task} --randomized-variants K), "
+                              f"and {self.manifest.path} stores none for split {cfg.split!r} (or data.randomized_from "
+                              f"is rdkit); set data.randomized_smiles to 0 or rebuild the manifest")
         if cfg.too_long != "reject":
             limit = "data.seq_len" if cfg.mode == "packed" else "data.max_length"
             raise RecipeError(f"data.too_long=truncate would cut the targets of {task} pairs; set data.too_long "

@@ -61,9 +61,9 @@ class SplitSource:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         # a manifest of pairs: each row is read as BOS source SEP target EOS (a prompt and its completion)
         self.pairs = manifest.pairs is not None
-        if self.pairs and (sep_id is None or randomizer is not None or with_labels):
+        if self.pairs and (sep_id is None or (randomizer is not None and not randomizer.stored) or with_labels):
             raise ManifestError(f"{manifest.path} holds pairs: they are read with a sep token between source and "
-                                f"target, without randomized spellings or labels")
+                                f"target, without labels, and only in the spellings the ETL stores")
         self.sep_id = sep_id
         self.vocab_size = vocab_size  # token ids at or above it are refused (checked with the shards, and as read)
         shards = manifest.shards(split)
@@ -229,8 +229,9 @@ class SplitSource:
         unit = self.units[unit_index]
         where = f"shard {self.shards[unit.shard].uri} of {self.manifest.path}"
         try:
-            table = self._file(unit.shard).read_row_group(unit.row_group,
-                                                          columns=["source_token_ids", "target_token_ids"])
+            table = self._file(unit.shard).read_row_group(
+                unit.row_group, columns=["source_token_ids", "target_token_ids"]
+                + ([self.randomizer.column] if self.randomizer is not None else []))
         except (OSError, ValueError) as exc:
             raise ManifestError(f"{where}: row group {unit.row_group} is not readable ({exc})") from exc
         sides = []
@@ -257,7 +258,17 @@ class SplitSource:
         tokens[start[row] + 1 + np.arange(len(src)) - src_off[row]] = src
         row = np.repeat(np.arange(n), tgt_len)
         tokens[start[row] + 2 + src_len[row] + np.arange(len(tgt)) - tgt_off[row]] = tgt
-        loaded = LoadedUnit(unit, tokens, offsets, None, prompt=src_len + 2)
+        prompt = src_len + 2
+        if self.randomizer is not None:  # some pairs in a stored root-aligned spelling: source <sep> target
+            tokens, offsets = self.randomizer.rewrite(unit, self.epoch, tokens, offsets,
+                                                      table.column(self.randomizer.column).combine_chunks(),
+                                                      where=where)
+            seps = np.flatnonzero(tokens == self.sep_id)  # one a pair: sources and targets never hold it
+            if len(seps) != n:
+                raise ManifestError(f"{where}: row group {unit.row_group}: a stored pair spelling holds "
+                                    f"{'no' if len(seps) < n else 'more than one'} sep token")
+            prompt = seps - offsets[:-1] + 1
+        loaded = LoadedUnit(unit, tokens, offsets, None, prompt=prompt)
         self._cache[unit_index] = loaded
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

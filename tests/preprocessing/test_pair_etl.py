@@ -309,7 +309,6 @@ def test_molecules_split_by_a_column_too(tmp_path):
     ({"reagents": "mix"}, "--reagents sets how pairs are read"),
     ({"split_column": "fold"}, "--split_column names each row's split: it needs --split given"),
     ({"task": "forward", "representation": "selfies"}, "it needs --representation smiles"),
-    ({"task": "forward", "randomized_variants": 4}, "pairs have none yet"),
     ({"task": "forward", "dedupe_key": "inchikey"}, "it needs --dedupe_key canonical"),
     ({"task": "mol2mol", "target_column": "b", "reagents": "drop"}, "not reactions"),
     ({"split": "given", "split_column": "b", "split_fractions": [0.5, 0.5]}, "would change nothing"),

@@ -1,0 +1,160 @@
+"""Root-aligned spellings of pairs (R-SMILES): ``molds.pairs.aligned_spellings``, the ETL's
+``--randomized-variants K`` with ``--task``, and the loader reading them for both families."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from rdkit import Chem
+
+from tests.data.conftest import REACTIONS
+
+K = 3
+
+
+def _canon_side(text: str) -> str:
+    return ".".join(sorted(Chem.MolToSmiles(Chem.MolFromSmiles(x)) for x in text.split(".")))
+
+
+def _distance(a: str, b: str) -> int:
+    """Levenshtein distance of two strings (characters)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def _reactions(n: int):
+    with gzip.open(REACTIONS, "rt") as fh:
+        rows = list(csv.DictReader(fh))[:n]
+    out = []
+    for r in rows:
+        reactants, _, product = r["reactants>reagents>production"].split(">")
+        out.append((_canon_side(product), _canon_side(reactants)))  # retro: product -> reactants
+    return out
+
+
+def test_aligned_spellings_spell_the_same_molecules_and_start_alike():
+    """Each spelling is the pair's molecules (RDKit canonicalizes them back); the anchor side
+    is rooted at another atom (of another symmetry class) each time; and aligned pairs are closer strings than the same
+    pairs spelled at random (R-SMILES's point: the target mostly copies the source's order)."""
+    from molds.data.randomize import randomized_smiles
+    from molds.pairs import aligned_spellings
+
+    rng = np.random.default_rng(0)
+    aligned = randomized = 0.0
+    for src, tgt in _reactions(60):
+        found = aligned_spellings(src, tgt, rng=rng, count=K)
+        assert found is not None and len(found) == K
+        classes = len(set(Chem.CanonicalRankAtoms(Chem.MolFromSmiles(src), breakTies=False)))
+        assert len({s for s, _ in found}) == min(K, classes)  # a root per class of symmetric atoms
+        for s, t in found:
+            assert _canon_side(s) == src and _canon_side(t) == tgt
+            aligned += _distance(s, t) / max(len(s), len(t))
+        s = randomized_smiles(src, int(rng.integers(1 << 30)))
+        t = ".".join(randomized_smiles(x, int(rng.integers(1 << 30))) for x in tgt.split("."))
+        randomized += K * _distance(s, t) / max(len(s), len(t))
+    assert aligned < 0.75 * randomized, (aligned, randomized)
+
+
+def test_a_side_rdkit_cannot_read_gives_none():
+    from molds.pairs import aligned_spellings
+
+    assert aligned_spellings("C1CC", "CCO", rng=np.random.default_rng(0), count=2) is None
+
+
+@pytest.fixture(scope="module")
+def aligned_manifest(tmp_path_factory):
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    d = tmp_path_factory.mktemp("aligned")
+    with gzip.open(REACTIONS, "rt") as fh:
+        body = list(csv.reader(fh))[:301]
+    with open(d / "reactions.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(body)
+    out = str(d / "retro")
+    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=out, smiles_column="reactants>reagents>production",
+                         id_column="id", task="retro", workers=1, progress=False, randomized_variants=K))
+    return out
+
+
+def _sides(out: str, ids) -> tuple[str, str]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer", "tokenizer.json"))
+    text = "".join(tok.id_to_token(i) for i in ids)
+    src, _, tgt = text.partition("<sep>")
+    return src, tgt
+
+
+def test_the_etl_stores_k_aligned_spellings_of_each_training_pair(aligned_manifest):
+    import json
+
+    m = json.load(open(os.path.join(aligned_manifest, "manifest.json")))
+    assert m["randomized"]["variants"] == K and "root-aligned" in m["randomized"]["form"]
+    empty = 0
+    for split, shards in m["splits"].items():
+        for s in shards:
+            for row in pq.read_table(os.path.join(aligned_manifest, s["uri"])).to_pylist():
+                variants = row["randomized_token_ids"]
+                if split != "train":
+                    assert not variants
+                    continue
+                assert len(variants) == K
+                for ids in variants:
+                    if not ids:
+                        empty += 1
+                        continue
+                    src, tgt = _sides(aligned_manifest, ids)
+                    assert _canon_side(src) == row["source_smiles"] and _canon_side(tgt) == row["target_smiles"]
+    assert empty == m["randomized"]["failed"]
+
+
+@pytest.mark.parametrize("mode", ["packed", "bucketed"])
+def test_the_loader_reads_pairs_in_their_stored_spellings(aligned_manifest, mode):
+    """``data.randomized_smiles: 1.0`` on an aligned manifest: every pair a batch holds is one of
+    its row's stored spellings, split at its own sep (the decoder scores only the target and
+    EOS; the encoder-decoder encodes the source and writes the target), and over three epochs
+    a pair meets more than one of them."""
+    from molds.config import DataConfig
+    from molds.data.loader import MoleculeLoader
+    from molds.tokens import IGNORE_INDEX
+
+    m_rows = [r for s in sorted(os.listdir(os.path.join(aligned_manifest, "train")))
+              for r in pq.read_table(os.path.join(aligned_manifest, "train", s)).to_pylist()]
+    stored = {i: {tuple(v) for v in r["randomized_token_ids"] if v} for i, r in enumerate(m_rows)}
+    extra = (dict(seq_len=256, micro_batch_size=4, lookahead=32) if mode == "packed" else
+             dict(max_length=256, max_tokens_per_batch=1024, bucket_pool=32))
+    ld = MoleculeLoader(DataConfig(manifest=aligned_manifest, mode=mode, too_long="reject", randomized_smiles=1.0,
+                                   max_epochs=3, shuffle_window=0, **extra))
+    sp = ld.specials
+    seen: dict[int, set] = {}
+    for b in ld:
+        if mode == "bucketed":
+            for i, gid in enumerate(b["gids"].tolist()):
+                src = b["input_ids"][i][b["attention_mask"][i] == 1].tolist()[1:-1]
+                tgt = [t for t in b["labels"][i].tolist() if t != IGNORE_INDEX][:-1]
+                got = tuple(src + [sp.sep] + tgt)
+                assert got in stored[gid], gid
+                seen.setdefault(gid, set()).add(got)
+        else:
+            ids, labels, docs = b["input_ids"], b["labels"], b["document_ids"]
+            for r in range(ids.shape[0]):
+                for d in sorted(set(docs[r].tolist()) - {-1}):
+                    pos = (docs[r] == d).nonzero().flatten()
+                    toks, labs = ids[r, pos].tolist(), labels[r, pos].tolist()
+                    body = toks[1:-1]  # source <sep> target
+                    cut = body.index(sp.sep) + 2  # BOS source SEP: no loss there
+                    assert all(x == IGNORE_INDEX for x in labs[:cut]) and labs[cut:] == toks[cut:]
+                    assert any(tuple(body) in v for v in stored.values())
+    if mode == "bucketed":
+        assert sum(len(v) > 1 for v in seen.values()) > len(seen) // 2
