@@ -59,6 +59,32 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
         assert 0 < out["cores_busy"] <= 1.1 * (os.cpu_count() or 1), out
 
 
+@pytest.mark.slow
+def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them(tmp_path):
+    """A few hundred template reactions, each family for the same short budget on root-aligned
+    spellings: both scored on the same test pairs; the set's count is the CSV's rows."""
+    import csv
+    import gzip
+
+    out_dir = tmp_path / "bench"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_templates.py"), "--limit", "600",
+                           "--tasks", "retro", "--budget", "15s", "--nproc", "1", "--num", "8", "--beams", "3",
+                           "--variants", "2", "--output_dir", str(out_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    with gzip.open(out_dir / "reactions.csv.gz", "rt") as fh:
+        rows = list(csv.DictReader(fh))
+    assert out["reactions"] == len(rows) == sum(out["classes"].values()) > 0
+    retro = out["tasks"]["retro"]
+    assert retro["pairs"]["train"] > 0 and retro["pairs"]["test"] > 0
+    for family in ("decoder", "seq2seq"):
+        r = retro[family]
+        assert r["steps"] > 0 and r["inputs"] == 8 and 0 <= r["top1"] <= r["top3"] <= 1, r
+    assert "aligned" in proc.stderr or "root-aligned" in proc.stderr  # the runs read the stored spellings
+
+
 def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():
     """The floor timed mid-run is timed with every ETL process stopped: the parent and the
     workers it started."""
