@@ -106,39 +106,18 @@ class Bucketer:
         return out
 
     def collate_pairs(self, gids: np.ndarray) -> dict:
-        """Pairs for the encoder-decoder, right padded: the encoder reads ``<bos> source <eos>``
-        (``attention_mask`` marks it), the decoder reads ``<bos> target`` and is scored on
-        ``target <eos>`` (``labels``, IGNORE on padding). Each row of the source is
-        ``<bos> source <sep> target <eos>`` with its prompt length (``SplitSource``)."""
-        bos, eos, pad = self.source.bos_id, self.source.eos_id, self.source.pad_id
-        sides = []
+        """Pairs for the encoder-decoder (``encoder_decoder_batch``): the encoder reads
+        ``<bos> source <eos>``, the decoder ``<bos> target`` scored on ``target <eos>``. Each row
+        of the source is ``<bos> source <sep> target <eos>`` with its prompt length."""
+        bos, eos = self.source.bos_id, self.source.eos_id
+        sources, targets = [], []
         for gid in gids.tolist():
             unit, row = self.source.molecule(gid)
             a, b = unit.span(row)
             p = int(unit.prompt[row])
-            sides.append((unit.tokens[a + 1:a + p - 1], unit.tokens[a + p:b - 1]))
-        rows = len(sides)
-        s_w = max(len(s) for s, _ in sides) + 2
-        t_w = max(len(t) for _, t in sides) + 1
-        input_ids = np.full((rows, s_w), pad, dtype=np.int64)
-        attention = np.zeros((rows, s_w), dtype=np.int64)
-        decoder_input_ids = np.full((rows, t_w), pad, dtype=np.int64)
-        labels = np.full((rows, t_w), IGNORE_INDEX, dtype=np.int64)
-        for i, (src, tgt) in enumerate(sides):
-            n, m = len(src), len(tgt)
-            input_ids[i, 0], input_ids[i, 1:n + 1], input_ids[i, n + 1] = bos, src, eos
-            attention[i, :n + 2] = 1
-            decoder_input_ids[i, 0], decoder_input_ids[i, 1:m + 1] = bos, tgt
-            labels[i, :m], labels[i, m] = tgt, eos
-        s_len, t_len = attention.sum(1), (labels != IGNORE_INDEX).sum(1)
-        real = int(s_len.sum() + t_len.sum())
-        total = rows * (s_w + t_w)
-        return {"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_input_ids,
-                "labels": labels, "gids": np.asarray(gids, np.int64),
-                "stats": {"tokens": total, "real_tokens": real, "molecules": rows,
-                          # attention: the encoder's s^2, the decoder's t^2, the cross s t
-                          "length_sq_sum": int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
-                          "padding_ratio": 1.0 - real / total}}
+            sources.append(np.concatenate([[bos], unit.tokens[a + 1:a + p - 1], [eos]]))
+            targets.append(np.concatenate([[bos], unit.tokens[a + p:b]]))  # the target and its EOS
+        return encoder_decoder_batch(sources, targets, gids, self.source.pad_id)
 
 
 def mask_tokens(input_ids: np.ndarray, attention: np.ndarray, key: tuple, *, probability: float, mask_id: int,
@@ -185,8 +164,6 @@ def denoising_batch(molecules: list, plain: dict, key: tuple, *, probability: fl
     ``<mask>`` (``span_mask``), the decoder reads ``BOS t1 .. tn`` and is scored on ``t1 .. tn
     EOS``. Drawn from a generator seeded by ``key`` (seed, step, virtual rank), so a resumed run
     masks as an uninterrupted one does."""
-    from ..tokens import IGNORE_INDEX
-
     rng = _rng(*key)
     sources = []
     for toks in molecules:
@@ -195,22 +172,33 @@ def denoising_batch(molecules: list, plain: dict, key: tuple, *, probability: fl
         starts = hidden & ~np.concatenate([[False], hidden[:-1]])  # the first token of each hidden run
         src = np.where(starts, mask_id, toks)[~hidden | starts]
         sources.append(src)
-    rows = len(molecules)
+    out = encoder_decoder_batch(sources, molecules, plain["gids"], pad)
+    out["stats"] = {**plain["stats"], **out["stats"]}
+    return out
+
+
+def encoder_decoder_batch(sources: list, targets: list, gids, pad: int) -> dict:
+    """Right-padded encoder-decoder rows: ``input_ids`` and ``attention_mask`` from each source
+    (its tokens as the encoder reads them), ``decoder_input_ids`` each target but its last
+    token, ``labels`` each target but its first (IGNORE on padding). Statistics: tokens with
+    padding, real tokens, and the attention's length_sq_sum (s^2 + t^2 + s t a row)."""
+    rows = len(sources)
     s_w = max(len(x) for x in sources)
-    t_w = max(len(m) for m in molecules) - 1
+    t_w = max(len(t) for t in targets) - 1
     input_ids = np.full((rows, s_w), pad, dtype=np.int64)
     attention = np.zeros((rows, s_w), dtype=np.int64)
     decoder_input_ids = np.full((rows, t_w), pad, dtype=np.int64)
     labels = np.full((rows, t_w), IGNORE_INDEX, dtype=np.int64)
-    for i, (src, toks) in enumerate(zip(sources, molecules)):
+    for i, (src, tgt) in enumerate(zip(sources, targets)):
         input_ids[i, :len(src)] = src
         attention[i, :len(src)] = 1
-        decoder_input_ids[i, :len(toks) - 1] = toks[:-1]
-        labels[i, :len(toks) - 1] = toks[1:]
+        decoder_input_ids[i, :len(tgt) - 1] = tgt[:-1]
+        labels[i, :len(tgt) - 1] = tgt[1:]
     s_len, t_len = attention.sum(1), (labels != IGNORE_INDEX).sum(1)
     real = int(s_len.sum() + t_len.sum())
-    stats = dict(plain["stats"], tokens=rows * (s_w + t_w), real_tokens=real,
-                 length_sq_sum=int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
-                 padding_ratio=1.0 - real / (rows * (s_w + t_w)))
+    total = rows * (s_w + t_w)
     return {"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_input_ids,
-            "labels": labels, "gids": plain["gids"], "stats": stats}
+            "labels": labels, "gids": np.asarray(gids, np.int64),
+            "stats": {"tokens": total, "real_tokens": real, "molecules": rows,
+                      "length_sq_sum": int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
+                      "padding_ratio": 1.0 - real / total}}
