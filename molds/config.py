@@ -61,7 +61,8 @@ class DataConfig:
     drop it; either way it is counted."""
 
     max_tokens_per_batch: int = 8192
-    """Bucketed: padded tokens (rows x longest) per batch at most."""
+    """Bucketed: padded tokens (rows x longest) per batch at most; for pairs, rows x (longest
+    source + longest target), both sides padded."""
 
     bucket_pool: int = 1600
     """Bucketed: molecules sorted together to form length-grouped batches."""

@@ -130,7 +130,8 @@ def _loader(manifest, **over):
 def test_pair_batches_hold_each_pairs_sides_as_the_shards_do(pairs):
     """``data.mode: bucketed`` on a pair manifest: each row is the encoder's ``<bos> source <eos>``
     (its attention mask), the decoder's ``<bos> target`` and the labels ``target <eos>``, right
-    padded, read back against the shard's token columns; every pair of the split once an epoch."""
+    padded, read back against the shard's token columns, within the token budget; every pair of
+    the split once an epoch."""
     import pyarrow.parquet as pq
 
     from molds.data.manifest import Manifest
@@ -143,6 +144,8 @@ def test_pair_batches_hold_each_pairs_sides_as_the_shards_do(pairs):
     seen = []
     for b in ld:
         assert b["stats"]["tokens"] == b["input_ids"].numel() + b["decoder_input_ids"].numel()
+        # the token budget counts both padded sides: rows x (longest source + longest target)
+        assert b["stats"]["tokens"] <= 640, b["stats"]
         for i, gid in enumerate(b["gids"].tolist()):
             src, tgt = rows[gid]["source_token_ids"], rows[gid]["target_token_ids"]
             n, t = len(src) + 2, len(tgt) + 1

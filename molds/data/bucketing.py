@@ -2,7 +2,8 @@
 encoder-decoder's pairs.
 
 Molecules are gathered in pools of ``pool_size``, sorted by length, cut into batches
-whose padded size (rows x longest) stays within ``max_tokens_per_batch``, and the
+whose padded size (rows x longest; for pairs, rows x (longest source + longest target))
+stays within ``max_tokens_per_batch``, and the
 batches of a pool are emitted in a seeded random order: HuggingFace's length-grouped
 sampler, with a token budget instead of a fixed count. ``fixed_shape`` gives every
 batch ``batch_size`` rows padded (or truncated) to ``fixed_length``, as a pipeline
@@ -41,6 +42,12 @@ class Bucketer:
         a, b = unit.span(row)
         return b - a
 
+    def _encoder_width(self, gid: int) -> int:
+        """A pair's encoder row, ``<bos> source <eos>``: its prompt's length (``<bos> source
+        <sep>``); the decoder's row is the rest of the pair."""
+        unit, row = self.source.molecule(gid)
+        return int(unit.prompt[row])
+
     def make_batches(self, gids: np.ndarray, seed_key: tuple) -> list[np.ndarray]:
         """One pool of gids -> batches of gids, in the order they are to be emitted."""
         limit = self.fixed_length if self.fixed_shape else self.max_length
@@ -59,6 +66,17 @@ class Bucketer:
         batches = []
         if self.fixed_shape:
             batches = [gids[i:i + self.batch_size] for i in range(0, len(gids), self.batch_size)]
+        elif self.source.pairs:  # two padded rows each: rows x (longest source + longest target)
+            enc = np.array([self._encoder_width(g) for g in gids.tolist()], dtype=np.int64)
+            start, widest_enc, widest_dec = 0, 0, 0
+            for i in range(len(gids)):
+                e, d = max(widest_enc, enc[i]), max(widest_dec, lengths[i] - enc[i])
+                if (i - start + 1) * (e + d) > self.max_tokens:
+                    batches.append(gids[start:i])
+                    start, e, d = i, enc[i], lengths[i] - enc[i]
+                widest_enc, widest_dec = e, d
+            if start < len(gids):
+                batches.append(gids[start:])
         else:
             start = 0
             for i in range(len(gids)):
