@@ -208,6 +208,42 @@ def _correspondence(mol, anchor) -> dict[int, int]:
     return dict(zip(a, b)) if a and b else {}
 
 
+def class_roots(mol) -> list[int]:
+    """One atom of each class of symmetric atoms of ``mol`` (its lowest index), in index
+    order: the roots that write distinct strings (an equivalent root writes the same one)."""
+    from rdkit import Chem
+
+    classes = list(Chem.CanonicalRankAtoms(mol, breakTies=False))
+    return sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
+
+
+def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
+    """Up to ``count`` distinct spellings of a canonical side, for test-time augmentation: the
+    side as given first, then each molecule rooted at a random atom (one per class of
+    symmetric atoms) and the molecules in a random order, as the root-aligned spellings a
+    model trained on (``aligned_spellings``) write a source whose target is unknown. Reagents
+    after a ``>`` stay as they are. Fewer when the side has fewer spellings (a small
+    symmetric molecule); only the side itself when RDKit cannot read it."""
+    from rdkit import Chem
+
+    head, sep, rest = side.partition(">")
+    mols = [Chem.MolFromSmiles(x) for x in head.split(".")] if head else []
+    if not mols or any(m is None for m in mols):
+        return [side]
+    roots = [class_roots(m) for m in mols]
+    out, seen = [side], {side}
+    for _ in range(8 * count):  # bounded: a side may have fewer spellings than asked
+        if len(out) >= count:
+            break
+        order = rng.permutation(len(mols)).tolist()
+        text = ".".join(Chem.MolToSmiles(mols[i], rootedAtAtom=int(roots[i][int(rng.integers(0, len(roots[i])))]))
+                        for i in order) + sep + rest
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
 def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tuple[str, str]] | None:
     """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022): the
     anchor side (the one with fewer molecules, the source on a tie: the product of a reaction,
@@ -234,9 +270,7 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
     anchors, others = (s_mols, t_mols) if anchor_is_source else (t_mols, s_mols)
     anchor = Chem.MolFromSmiles(".".join(Chem.MolToSmiles(m) for m in anchors))  # one molecule, or several dotted
     maps = [_correspondence(m, anchor) for m in others]
-    # one root per class of symmetric atoms (an equivalent root writes the same string)
-    classes = list(Chem.CanonicalRankAtoms(anchor, breakTies=False))
-    firsts = sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
+    firsts = class_roots(anchor)
     roots = [firsts[i] for i in rng.permutation(len(firsts)).tolist()]
     out = []
     for k in range(count):

@@ -107,6 +107,74 @@ def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, cap
         assert [float(r["score"]) for r in got] == pytest.approx([p.score for p in preds], abs=1e-5)
 
 
+def test_votes_rank_by_best_place_then_by_their_sum():
+    """Test-time augmentation's ranking, worked by hand: three spellings' beams (invalid ones
+    and a side spelled twice in one list give no vote)."""
+    from molds.eval.pairs import vote
+
+    def preds(*sides):
+        return [Prediction(s, s or "?", -1.0, True) for s in sides]
+
+    lists = [preds("X", "W", None, "X", "Z"), preds("Y", "W", "X"), preds(None, "Z", "W")]
+    # places: X 0 / 2 / -, W 1 / 1 / 1, Z 2 / - / 0, Y - / 0 / -
+    # votes: X 1 + 1/3, W 3 x 1/2, Z 1/3 + 1, Y 1. X, Z and Y each took a first place and W
+    # none, so W comes last for all its votes; X and Z tie, and X was seen first
+    got = vote(lists, keep=4)
+    assert [p.side for p in got] == ["X", "Z", "Y", "W"]
+    assert [p.score for p in got] == pytest.approx([4 / 3, 4 / 3, 1.0, 1.5])
+    assert [p.side for p in vote(lists, keep=2)] == ["X", "Z"]
+    # one spelling: its valid sides, each once, in beam order
+    assert [p.side for p in vote([preds("A", None, "B", "A", "C")], keep=5)] == ["A", "B", "C"]
+
+
+def test_augmented_predictions_search_each_spelling_and_vote(trained):
+    """``predict_augmented``: each source and its other spellings (drawn from the seed as
+    ``rooted_spellings`` draws them), each searched as a source alone would be, voted per
+    source; molds-eval and molds-predict take ``--augment``."""
+    import numpy as np
+
+    from molds.checkpoint import open_checkpoint
+    from molds.cli.predict import main as predict_cli
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.eval.pairs import predict, predict_augmented, read_back, sides_of, split_pairs, vote
+    from molds.pairs import rooted_spellings
+
+    d, data, checkpoint = trained
+    loaded = open_checkpoint(checkpoint)
+    tok, sp, sides = loaded.tokenizer, loaded.specials, sides_of(loaded.manifest)
+    rows = split_pairs(loaded.manifest, "test", 4)
+    sources = [r["source_smiles"] for r in rows]
+    voted, raw, counts, budget = predict_augmented(loaded, sources, [r["source_token_ids"] for r in rows], augment=3,
+                                                   beams=3, longest_target=20, max_tokens=24, seed=5)
+    rng = np.random.default_rng(5)
+    at = 0
+    for r, text, got, n in zip(rows, sources, voted, counts):
+        spellings = rooted_spellings(text, rng=rng, count=3)
+        assert tok(spellings[0], add_special_tokens=False)["input_ids"] == r["source_token_ids"]
+        assert n == len(spellings) and n > 1
+        alone = []
+        for spelling in spellings:
+            hyps = predict(loaded.model, sp, [tok(spelling, add_special_tokens=False)["input_ids"]], beams=3,
+                           max_tokens=budget)
+            mine = read_back(tok, hyps, sides)[0]
+            assert [p.text for p in mine] == [p.text for p in raw[at]]
+            assert [p.score for p in mine] == pytest.approx([p.score for p in raw[at]], abs=1e-5)
+            alone.append(mine)
+            at += 1
+        assert got == vote(alone, 3)
+    assert at == len(raw)
+    report = evaluate_checkpoint(checkpoint, split="test", num=4, beams=3, augment=3)["pairs"]
+    assert report["augment"] == 3 and 1 < report["spellings_per_source"] <= 3 and report["inputs"] == 4
+    assert 0 <= report["top1"] <= report["top3"] <= 1
+    (d / "aug.smi").write_text("\n".join(sources) + "\n")
+    assert predict_cli([checkpoint, "--input", str(d / "aug.smi"), "--beams", "3", "--augment", "3", "--seed", "5",
+                        "--max_tokens", "24", "--out", str(d / "aug.csv")]) == 0
+    table = list(csv.DictReader(io.StringIO((d / "aug.csv").read_text())))
+    for i, got in enumerate(voted, 1):
+        assert [(x["prediction"], float(x["score"])) for x in table if x["row"] == str(i)] == \
+            [(p.side, pytest.approx(p.score, abs=1e-5)) for p in got]
+
+
 def test_sampling_a_pair_model_is_refused(trained):
     from molds.cli.sample import run as sample
 

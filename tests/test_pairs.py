@@ -134,3 +134,34 @@ def test_refused_pairs_and_options():
     with pytest.raises(ValueError, match="reagents must be one of"):
         PairOptions(reagents="keep")
     assert split_reaction("CC>>O |f:0.1|") == ("CC", "", "O")
+
+
+@pytest.mark.parametrize("side", ["CC(=O)NCc1ccccc1", "O[C@H]1CCNC1", "CC(=O)O.NCc1ccccc1",
+                                  "Brc1ccc(C#N)cc1.OB(O)c1ccccc1>[Pd].[K+].[K+]"])
+def test_rooted_spellings_spell_the_side_read_by_rdkit(side):
+    """Test-time augmentation's spellings of a source: the side itself first, then distinct
+    strings that RDKit reads back as the same molecules (stereo kept), each starting at
+    another atom or molecule; reagents after a ``>`` untouched."""
+    import numpy as np
+
+    from molds.pairs import rooted_spellings
+
+    head, sep, rest = side.partition(">")
+    got = rooted_spellings(side, rng=np.random.default_rng(0), count=6)
+    assert got[0] == side and len(got) == len(set(got)) == 6
+    for text in got:
+        h, s, r = text.partition(">")
+        assert (s, r) == (sep, rest)
+        assert rdkit_side(h) == rdkit_side(head), text
+    assert len({t.split(".")[0][:3] for t in got}) > 1  # not the same start each time
+
+
+def test_a_side_with_fewer_spellings_than_asked_gives_those_it_has():
+    import numpy as np
+
+    from molds.pairs import rooted_spellings
+
+    rng = np.random.default_rng(0)
+    assert rooted_spellings("c1ccccc1", rng=rng, count=5) == ["c1ccccc1"]  # every atom alike: one string
+    assert sorted(rooted_spellings("CCO", rng=rng, count=5)) == sorted(["CCO", "OCC", "C(C)O"])
+    assert rooted_spellings("not a molecule", rng=rng, count=5) == ["not a molecule"]

@@ -29,6 +29,10 @@ def build_parser():
                                                           "(a pair model: molds-preprocess --task)")
     p.add_argument("--beams", type=int, default=10,
                    help="a pair model: beam width, and the largest k of the top-k accuracy reported")
+    p.add_argument("--augment", type=int, default=1,
+                   help="a pair model: search each source in this many spellings (itself and others rooted at "
+                        "other atoms) and rank the predictions by their votes (R-SMILES's test-time augmentation; "
+                        "1: the source alone)")
     p.add_argument("--seeds", type=str, default="0",
                    help="comma-separated: sampling seeds of a checkpoint, or training seeds with --recipe")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
@@ -82,14 +86,15 @@ def run(argv: list[str]) -> int:
     except ValueError:
         raise UsageError(f"--seeds {args.seeds!r}: give comma-separated integers") from None
     if not seeds or args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.max_batches < 0 \
-            or args.beams < 1:
-        raise UsageError("--seeds needs one seed at least, --num and --beams >= 1, --temperature > 0, --top_k and "
-                         "--max_batches >= 0")
+            or args.beams < 1 or args.augment < 1:
+        raise UsageError("--seeds needs one seed at least, --num, --beams and --augment >= 1, --temperature > 0, "
+                         "--top_k and --max_batches >= 0")
     if overrides and not args.recipe:
         raise UsageError(f"recipe overrides ({' '.join(overrides)}) need --recipe")
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
                   top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd, moses=args.moses,
-                  reference_file=args.reference, conformers=args.conformers, beams=args.beams)
+                  reference_file=args.reference, conformers=args.conformers, beams=args.beams,
+                  augment=args.augment)
     if args.samples:
         if args.checkpoint or args.recipe or not args.manifest:
             raise UsageError("--samples takes --manifest and neither a CHECKPOINT nor --recipe")

@@ -7,7 +7,8 @@ The input holds one source a line (reactants for ``forward``, a product for ``re
 molecule for ``mol2mol``; a CSV with ``--column``), canonicalized as the ETL canonicalized
 the model's training sources. The output is a CSV with one row per prediction: ``row``
 (the input's line or row), ``input``, ``rank``, ``prediction`` (canonical molecules; empty
-when the beam is no molecule), ``score`` (log-probability / length ** length_penalty),
+when the beam is no molecule), ``score`` (log-probability / length ** length_penalty; with
+``--augment K``, the prediction's vote over K spellings of the source),
 ``text`` (what the tokens spell) and ``note`` (why an input has no predictions: a molecule
 RDKit refuses, a token the vocabulary lacks, too long for the model).
 """
@@ -30,6 +31,11 @@ def build_parser():
                    help="a hypothesis scores log-probability / length ** this")
     p.add_argument("--max_tokens", type=int, default=0,
                    help="tokens per prediction at most (0: 1.5 x the manifest's longest pair + 8, within the model)")
+    p.add_argument("--augment", type=int, default=1,
+                   help="search each source in this many spellings (itself and others rooted at other atoms) and "
+                        "rank the predictions by their votes, R-SMILES's test-time augmentation; score is then the "
+                        "vote (1: the source alone)")
+    p.add_argument("--seed", type=int, default=0, help="with --augment: the draw of the other spellings")
     p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
     p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
     return p
@@ -60,11 +66,11 @@ def run(argv: list[str]) -> int:
     from ..atomic import write_text
     from ..checkpoint import open_checkpoint
     from ..errors import MoldsError
-    from ..eval.pairs import encoder_decoder, predict, read_back, sides_of, target_budget
+    from ..eval.pairs import encoder_decoder, predict, predict_augmented, read_back, sides_of, target_budget
 
     args = parse(build_parser(), argv)
-    if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0:
-        raise MoldsError("--beams and --batch_size must be >= 1, --max_tokens >= 0")
+    if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
+        raise MoldsError("--beams, --batch_size and --augment must be >= 1, --max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
     info = loaded.manifest.pairs
     if info is None or loaded.family not in ("decoder", "seq2seq"):
@@ -78,7 +84,7 @@ def run(argv: list[str]) -> int:
     around = 2 if seq2seq else 3  # BOS source EOS in the encoder, or BOS source SEP and a target token
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
     sources = read_sources(args.input, args.column)
-    notes, ids = {}, {}
+    notes, ids, texts = {}, {}, {}
     for row, text in sources:
         canonical, reason = sides.source(text)
         if reason is not None:
@@ -90,13 +96,20 @@ def run(argv: list[str]) -> int:
         elif len(enc) + around > limit:
             notes[row] = "too_long"
         else:
-            ids[row] = enc
+            ids[row], texts[row] = enc, canonical
     rows = sorted(ids)
-    hyps = predict(loaded.model, sp, [ids[r] for r in rows], beams=args.beams,
-                   max_tokens=target_budget(max(len(v) for v in ids.values()), longest, limit, args.max_tokens,
-                                            seq2seq),
-                   length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
-    found = dict(zip(rows, read_back(tok, hyps, sides)))
+    if rows and args.augment > 1:
+        voted, _, _, _ = predict_augmented(loaded, [texts[r] for r in rows], [ids[r] for r in rows],
+                                           augment=args.augment, beams=args.beams, longest_target=longest,
+                                           max_tokens=args.max_tokens, length_penalty=args.length_penalty,
+                                           batch_size=args.batch_size, seed=args.seed, sides=sides)
+        found = dict(zip(rows, voted))
+    else:
+        hyps = predict(loaded.model, sp, [ids[r] for r in rows], beams=args.beams,
+                       max_tokens=target_budget(max(len(v) for v in ids.values()), longest, limit, args.max_tokens,
+                                                seq2seq),
+                       length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
+        found = dict(zip(rows, read_back(tok, hyps, sides)))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["row", "input", "rank", "prediction", "score", "text", "note"])
@@ -114,7 +127,7 @@ def run(argv: list[str]) -> int:
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "inputs": len(sources),
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
-               "beams": args.beams, "out": args.out}
+               "beams": args.beams, "augment": args.augment, "out": args.out}
     print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
     return 0
 

@@ -98,7 +98,8 @@ def split_token_lengths(manifest, split: str, limit: int = 20000):
 def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, split: str = "test",
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
-                        reference_file: str | None = None, conformers: bool = False, beams: int = 10) -> dict:
+                        reference_file: str | None = None, conformers: bool = False, beams: int = 10,
+                        augment: int = 1) -> dict:
     import numpy as np
 
     from ..checkpoint import open_checkpoint
@@ -125,7 +126,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         total, count = split_loss(forward, loaded.family, cfg, max_batches=max_batches)
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
-        report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64))
+        report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64),
+                                         augment=augment, seed=seeds[0])
         scored = ("top", "invalid", "similarity", "returns", "delta", "abs_delta")
         report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(scored)}
     elif loaded.family == "decoder":

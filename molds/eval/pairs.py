@@ -117,6 +117,30 @@ def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list
     return out
 
 
+def vote(per_spelling: list[list[Prediction]], keep: int, alpha: float = 1.0) -> list[Prediction]:
+    """Test-time augmentation's ranking (R-SMILES, Zhong et al. 2022) of one source's
+    predictions from several of its spellings. In each spelling's list, the distinct valid
+    sides in beam order, the k-th (from 0) voting 1 / (1 + ``alpha`` k); a side ranks by the
+    best place it took in any spelling, then by its votes summed over the spellings, then by
+    when it was first seen. The best ``keep``, each with its summed vote as its score and the
+    text it was first seen as. Invalid hypotheses get no vote."""
+    votes: dict[str, float] = {}
+    best: dict[str, int] = {}
+    first: dict[str, Prediction] = {}
+    for preds in per_spelling:
+        seen: set[str] = set()  # a side spelled twice among one spelling's beams votes once, at its first place
+        for p in preds:
+            if p.side is None or p.side in seen:
+                continue
+            place = len(seen)
+            seen.add(p.side)
+            votes[p.side] = votes.get(p.side, 0.0) + 1.0 / (1.0 + alpha * place)
+            best[p.side] = min(best.get(p.side, place), place)
+            first.setdefault(p.side, p)
+    ranked = sorted(first, key=lambda side: (best[side], -votes[side]))  # stable: ties keep first-seen order
+    return [Prediction(side, first[side].text, votes[side], True) for side in ranked[:keep]]
+
+
 def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TOP_KS) -> dict:
     """``top{k}``: the share of inputs whose target is among their first k predictions
     (exact match of canonical sides); ``invalid_beams``: the share of all predictions that
@@ -135,6 +159,43 @@ def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TO
     out["top1_score"] = sum(firsts) / max(1, len(firsts))  # the model's confidence in its first beam
     out["inputs"] = len(targets)
     return out
+
+
+def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *, augment: int, beams: int,
+                      longest_target: int, max_tokens: int = 0, length_penalty: float = 1.0, batch_size: int = 64,
+                      seed: int = 0, sides=None) -> tuple[list[list[Prediction]], list[list[Prediction]], list[int], int]:
+    """Test-time augmentation: each canonical source (``sources``, tokenized as ``source_ids``)
+    and up to ``augment`` - 1 other spellings of it (``molds.pairs.rooted_spellings``, drawn
+    from ``seed``; a spelling with a token the vocabulary lacks or too long for the model is
+    left out) are searched with ``beams`` beams, and each source's predictions are ranked by
+    ``vote``. Returns (the voted predictions of each source, every spelling's own predictions,
+    the spellings searched per source, the tokens a prediction could take)."""
+    import numpy as np
+
+    from ..pairs import rooted_spellings
+
+    sides = sides if sides is not None else sides_of(loaded.manifest)
+    tok, sp, model = loaded.tokenizer, loaded.specials, loaded.model
+    limit = model.config.max_position_embeddings
+    seq2seq = encoder_decoder(model)
+    around = 2 if seq2seq else 3  # BOS source EOS in the encoder, or BOS source SEP and a target token
+    rng = np.random.default_rng(seed)
+    flat, owner = [], []
+    for i, (text, ids) in enumerate(zip(sources, source_ids)):
+        flat.append(list(ids))
+        owner.append(i)
+        for other in rooted_spellings(text, rng=rng, count=augment)[1:]:
+            enc = tok(other, add_special_tokens=False)["input_ids"]
+            if sp.unk not in enc and len(enc) + around <= limit:
+                flat.append(enc)
+                owner.append(i)
+    budget = target_budget(max(len(x) for x in flat), longest_target, limit, max_tokens, seq2seq)
+    raw = read_back(tok, predict(model, sp, flat, beams=beams, max_tokens=budget, length_penalty=length_penalty,
+                                 batch_size=batch_size), sides)
+    grouped: list[list[list[Prediction]]] = [[] for _ in sources]
+    for i, preds in zip(owner, raw):
+        grouped[i].append(preds)
+    return [vote(g, beams) for g in grouped], raw, [len(g) for g in grouped], budget
 
 
 def split_pairs(manifest, split: str, num: int) -> list[dict]:
@@ -187,21 +248,36 @@ def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]
 
 
 def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_tokens: int = 0,
-                   length_penalty: float = 1.0, batch_size: int = 64) -> dict:
+                   length_penalty: float = 1.0, batch_size: int = 64, augment: int = 1, seed: int = 0) -> dict:
     """Top-k accuracy of a pair checkpoint (``open_checkpoint``'s result) on ``num`` pairs of
-    ``split``: its beams' canonical sides against each target."""
+    ``split``: its beams' canonical sides against each target. With ``augment`` > 1, each
+    source is also searched in ``augment`` - 1 other spellings and its predictions are
+    ranked by their votes (``predict_augmented``); ``invalid_beams`` then counts over every
+    spelling's beams, and ``top1_score`` is the first prediction's vote."""
     m = loaded.manifest
     info = m.pairs
     rows = split_pairs(m, split, num)
     if not rows:
         raise ValueError(f"{m.path} has no pairs in split {split!r}")
-    max_tokens = rows_budget(rows, loaded.model, max_tokens)
-    hyps = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=beams,
-                   max_tokens=max_tokens, length_penalty=length_penalty, batch_size=batch_size)
-    preds = read_back(loaded.tokenizer, hyps, sides_of(m))
     ks = tuple(k for k in TOP_KS if k <= beams)
+    targets = [r["target_smiles"] for r in rows]
+    if augment > 1:
+        preds, raw, counts, max_tokens = predict_augmented(
+            loaded, [r["source_smiles"] for r in rows], [r["source_token_ids"] for r in rows], augment=augment,
+            beams=beams, longest_target=max(r["target_length"] for r in rows), max_tokens=max_tokens,
+            length_penalty=length_penalty, batch_size=batch_size, seed=seed)
+        flat = [p for ps in raw for p in ps]
+        accuracy = {**topk_accuracy(preds, targets, ks), "augment": augment,
+                    "spellings_per_source": sum(counts) / len(counts),
+                    "invalid_beams": sum(p.side is None for p in flat) / max(1, len(flat))}
+    else:
+        max_tokens = rows_budget(rows, loaded.model, max_tokens)
+        hyps = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=beams,
+                       max_tokens=max_tokens, length_penalty=length_penalty, batch_size=batch_size)
+        preds = read_back(loaded.tokenizer, hyps, sides_of(m))
+        accuracy = topk_accuracy(preds, targets, ks)
     report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
-              "length_penalty": length_penalty, **topk_accuracy(preds, [r["target_smiles"] for r in rows], ks)}
+              "length_penalty": length_penalty, **accuracy}
     if info.get("task") == "mol2mol":
         report.update(similarity_to_source(preds, [r["source_smiles"] for r in rows]))
     report["examples"] = [{"source": r["source_smiles"], "target": r["target_smiles"],
