@@ -85,6 +85,27 @@ def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them
     assert "aligned" in proc.stderr or "root-aligned" in proc.stderr  # the runs read the stored spellings
 
 
+@pytest.mark.slow
+def test_the_pair_smoke_benchmark_interrupts_resumes_exports_and_scores(tmp_path):
+    """A smoke pair recipe, shortened, under the deepspeed launcher: killed after its first
+    checkpoint, resumed to its last step, exported (transformers' beams equal molds'), and
+    its test split scored; every stage's figure is in the line."""
+    out_dir = tmp_path / "smoke"
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_smoke.py"), "--recipes",
+                           "seq2seq_mol2mol", "--nproc", "1", "--max_steps", "60", "--interval", "10", "--num", "12",
+                           "--beams", "3", "--agree", "3", "--output_dir", str(out_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])["recipes"]["seq2seq_mol2mol"]
+    assert r["pairs"]["train"] > 0 and r["pairs"]["test"] > 0, r
+    assert 10 <= r["interrupted_at_step"] < r["resumed_to_step"] == 60, r
+    assert r["export"]["exported_as"] == "LlamaForCausalLM" and r["export"]["same_top_k"] == 3, r
+    assert r["inputs"] == 12 and 0 <= r["top1"] <= r["top3"] <= 1 and "similarity_to_source" in r, r
+    log = open(out_dir / "seq2seq_mol2mol.log").read()
+    assert "resumed from" in log
+
+
 def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():
     """The floor timed mid-run is timed with every ETL process stopped: the parent and the
     workers it started."""
