@@ -66,7 +66,7 @@ def run(argv: list[str]) -> int:
     from ..atomic import write_text
     from ..checkpoint import open_checkpoint
     from ..errors import MoldsError
-    from ..eval.pairs import encoder_decoder, predict, predict_augmented, read_back, sides_of, target_budget
+    from ..eval.pairs import encoder_decoder, fits, predict, predict_augmented, read_back, sides_of, target_budget
 
     args = parse(build_parser(), argv)
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
@@ -81,7 +81,6 @@ def run(argv: list[str]) -> int:
     sp, tok = loaded.specials, loaded.tokenizer
     limit = loaded.model.config.max_position_embeddings
     seq2seq = encoder_decoder(loaded.model)
-    around = 2 if seq2seq else 3  # BOS source EOS in the encoder, or BOS source SEP and a target token
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
     sources = read_sources(args.input, args.column)
     notes, ids, texts = {}, {}, {}
@@ -93,7 +92,7 @@ def run(argv: list[str]) -> int:
         enc = tok(canonical, add_special_tokens=False)["input_ids"]
         if sp.unk in enc:
             notes[row] = "unknown_token"
-        elif len(enc) + around > limit:
+        elif not fits(loaded.model, enc):
             notes[row] = "too_long"
         else:
             ids[row], texts[row] = enc, canonical

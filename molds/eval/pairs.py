@@ -50,6 +50,12 @@ def encoder_decoder(model) -> bool:
     return isinstance(model, Seq2SeqModel)
 
 
+def fits(model, source_ids: list[int]) -> bool:
+    """Does a source fit the model's positions: ``BOS source EOS`` in the encoder, or ``BOS
+    source SEP`` and one target token in a decoder?"""
+    return len(source_ids) + (2 if encoder_decoder(model) else 3) <= model.config.max_position_embeddings
+
+
 def target_budget(longest_source: int, longest_target: int, limit: int, asked: int = 0,
                   encoder_decoder: bool = False) -> int:
     """Tokens a prediction may take: ``asked``, else 1.5 x the longest target + 8; never past
@@ -178,7 +184,6 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
     tok, sp, model = loaded.tokenizer, loaded.specials, loaded.model
     limit = model.config.max_position_embeddings
     seq2seq = encoder_decoder(model)
-    around = 2 if seq2seq else 3  # BOS source EOS in the encoder, or BOS source SEP and a target token
     rng = np.random.default_rng(seed)
     flat, owner = [], []
     for i, (text, ids) in enumerate(zip(sources, source_ids)):
@@ -186,7 +191,7 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
         owner.append(i)
         for other in rooted_spellings(text, rng=rng, count=augment)[1:]:
             enc = tok(other, add_special_tokens=False)["input_ids"]
-            if sp.unk not in enc and len(enc) + around <= limit:
+            if sp.unk not in enc and fits(model, enc):
                 flat.append(enc)
                 owner.append(i)
     budget = target_budget(max(len(x) for x in flat), longest_target, limit, max_tokens, seq2seq)
