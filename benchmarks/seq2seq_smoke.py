@@ -104,35 +104,26 @@ def launch(args, recipe: str, manifest: str, out: str, *extra: str, stop_after_f
 def export_agreement(checkpoint: str, manifest: str, out: str, n: int, beams: int) -> dict:
     """Export the checkpoint; for ``n`` test sources, does transformers' generate on the export
     find the top ``beams`` molds' beam search finds (the same tokens, ends and scores)?"""
-    import pyarrow.parquet as pq
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from molds.checkpoint import open_checkpoint
     from molds.data.manifest import Manifest
-    from molds.eval.pairs import forbidden_in_targets, predict
+    from molds.eval.pairs import generate_exported, predict, split_pairs
     from molds.export import export
 
     loaded = open_checkpoint(checkpoint)
     sp, seq2seq = loaded.specials, loaded.family == "seq2seq"
     hf_dir = export(checkpoint, out)
     hf = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(hf_dir).eval()
-    rows = pq.read_table(Manifest.load(manifest).shards("test")[0].path).to_pylist()[:n]
-    longest = max(len(r["target_token_ids"]) for r in rows) + 8
+    rows = split_pairs(Manifest.load(manifest), "test", n)
+    longest = max(r["target_length"] for r in rows) + 8
     ours = predict(loaded.model, sp, [r["source_token_ids"] for r in rows], beams=beams, max_tokens=longest)
-    forbid, same, worst = list(forbidden_in_targets(sp)), 0, 0.0
+    same, worst = 0, 0.0
     for r, hyps in zip(rows, ours):
-        ids = torch.tensor([[sp.bos, *r["source_token_ids"], sp.eos if seq2seq else sp.sep]])
-        with torch.no_grad():
-            got = hf.generate(ids, num_beams=beams, num_return_sequences=beams, max_new_tokens=longest,
-                              do_sample=False, length_penalty=1.0, early_stopping=False, eos_token_id=sp.eos,
-                              pad_token_id=sp.pad, output_scores=True, return_dict_in_generate=True,
-                              **({} if seq2seq else {"suppress_tokens": forbid}))
-        seqs = (got.sequences[:, 1:] if seq2seq else got.sequences[:, ids.shape[1]:]).tolist()
-        theirs = [(s[:s.index(sp.eos)], True) if sp.eos in s else (s, False) for s in seqs]
-        gap = max(abs(h.score - t) for h, t in zip(hyps, got.sequences_scores.tolist()))
+        theirs = generate_exported(hf, sp, r["source_token_ids"], beams=beams, max_tokens=longest)
+        gap = max(abs(h.score - score) for h, (_, _, score) in zip(hyps, theirs))
         worst = max(worst, gap)
-        same += [(h.ids, h.ended) for h in hyps] == theirs and gap < 1e-4
+        same += [(h.ids, h.ended) for h in hyps] == [(t, ended) for t, ended, _ in theirs] and gap < 1e-4
     return {"exported_as": type(hf).__name__, "sources": len(rows), "beams": beams, "same_top_k": same,
             "max_score_gap": float(f"{worst:.2g}")}
 

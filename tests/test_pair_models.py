@@ -271,12 +271,11 @@ def test_the_export_generates_the_beams_molds_predict_writes(trained, tmp_path):
     encoder-decoder), finds the top k molds' search finds on the same checkpoint: the same
     tokens, the same ends and scores. The encoder-decoder's export carries the tokens a target
     never holds in its generation config; the decoder's caller passes them."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from molds.checkpoint import open_checkpoint
     from molds.data.manifest import Manifest
-    from molds.eval.pairs import forbidden_in_targets, predict
+    from molds.eval.pairs import forbidden_in_targets, generate_exported, predict
     from molds.export import export
 
     _, data, checkpoint = trained
@@ -287,19 +286,12 @@ def test_the_export_generates_the_beams_molds_predict_writes(trained, tmp_path):
     rows = pq.read_table(Manifest.load(data).shards("test")[0].path).to_pylist()[:3]
     k, n = 3, 12
     ours = predict(loaded.model, sp, [r["source_token_ids"] for r in rows], beams=k, max_tokens=n)
-    forbid = list(forbidden_in_targets(sp))
     if seq2seq:
-        assert sorted(hf.generation_config.suppress_tokens) == forbid
+        assert sorted(hf.generation_config.suppress_tokens) == list(forbidden_in_targets(sp))
     for r, hyps in zip(rows, ours):
-        ids = torch.tensor([[sp.bos, *r["source_token_ids"], sp.eos if seq2seq else sp.sep]])
-        out = hf.generate(ids, num_beams=k, num_return_sequences=k, max_new_tokens=n, do_sample=False,
-                          length_penalty=1.0, early_stopping=False, eos_token_id=sp.eos, pad_token_id=sp.pad,
-                          output_scores=True, return_dict_in_generate=True,
-                          **({} if seq2seq else {"suppress_tokens": forbid}))
-        seqs = (out.sequences[:, 1:] if seq2seq else out.sequences[:, ids.shape[1]:]).tolist()
-        theirs = [(s[:s.index(sp.eos)], True) if sp.eos in s else (s, False) for s in seqs]
-        assert [(h.ids, h.ended) for h in hyps] == theirs
-        assert [h.score for h in hyps] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+        theirs = generate_exported(hf, sp, r["source_token_ids"], beams=k, max_tokens=n)
+        assert [(h.ids, h.ended) for h in hyps] == [(t, ended) for t, ended, _ in theirs]
+        assert [h.score for h in hyps] == pytest.approx([score for _, _, score in theirs], abs=1e-4)
 
 
 def test_the_split_loss_is_the_mean_over_target_tokens_of_each_pair_run_alone(trained):

@@ -103,6 +103,28 @@ def predict(model, specials, sources: list[list[int]], *, beams: int, max_tokens
     return out
 
 
+@torch.no_grad()
+def generate_exported(hf_model, specials, source: list[int], *, beams: int, max_tokens: int,
+                      length_penalty: float = 1.0) -> list[tuple[list[int], bool, float]]:
+    """What transformers' ``generate(num_beams=beams)`` finds for one source on a model
+    ``molds-export`` wrote, laid out as ``predict`` lays it out (``BOS source SEP`` for a
+    decoder, ``BOS source EOS`` into the encoder-decoder): (tokens without the end token,
+    ended, score) per beam, best first. The worked example of calling ``generate`` on an
+    export, and the independent search ``predict`` is compared with."""
+    seq2seq = bool(getattr(hf_model.config, "is_encoder_decoder", False))
+    ids = torch.tensor([[specials.bos, *source, specials.eos if seq2seq else specials.sep]],
+                       device=hf_model.device)
+    out = hf_model.generate(ids, num_beams=beams, num_return_sequences=beams, max_new_tokens=max_tokens,
+                            do_sample=False, length_penalty=length_penalty, early_stopping=False,
+                            eos_token_id=specials.eos, pad_token_id=specials.pad, output_scores=True,
+                            return_dict_in_generate=True,
+                            # the encoder-decoder's export carries them in its generation config
+                            **({} if seq2seq else {"suppress_tokens": list(forbidden_in_targets(specials))}))
+    seqs = (out.sequences[:, 1:] if seq2seq else out.sequences[:, ids.shape[1]:]).tolist()
+    ends = [(s[:s.index(specials.eos)], True) if specials.eos in s else (s, False) for s in seqs]
+    return [(t, ended, score) for (t, ended), score in zip(ends, out.sequences_scores.tolist())]
+
+
 def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list[Prediction]]:
     """Each hypothesis as a canonical side (``sides``: a ``PairCanonicalizer``), None when
     it did not end or does not parse."""
