@@ -234,3 +234,66 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(dataset, tmp
     # or repeated step is a learning-rate step (3e-3) on most weights
     worst = max(float((want[k] - got[k]).abs().max() / (want[k].abs().max() + 1e-12)) for k in want)
     assert worst <= 2e-5, worst
+
+
+def _slurm_script(port: int, train_args: list[str]) -> str:
+    """docs/guides/multi-node.md's Slurm batch script, as printed there, with one rank per
+    node, the test's port and the test's training arguments in place of the GPU recipe."""
+    import re
+    import shlex
+
+    page = open(os.path.join(ROOT, "docs", "guides", "multi-node.md")).read()
+    script = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "#SBATCH" in b)
+    for old, new in (("--nproc_per_node 8", "--nproc_per_node 1"), (":29400", f":{port}"),
+                     ("molds/train.py --recipe recipes/moe_fp8.json", " ".join(map(shlex.quote, train_args)))):
+        assert old in script, old  # the page changed: this test follows it
+        script = script.replace(old, new)
+    return script
+
+
+#: stand-ins for Slurm's commands: ``srun`` starts its command once per node (SLURM_NODEID,
+#: SLURM_PROCID) and fails if any failed; ``scontrol show hostnames`` expands the node list
+#: to this machine, once per node
+SRUN = """#!/bin/bash
+pids=()
+for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n SLURM_PROCID=$n "$@" & pids+=($!); sleep 1; done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
+"""
+SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] || { echo "scontrol stand-in: $*" >&2; exit 2; }
+for ((n = 0; n < SLURM_NNODES; n++)); do echo 127.0.0.1; done
+"""
+
+
+@pytest.mark.slow
+def test_the_slurm_script_of_the_docs_trains_on_two_nodes_and_a_requeue_continues(dataset, tmp_path, one_node):
+    """The multi-node guide's batch script, run by bash with ``srun`` and ``scontrol``
+    stand-ins on two simulated nodes: the job trains as one node of the same world size
+    does, and the same script submitted again with more steps (a requeued job) continues from
+    the job's newest checkpoint (its ``--checkpoint.resume auto``) with the losses of a run
+    nobody stopped."""
+    import json
+
+    ref = one_node("ddp")
+    out = str(tmp_path / "run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    for steps in (2, 4):  # submitted, then submitted again
+        port = free_port()
+        script = tmp_path / f"train-{steps}.sh"
+        script.write_text(_slurm_script(port, _args(dataset, out, "ddp", steps)))
+        job = dict(env, PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="node[0-1]",
+                   SLURM_NNODES="2", SLURM_JOB_ID=str(port))
+        proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=job, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        # each submission's first attempt ran it (a refused start would have been rescued by
+        # the script's --max-restarts 1, which resumes by itself)
+        assert "torchrun restart" not in proc.stderr, proc.stderr[-3000:]
+    a, b = losses(ref), losses(out)
+    assert sorted(b) == [1, 2, 3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-7) for s in b), (a, b)
+    lineage = json.load(open(os.path.join(out, "checkpoints", "step-00000004", "lineage.json")))
+    assert lineage["world_size"] == 2 and lineage["resumed_from"].endswith("step-00000002")
