@@ -3,7 +3,7 @@ the same pairs, split and CPU budget.
 
     python benchmarks/seq2seq_templates.py [--input moses/train.csv.gz --every 8]
         [--tasks retro forward] [--budget 30m] [--nproc 2] [--num 1000] [--beams 10]
-        [--variants 0] [--output_dir runs/seq2seq-bench]
+        [--variants 0] [--augment 1] [--output_dir runs/seq2seq-bench]
 
 1. Data: ``molds/sample_data/make_pairs.py reactions`` on ``--input`` (every ``--every``-th
    molecule, at most ``--limit``): each molecule a product, disconnected by twelve named
@@ -17,7 +17,8 @@ the same pairs, split and CPU budget.
    encoder-decoder (``recipes/smoke/bart_forward.json``, BART), both ZeRO-2 at width 128.
    The last checkpoint is scored.
 4. ``molds-eval``'s top-k exact match (canonical molecules, any order) on ``--num`` pairs of
-   the test split with ``--beams`` beams.
+   the test split with ``--beams`` beams; with ``--augment K`` also the same pairs with
+   test-time augmentation over K spellings (``molds-eval --augment K``), as ``augmented``.
 
 One JSON line: the set (reactions, classes), each task's pairs per split, each family's
 steps, top-1/3/5/10 and invalid beams, and ``seq2seq_over_decoder_top1`` per task.
@@ -84,9 +85,19 @@ def train(args, family: str, task: str, manifest: str, out: str) -> dict:
     report = evaluate_checkpoint(out, split="test", num=args.num, beams=args.beams, max_batches=50)
     lineage = read_lineage(report["checkpoint"])
     keep = ("top1", "top3", "top5", "top10", "invalid_beams", "invalid_top1", "inputs")
-    return {"recipe": os.path.relpath(recipe, ROOT), "steps": lineage["step"], "train_s": round(train_s, 1),
-            "eval_s": round(time.perf_counter() - t0, 1), "test_loss": round(report["loss"], 4),
-            **{k: report["pairs"][k] for k in keep if k in report["pairs"]}}
+    entry = {"recipe": os.path.relpath(recipe, ROOT), "steps": lineage["step"], "train_s": round(train_s, 1),
+             "eval_s": round(time.perf_counter() - t0, 1), "test_loss": round(report["loss"], 4),
+             **{k: report["pairs"][k] for k in keep if k in report["pairs"]}}
+    if args.augment > 1:  # the same pairs again, each source searched in --augment spellings and voted
+        from molds.checkpoint import open_checkpoint
+        from molds.eval.pairs import evaluate_pairs
+
+        t0 = time.perf_counter()
+        aug = evaluate_pairs(open_checkpoint(report["checkpoint"]), "test", num=args.num, beams=args.beams,
+                             augment=args.augment)
+        entry["augmented"] = {"eval_s": round(time.perf_counter() - t0, 1), "spellings_per_source": round(
+            aug["spellings_per_source"], 2), **{k: aug[k] for k in keep if k in aug}}
+    return entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num", type=int, default=1000, help="test pairs scored")
     ap.add_argument("--beams", type=int, default=10)
     ap.add_argument("--variants", type=int, default=0, help="root-aligned spellings stored per training pair")
+    ap.add_argument("--augment", type=int, default=1,
+                    help="also score each model with test-time augmentation over this many spellings (1: no)")
     ap.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "seq2seq-bench"))
     args = ap.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -62,7 +62,8 @@ def test_benchmark_runs_and_prints_its_json_line(name, dataset, tmp_path):  # no
 @pytest.mark.slow
 def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them(tmp_path):
     """A few hundred template reactions, each family for the same short budget on root-aligned
-    spellings: both scored on the same test pairs; the set's count is the CSV's rows."""
+    spellings: both scored on the same test pairs, and again with test-time augmentation;
+    the set's count is the CSV's rows."""
     import csv
     import gzip
 
@@ -70,7 +71,7 @@ def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_templates.py"), "--limit", "600",
                            "--tasks", "retro", "--budget", "15s", "--nproc", "1", "--num", "8", "--beams", "3",
-                           "--variants", "2", "--output_dir", str(out_dir)],
+                           "--variants", "2", "--augment", "2", "--output_dir", str(out_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,6 +83,9 @@ def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them
     for family in ("decoder", "seq2seq"):
         r = retro[family]
         assert r["steps"] > 0 and r["inputs"] == 8 and 0 <= r["top1"] <= r["top3"] <= 1, r
+        # the same 8 pairs with test-time augmentation: each source also searched in a second spelling
+        a = r["augmented"]
+        assert a["inputs"] == 8 and 1 < a["spellings_per_source"] <= 2 and 0 <= a["top1"] <= a["top3"] <= 1, r
     assert "aligned" in proc.stderr or "root-aligned" in proc.stderr  # the runs read the stored spellings
 
 
