@@ -42,8 +42,8 @@ SAMPLES = os.path.join(ROOT, "molds", "sample_data")
 REACTIONS = ["--input", os.path.join(SAMPLES, "moses_sample_reactions.csv.gz"),
              "--smiles-column", "reactants>reagents>production", "--id-column", "id"]
 #: the ETL arguments of each manifest a smoke pair recipe reads (docs/guides/pairs.md, section 1)
-DATA = {"reactions-forward": [*REACTIONS, "--task", "forward"],
-        "reactions-retro": [*REACTIONS, "--task", "retro"],
+DATA = {"reactions-forward": [*REACTIONS, "--task", "forward", "--randomized-variants", "8"],
+        "reactions-retro": [*REACTIONS, "--task", "retro", "--randomized-variants", "8"],
         "mmp": ["--input", os.path.join(SAMPLES, "moses_sample_mmp.csv.gz"), "--smiles-column", "source",
                 "--target-column", "target", "--task", "mol2mol"]}
 

@@ -71,7 +71,7 @@ def train(args, family: str, task: str, manifest: str, out: str) -> dict:
             "--trainer.max_steps", "null", "--trainer.max_time", args.budget, "--eval.interval_steps", "0",
             "--eval.full_interval_steps", "0", "--checkpoint.interval_steps", "0", "--checkpoint.keep_last", "0",
             "--logging.progress", "false", "--optim.warmup_steps", "null", "--optim.warmup_fraction", "0.05",
-            *(["--data.randomized_smiles", "0.5"] if args.variants else [])]
+            "--data.randomized_smiles", "0.5" if args.variants else "0"]
     launcher = ([sys.executable, os.path.join(ROOT, "molds", "train.py")] if args.nproc == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                  os.path.join(ROOT, "molds", "train.py")])
