@@ -6,6 +6,8 @@ to compare; the tolerance of ``tests/engines/test_equivalence.py``'s ZeRO-3)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.dist.spawn import run_ranks
@@ -28,8 +30,8 @@ def _argv(manifest, out, engine, stage=2):
             "--trainer.precision", "fp32", "--logging.progress", "false", "--run.output_dir", out]
 
 
-def _init(rank, world, argv):
-    """The model's weights before any step."""
+def _init(argv):
+    """The model's weights before any step (in this process: no engine, no ranks)."""
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.models import build_model
@@ -65,12 +67,13 @@ def _params(rank, world, argv):
     for step in range(3):
         pair = batches[2 * step:2 * step + 2]
         losses.append(engine.train_step(pair if world == 1 else [pair[rank]]).loss)
-    if recipe.parallel.engine == "zero" and recipe.parallel.zero_stage == 3:
+    gather = contextlib.nullcontext()
+    if recipe.parallel.engine == "zero" and recipe.parallel.zero_stage == 3:  # whole tensors, not partitions
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(engine.model.parameters())):
-            return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, losses
-    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, losses
+        gather = deepspeed.zero.GatheredParameters(list(engine.model.parameters()))
+    with gather:
+        return {n: p.detach().clone() for n, p in engine.model.named_parameters()}, losses
 
 
 @pytest.mark.parametrize("engine,stage", [("ddp", 2), ("zero", 2), ("zero", 3)], ids=["ddp", "zero2", "zero3"])
@@ -78,7 +81,7 @@ def test_two_ranks_match_one_process(pairs, tmp_path, engine, stage):
     ref, ref_losses = run_ranks(_params, 1, _argv(pairs, str(tmp_path / "ref"), "ddp"))[0]
     got = run_ranks(_params, 2, _argv(pairs, str(tmp_path / "x"), engine, stage))
     assert all(v == v for v in ref_losses)
-    init = run_ranks(_init, 1, _argv(pairs, str(tmp_path / "init"), "ddp"))[0]
+    init = _init(_argv(pairs, str(tmp_path / "init"), "ddp"))
     assert max(float((ref[n] - p).abs().max()) for n, p in init.items()) > 1e-3  # the weights trained
     for params, _ in got:
         assert params.keys() == ref.keys()
