@@ -17,8 +17,8 @@ from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
                      partition_targets, partition_token_counts, reduce_partition, targets_in_two_splits, write_shard)
-from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, save_tokenizer,
-                        train_bpe_tokenizer, vocab_from_counts)
+from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, respelling_tokens,
+                        save_tokenizer, train_bpe_tokenizer, vocab_from_counts)
 
 
 class Progress:
@@ -251,7 +251,9 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
             counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
                                                                     splits, spelled) for p in parts]),
                          Counter())
-        vocab = vocab_from_counts(counts)
+        # a rooted or randomized spelling (stored variants, or made while training) may need a
+        # bond direction, tetrahedral tag or ring number the canonical forms never wrote
+        vocab = vocab_from_counts(counts, respelling_tokens(counts) if spelled == "smiles" else ())
         save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[spelled]), tok_dir)
         info = {"kind": "regex"} if spelled == "smiles" else {"kind": "regex", "grammar": spelled}
         return ("regex", vocab, spelled), info

@@ -158,15 +158,46 @@ def count_tokens(smiles_list: list[str], grammar: Grammar = SMILES) -> Counter:
     return counts_of_codes(token_codes(smiles_list, grammar))
 
 
-def vocab_from_counts(counts: Counter) -> dict[str, int]:
-    """Specials first, then tokens by falling frequency, ties by the token text."""
+def vocab_from_counts(counts: Counter, extra=()) -> dict[str, int]:
+    """Specials first, then tokens by falling frequency, ties by the token text, then the
+    ``extra`` tokens not counted, in text order."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
     for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if tok not in vocab:
+            vocab[tok] = len(vocab)
+    for tok in sorted(extra):
         if tok not in vocab:
             vocab[tok] = len(vocab)
     if len(vocab) > MAX_VOCAB:
         raise ValueError(f"vocabulary of {len(vocab)} tokens does not fit uint16 ids")
     return vocab
+
+
+_TETRAHEDRAL = re.compile(r"@@?(?!@|TH|AL|SP|TB|OH)")  # @ and @@, not @TH1, @SP2, ...
+_RING_NUMBER = re.compile(r"%\(([0-9]+)\)|%([0-9]{2})|([1-9])")
+
+
+def respelling_tokens(tokens) -> set[str]:
+    """The SMILES tokens another spelling of the same molecules may need beside ``tokens``:
+    the other bond direction (``/`` and ``\\``), the other tetrahedral tag of each bracket atom
+    (``[C@H]`` and ``[C@@H]``) and every ring number up to the highest seen, at least 9. A
+    canonical writer uses only some of each pair: MOSES's canonical SMILES hold ``/`` but no
+    ``\\``, and a rooted or randomized spelling of the same molecule (``--randomized-variants``,
+    ``data.randomized_smiles``) may need the other."""
+    tokens = set(tokens)
+    extra = set()
+    if tokens & {"/", "\\"}:
+        extra |= {"/", "\\"}
+    top = 0
+    for tok in tokens:
+        if tok.startswith("[") and _TETRAHEDRAL.search(tok):
+            extra.add(_TETRAHEDRAL.sub(lambda m: "@" if m.group(0) == "@@" else "@@", tok, count=1))
+        ring = _RING_NUMBER.fullmatch(tok)
+        if ring:
+            top = max(top, int(next(g for g in ring.groups() if g)))
+    if top:
+        extra |= {str(i) for i in range(1, 10)} | {f"%{i}" for i in range(10, min(top, 99) + 1)}
+    return extra - tokens
 
 
 def _post_processor(vocab: dict[str, int]):

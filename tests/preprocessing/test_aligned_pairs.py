@@ -158,3 +158,39 @@ def test_the_loader_reads_pairs_in_their_stored_spellings(aligned_manifest, mode
                     assert any(tuple(body) in v for v in stored.values())
     if mode == "bucketed":
         assert sum(len(v) > 1 for v in seen.values()) > len(seen) // 2
+
+
+def test_aligned_spellings_the_canonical_forms_never_wrote_are_stored(tmp_path):
+    """Pairs whose canonical forms write only ``/`` and ``[C@@H]``, whose rooted spellings need
+    ``\\`` and ``[C@H]`` (the reagent dba of a Buchwald coupling, say): every spelling is
+    stored and reads back as the pair, none is counted failed."""
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+    from tests.preprocessing.test_tokenizer import STEREO
+
+    with open(tmp_path / "pairs.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["src", "tgt", "fold"])
+        for i, a in enumerate(STEREO):
+            for b in STEREO[i + 1:]:
+                w.writerow([a, f"{b}.{a}", "train"])
+        w.writerow(["CCO", "CC=O", "valid"])
+        w.writerow(["CCN", "CC=N", "test"])
+    out = str(tmp_path / "out")
+    run(PreprocessConfig(input=[str(tmp_path / "pairs.csv")], output=out, smiles_column="src", target_column="tgt",
+                         task="mol2mol", split="given", split_column="fold", workers=1, progress=False,
+                         randomized_variants=8))
+    import json
+
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["randomized"]["failed"] == 0
+    spelled = set()
+    for s in m["splits"]["train"]:
+        for row in pq.read_table(os.path.join(out, s["uri"])).to_pylist():
+            assert len(row["randomized_token_ids"]) == 8
+            for ids in row["randomized_token_ids"]:
+                src, tgt = _sides(out, ids)
+                assert _canon_side(src) == _canon_side(row["source_smiles"])
+                assert _canon_side(tgt) == _canon_side(row["target_smiles"])
+                spelled.add(src + ">" + tgt)
+    assert "\\" in "".join(spelled) and "[C@H]" in "".join(spelled)  # else nothing is tested

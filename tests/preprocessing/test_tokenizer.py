@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from molds.preprocessing.tokenizer import (RegexEncoder, build_regex_tokenizer, count_tokens, regex_covers,
-                                            save_tokenizer, split_smiles, token_codes, train_bpe_tokenizer,
-                                            vocab_from_counts)
+                                            respelling_tokens, save_tokenizer, split_smiles, token_codes,
+                                            train_bpe_tokenizer, vocab_from_counts)
 
 from .conftest import sample_smiles
 
@@ -103,6 +103,37 @@ def test_vocab_too_big_for_uint16():
 
     with pytest.raises(ValueError, match="uint16"):
         vocab_from_counts(Counter({f"[X{i}]": 1 for i in range(70000)}))
+
+
+# canonical forms that write only "/", one tetrahedral tag per bracket atom, and few ring numbers
+STEREO = ["O=C(/C=C/c1ccccc1)/C=C/c1ccccc1", "C/C=C/C(=O)O", "CC[C@@H](C)O",
+          "N[C@@H](Cc1ccccc1)C(=O)O", "C12C3C4C1C5C2C3C45", "c1ccc2cc3cc4ccccc4cc3cc2c1"]
+
+
+def test_the_vocabulary_covers_the_other_spellings_of_its_molecules():
+    """A vocabulary of the canonical tokens and ``respelling_tokens`` of them holds every token
+    of RDKit's randomized spellings and of its spellings rooted at each atom, which the
+    canonical tokens alone do not (the bond direction and tetrahedral tag canonical SMILES never
+    wrote)."""
+    from rdkit import Chem
+
+    from molds.data.randomize import restricted_variants
+
+    canonical = [Chem.MolToSmiles(Chem.MolFromSmiles(s)) for s in STEREO]
+    counts = count_tokens(canonical)
+    vocab = vocab_from_counts(counts, respelling_tokens(counts))
+    assert list(vocab)[:len(vocab) - len(respelling_tokens(counts))] == list(vocab_from_counts(counts))  # ids kept
+    other = set()
+    for i, smiles in enumerate(canonical):
+        mol = Chem.MolFromSmiles(smiles)
+        for text in restricted_variants(smiles, rng=np.random.default_rng(i), count=32):
+            other |= set(split_smiles(text))
+        for atom in range(mol.GetNumAtoms()):
+            other |= set(split_smiles(Chem.MolToSmiles(mol, rootedAtAtom=atom)))
+    missed = other - set(counts)  # else nothing is tested: a bond direction, a tag, a ring number
+    assert {"\\", "[C@H]"} <= missed and any(t.isdigit() for t in missed), missed
+    assert other <= set(vocab), other - set(vocab)
+    assert respelling_tokens(count_tokens(["CCO", "[C@TH1](F)(Cl)(Br)I"])) == set()  # nothing to mirror
 
 
 def test_map_stage_rejects_what_the_regex_cannot_cover(tmp_path):
