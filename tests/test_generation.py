@@ -196,7 +196,7 @@ def test_a_sample_holding_a_special_token_is_no_smiles(dataset):
         "CC(=O)O", None, None, None]
 
 
-def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path, capsys):
+def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path, capsys, monkeypatch):
     import pyarrow.parquet as pq
 
     from molds.data.manifest import Manifest
@@ -226,6 +226,18 @@ def test_molds_eval_scores_a_file_of_samples(dataset, tmp_path, capsys):
         assert eval_main(["--samples", str(tmp_path / name), "--manifest", dataset, "--out", str(tmp_path / f"ev-{name}")]) == 0
         again = json.load(open(tmp_path / f"ev-{name}" / "eval.json"))["metrics"]
         assert {k: again[k] for k in ("samples", "valid", "novelty")} == {"samples": 5, "valid": 2, "novelty": 0.5}, name
+    # --reference: MOSES's similarity metrics and the property distances against one file, read once
+    import molds.eval.evaluate as evaluate
+
+    reads = []
+    real_read = evaluate.read_smiles_file
+    monkeypatch.setattr(evaluate, "read_smiles_file", lambda p: reads.append(p) or real_read(p))
+    (tmp_path / "ref.smi").write_text("CCO\nc1ccccc1O name\nCC(=O)Nc1ccc(O)cc1\n")
+    assert eval_main(["--samples", str(path), "--manifest", dataset, "--reference", str(tmp_path / "ref.smi"),
+                      "--out", str(tmp_path / "ev-ref")]) == 0
+    ref = json.load(open(tmp_path / "ev-ref" / "eval.json"))["metrics"]
+    assert ref["moses_reference_molecules"] == 3 and len(reads) == 1
+    assert "ref.smi (3 of its 3 molecules)" in open(tmp_path / "ev-ref" / "eval.md").read()
     (tmp_path / "bad.csv").write_text("id,smi\n1,CCO\n")
     assert eval_main(["--samples", str(tmp_path / "bad.csv"), "--manifest", dataset, "--out", str(tmp_path / "b")]) != 0
     assert "bad.csv: a csv file of samples needs a SMILES column; its header is ['id', 'smi']" in capsys.readouterr().err

@@ -17,13 +17,14 @@ import os
 from ..errors import MoldsError
 
 
-def moses_reference(manifest, split: str, reference_file: str | None = None):
-    """The reference set of MOSES's similarity metrics: a SMILES file (MOSES's own test.csv,
-    one SMILES per line or a CSV with a SMILES column), or the whole ``split``."""
+def moses_reference(manifest, split: str, reference: tuple[str, list[str]] | None = None):
+    """The reference set of MOSES's similarity metrics: a SMILES file's (name, SMILES) as
+    ``_reference_file`` reads it (MOSES's own test.csv, one SMILES per line or a CSV with a
+    SMILES column), or the whole ``split``."""
     from ..metrics.generation import ReferenceSet, reference_smiles
 
-    if reference_file:
-        return ReferenceSet(read_smiles_file(reference_file))
+    if reference:
+        return ReferenceSet(reference[1])
     return ReferenceSet(reference_smiles(manifest, split, limit=1 << 30))
 
 
@@ -139,8 +140,9 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         max_tokens = default_max_tokens(m, model_cfg["max_position_embeddings"])
         representation = of_manifest(m)
-        reference = moses_reference(m, split, reference_file) if moses or reference_file else None
-        properties = reference_properties(m, split, reference=_reference_file(reference_file))
+        ref_file = _reference_file(reference_file)  # read once, for both
+        reference = moses_reference(m, split, ref_file) if moses or ref_file else None
+        properties = reference_properties(m, split, reference=ref_file)
         ref_lengths = split_token_lengths(m, split)
         per_seed = []
         for seed in seeds:
@@ -213,9 +215,10 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
         from .sampling import texts_to_smiles
 
         smiles = texts_to_smiles(lines, of_manifest(m))
-    reference = moses_reference(m, split, reference_file) if moses or reference_file else None
+    ref_file = _reference_file(reference_file)  # read once, for both
+    reference = moses_reference(m, split, ref_file) if moses or ref_file else None
     metrics = generation_metrics(smiles, m, fcd_reference=split if fcd else None, moses_reference=reference,
-                                 properties=reference_properties(m, split, reference=_reference_file(reference_file)))
+                                 properties=reference_properties(m, split, reference=ref_file))
     if conformers:
         metrics.update(_conformer_metrics(lines, of_manifest(m)))
     histograms = metrics.pop("histograms", {})
