@@ -100,7 +100,7 @@ def main():
     ap.add_argument("--manifest", default="runs/quickstart/data")
     ap.add_argument("--output_dir", default="runs/fp8-training")
     args = ap.parse_args()
-    from tests.dist.spawn import free_port
+    from molds.distributed import free_port
 
     manifest = os.path.abspath(args.manifest)
     if not os.path.isfile(os.path.join(manifest, "manifest.json")):

@@ -263,8 +263,10 @@ def measure(schedule, ranks, n, unit, a, steps):
 
     import torch
 
+    from molds.distributed import free_port
+
     out_dir = tempfile.mkdtemp(prefix="molds-bubble-")
-    ctx = torch.multiprocessing.start_processes(_rank, args=(ranks, schedule, n, unit, a, steps, _free_port(), out_dir),
+    ctx = torch.multiprocessing.start_processes(_rank, args=(ranks, schedule, n, unit, a, steps, free_port(), out_dir),
                                                 nprocs=ranks, join=False, start_method="spawn")
     while not ctx.join(timeout=5):
         pass
@@ -332,14 +334,6 @@ def main():
         out[f"dualpipev_over_stock_p{p}"] = out[f"dualpipev_p{p}_step_s"] / out[f"stock_p{p}_step_s"]
         out[f"dualpipev_over_1f1b_p{p}"] = out[f"dualpipev_p{p}_step_s"] / out[f"1f1b_p{p}_step_s"]
     print(json.dumps(out))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu() -> str:

@@ -62,7 +62,7 @@ def launch(args, recipe: str, manifest: str, out: str, *extra: str, stop_after_f
     """Run the recipe under the deepspeed launcher; with ``stop_after_first_checkpoint`` send
     the job SIGTERM once a checkpoint is complete. Returns (seconds, what it printed)."""
     from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
-    from tests.dist.spawn import free_port
+    from molds.distributed import free_port
 
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
            "--master_port", str(free_port()), os.path.join(ROOT, "molds", "train.py"), "--recipe", recipe,
@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(os.path.join(ROOT, "recipes", "smoke", f"{name}.json")):
             ap.error(f"--recipes: no recipes/smoke/{name}.json")
     os.makedirs(args.output_dir, exist_ok=True)
-    sys.path.insert(0, ROOT)  # tests.dist.spawn's free_port
     from molds.precision import cpu_description
 
     result = {"nproc": args.nproc, "beams": args.beams, "max_steps": args.max_steps or "as written", "recipes": {},

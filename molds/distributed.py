@@ -43,7 +43,8 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS's choice), for a rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +70,7 @@ def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> D
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
