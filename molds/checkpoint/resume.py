@@ -9,7 +9,8 @@ recipe given now is compared with the one the checkpoint recorded:
   ``resume_changes``;
 - any other changed key is refused, naming it, unless the run is forked
   (``--checkpoint.fork true``). So is another manifest (content hash) or tokenizer, and
-  another global batch (sequences per optimizer step, whatever keys produce it).
+  another global batch (sequences per optimizer step, whatever keys produce it). A fork too
+  refuses another tokenizer vocabulary.
 
 A fork starts a new run from a checkpoint's weights (and its optimizer state with
 ``checkpoint.fork_optimizer``): step 0, a fresh data cursor on the recipe's (possibly
@@ -60,7 +61,16 @@ def recipe_changes(saved: dict, current: dict) -> dict:
 
 
 def check_resume(path: str, saved: dict, lineage: dict, fork: bool) -> dict:
-    """Refuse what a resume may not change; returns the applied changes (key -> [old, new])."""
+    """Refuse what a resume may not change, and a fork onto another tokenizer vocabulary (the
+    embedding and output rows are its tokens: another vocabulary's ids name other tokens,
+    whether or not the shapes fit); returns the applied changes (key -> [old, new])."""
+    if fork and saved.get("vocab_hash") and lineage.get("vocab_hash") and saved["vocab_hash"] != lineage["vocab_hash"]:
+        parent = saved.get("manifest") or "the parent run's manifest"
+        raise CheckpointError(
+            f"cannot fork {path} onto {lineage.get('manifest') or 'this manifest'}: its tokenizer vocabulary "
+            f"({lineage['vocab_hash'][:12]}) is not the checkpoint's ({saved['vocab_hash'][:12]}), whose token ids "
+            f"the embeddings are rows of. Make the manifest with the checkpoint's tokenizer: molds-preprocess ... "
+            f"--tokenizer {parent}/tokenizer")
     problems = []
     for key, what in (("manifest_hash", "manifest (content hash)"), ("vocab_hash", "tokenizer vocabulary")):
         if saved.get(key) != lineage.get(key):

@@ -131,6 +131,24 @@ def test_resume_refuses_another_manifest_and_a_fork_starts_fresh(dataset, tmp_pa
     state = json.load(open(os.path.join(result["checkpoint"], "data_state.json")))
     assert all(v["epoch"] == 0 for v in state["vranks"].values())  # a fresh cursor on the new manifest
     assert sorted(losses(forked)) == [1, 2]
+    # a manifest tokenized with another vocabulary of the same size (the tokens in another
+    # order, as another data set's frequencies give): the weights would fit, the ids would not
+    relabelled = str(tmp_path / "relabelled")
+    shutil.copytree(dataset, relabelled)
+    tok_file = os.path.join(relabelled, "tokenizer", "tokenizer.json")
+    tok = json.load(open(tok_file))
+    vocab = tok["model"]["vocab"]
+    a, b = sorted((t for t, i in vocab.items() if i > 10), key=vocab.get)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    json.dump(tok, open(tok_file, "w"))
+    m = json.load(open(os.path.join(relabelled, "manifest.json")))
+    from molds.data.manifest import vocab_hash
+
+    m["tokenizer"]["vocab_hash"] = vocab_hash(vocab)
+    json.dump(m, open(os.path.join(relabelled, "manifest.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"cannot fork .* tokenizer vocabulary .*--tokenizer .*/tokenizer"):
+        main(_argv(relabelled, str(tmp_path / "fork2"), "ddp", 2, ["--checkpoint.resume", out,
+                                                                   "--checkpoint.fork", "true"]))
 
 
 def test_auto_resumes_in_the_precision_of_the_run_it_continues(dataset, tmp_path, capfd):
