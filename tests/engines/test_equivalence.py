@@ -32,11 +32,12 @@ def _recipe(engine: str, dataset: str, accum: int, stage: int = 2, offload: bool
     return r
 
 
-def batches(dataset: str, n: int) -> list[dict]:
+def batches(dataset: str, n: int, seq_len: int = 128, too_long: str = "truncate") -> list[dict]:
     from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
 
-    ld = MoleculeLoader(DataConfig(manifest=dataset, seq_len=128, micro_batch_size=2, lookahead=64, shuffle_window=300))
+    ld = MoleculeLoader(DataConfig(manifest=dataset, seq_len=seq_len, micro_batch_size=2, lookahead=64,
+                                   shuffle_window=300, too_long=too_long))
     keep = ("input_ids", "labels", "position_ids", "document_ids")
     out = []
     for b in ld:
