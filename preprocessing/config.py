@@ -184,9 +184,10 @@ class PreprocessConfig:
 
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory.
-    A regex vocabulary of SMILES also holds the tokens another spelling of its molecules may
-    need and the canonical forms never wrote (the other bond direction, the other tetrahedral
-    tag of a bracket atom, ring numbers up to 9), so randomized and root-aligned spellings fit it."""
+    With ``--randomized-variants``, a regex vocabulary of SMILES also holds the tokens another
+    spelling of its molecules may need and the canonical forms never wrote (the other bond
+    direction, the other tetrahedral tag of a bracket atom, ring numbers up to 9), so the
+    stored randomized and root-aligned spellings fit it."""
 
     vocab_from: Literal["all", "train"] = "all"
     """Build the vocabulary from all kept molecules or from the train split only

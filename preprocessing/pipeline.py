@@ -251,9 +251,10 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
             counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
                                                                     splits, spelled) for p in parts]),
                          Counter())
-        # a rooted or randomized spelling (stored variants, or made while training) may need a
-        # bond direction, tetrahedral tag or ring number the canonical forms never wrote
-        vocab = vocab_from_counts(counts, respelling_tokens(counts) if spelled == "smiles" else ())
+        # the stored rooted or randomized spellings may need a bond direction, tetrahedral tag or
+        # ring number the canonical forms never wrote
+        respelled = spelled == "smiles" and cfg.randomized_variants > 0
+        vocab = vocab_from_counts(counts, respelling_tokens(counts) if respelled else ())
         save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[spelled]), tok_dir)
         info = {"kind": "regex"} if spelled == "smiles" else {"kind": "regex", "grammar": spelled}
         return ("regex", vocab, spelled), info
