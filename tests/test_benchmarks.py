@@ -30,6 +30,8 @@ CASES = {
     "etl": (["--input", SAMPLE, "--n", "400", "--workers", "1", "--floor-sample", "100", "--floor-every", "0.3"],
             ["ratio_to_floor", "ratio_to_floor_ends", "ratio_to_busy_floor"]),
     "schedule_bubble": (["--quick"], ["dualpipev_over_stock_p2", "dualpipev_over_1f1b_p2"]),
+    "copy_probe": (["--steps", "4", "--length", "6", "--hidden", "16", "--layers", "1", "--batch", "4",
+                    "--log_every", "2"], ["uniform_loss"]),
 }
 
 

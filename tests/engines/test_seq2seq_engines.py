@@ -20,13 +20,16 @@ def pairs(tmp_path_factory):
     return pair_manifest(tmp_path_factory.mktemp("s2s-engines"), 300, "forward")
 
 
+LR = 3e-3
+
+
 def _argv(manifest, out, engine, stage=2):
     return ["--data.manifest", manifest, "--data.mode", "bucketed", "--data.max_length", "160",
             "--data.max_tokens_per_batch", "640", "--data.bucket_pool", "50", "--data.too_long", "reject",
             "--model.family", "seq2seq", "--model.hidden_size", "32", "--model.num_layers", "2",
             "--model.decoder_layers", "1", "--model.num_heads", "4", "--model.max_position_embeddings", "160",
             "--model.dropout", "0.0", "--parallel.engine", engine, "--parallel.zero_stage", str(stage),
-            "--optim.lr", "3e-3", "--optim.warmup_steps", "1", "--trainer.max_steps", "3",
+            "--optim.lr", str(LR), "--optim.warmup_steps", "1", "--trainer.max_steps", "3",
             "--trainer.precision", "fp32", "--logging.progress", "false", "--run.output_dir", out]
 
 
@@ -86,6 +89,10 @@ def test_two_ranks_match_one_process(pairs, tmp_path, engine, stage):
     for params, _ in got:
         assert params.keys() == ref.keys()
         for name, b in ref.items():
+            if name.endswith("k_proj.bias"):  # adds q.b to all of a query's scores: softmax cancels it, so
+                # its gradient is rounding alone, which differs by rank and Adam scales up to steps of lr
+                assert (params[name] - b).abs().max() <= 3 * LR, name
+                continue
             assert (params[name] - b).abs().max() <= 1e-5 * b.abs().max() + (1e-5 if stage == 3 else 1e-6), name
     # each rank's loss is its own micro-batch's; their mean is the one process's step loss
     for step in range(3):
