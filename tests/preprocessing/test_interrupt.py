@@ -31,6 +31,14 @@ def big_input(tmp_path_factory):
     return str(path), 4 * (len(lines) - 1)
 
 
+def _interruptible() -> None:
+    """In the ETL's process before it starts: SIGINT back to its default. A suite started in
+    the background (``cmd &`` from a script, ``nohup``) runs with SIGINT ignored, which every
+    child inherits, and Python then installs no Ctrl-C handler: the signal would be lost and
+    the ETL run to its end. A user's terminal sends Ctrl-C to a foreground job, as here."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _etl_processes(marker: str) -> list:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -49,7 +57,7 @@ def test_an_interrupted_etl_accounts_for_every_row_read_and_leaves_nothing(big_i
     proc = subprocess.Popen([sys.executable, "-m", "molds.preprocessing.cli", "--input", path, "--smiles-column",
                              "SMILES", "--output", str(out), "--workers", "2", "--progress", "false"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_interruptible)
     work = tmp_path / f"out.tmp-{proc.pid}" / "_work"
     deadline = time.monotonic() + 60
     while not work.exists() and proc.poll() is None and time.monotonic() < deadline:
