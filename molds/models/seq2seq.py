@@ -167,7 +167,7 @@ class Seq2SeqModel(nn.Module):
         ``init_std`` 0.02, which suits its width of 1024 (1/sqrt = 0.031) but starves a narrow
         model: at width 128, BART's 0.02 (transformers' own model as much as this one) had
         not begun to learn to copy a 30-token sequence after 400 steps, where 1/sqrt(128)
-        learned it in 100, as the decoder family does (``benchmarks/copy_probe.py``), and
+        learned it in 110 and the decoder family in 80 (``benchmarks/copy_probe.py``), and
         reaction prediction, mostly copying, lagged the decoder far behind. PyTorch's defaults
         (unit-variance embeddings, tied to the output) would start the loss far above the
         vocabulary's log-size."""
