@@ -48,16 +48,21 @@ def decoder_loss(model, src):
 
 
 def seq2seq_loss(model, src):
-    """The encoder reads ``BOS src EOS``, the decoder ``BOS src``, scored on ``src EOS``."""
+    """The encoder reads ``BOS src EOS``, the decoder ``BOS src``, scored on ``src EOS``: the
+    rows the data plane makes for pairs (``molds.data.bucketing.encoder_decoder_batch``)."""
+    import numpy as np
     import torch
     import torch.nn.functional as F
 
-    n = src.shape[0]
-    enc = torch.cat([torch.full((n, 1), BOS), src, torch.full((n, 1), EOS)], 1)
-    logits = model(enc, attention_mask=torch.ones_like(enc),
-                   decoder_input_ids=torch.cat([torch.full((n, 1), BOS), src], 1))["logits"]
-    labels = torch.cat([src, torch.full((n, 1), EOS)], 1)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    from molds.data.bucketing import encoder_decoder_batch
+    from molds.tokens import IGNORE_INDEX
+
+    rows = [np.concatenate([[BOS], s, [EOS]]) for s in src.numpy()]
+    b = encoder_decoder_batch(rows, rows, np.arange(len(rows)), pad=0)
+    logits = model(torch.from_numpy(b["input_ids"]), attention_mask=torch.from_numpy(b["attention_mask"]),
+                   decoder_input_ids=torch.from_numpy(b["decoder_input_ids"]))["logits"]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), torch.from_numpy(b["labels"]).reshape(-1),
+                           ignore_index=IGNORE_INDEX)
 
 
 def build(name: str, args):
