@@ -202,18 +202,18 @@ def test_ds_config_that_agrees_is_accepted(tmp_path):
 def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at():
     from molds.budget import horizon_of
     from molds.engines.optim import lr_lambda
-    from molds.train import _warmup_warning
+    from molds.metrics.run_report import warmup_warning
 
     for overrides, warned in ((["--optim.warmup_steps", "100000"], True), ([], False),
                               (["--trainer.max_steps", "5"], True), (["--optim.warmup_steps", "60"], True),
                               (["--optim.warmup_steps", "59"], False)):
         recipe = parse_recipe(["--recipe", SMOKE, *overrides])
         horizon = horizon_of(recipe.trainer)
-        note = _warmup_warning(recipe, horizon)
+        note = warmup_warning(recipe, horizon)
         assert (note is not None) == warned, overrides
         if warned:  # the figure it gives is the schedule's own last rate
             last = recipe.optim.lr * lr_lambda(recipe.optim, horizon)(horizon.max_steps - 1)
             assert f"to {last:.3g} at the last step" in note and "trainer.max_steps" in note, note
     timed = parse_recipe(["--recipe", SMOKE, "--trainer.max_steps", "null", "--trainer.max_time", "1m",
                           "--optim.warmup_fraction", "0.5"])
-    assert _warmup_warning(timed, horizon_of(timed.trainer)) is None
+    assert warmup_warning(timed, horizon_of(timed.trainer)) is None
