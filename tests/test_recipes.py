@@ -199,6 +199,24 @@ def test_ds_config_that_agrees_is_accepted(tmp_path):
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000 and cfg["train_batch_size"] == 8
 
 
+def test_the_start_line_gives_a_step_in_the_unit_its_data_mode_batches_by():
+    """Packed rows and fixed-shape buckets are counted in sequences; length-bucketed batches
+    (the encoder-decoder's) in padded tokens, since their sequence count varies."""
+    from molds.metrics.run_report import step_size
+
+    packed = parse_recipe(["--recipe", SMOKE, "--data.micro_batch_size", "4", "--trainer.grad_accum", "3"])
+    assert step_size(packed, resolve_batching(packed, 2)) == \
+        "24 sequences (4 per micro-batch x 3 accumulation x 2 data-parallel)"
+    bart = parse_recipe(["--recipe", os.path.join(ROOT, "recipes", "smoke", "bart_forward.json"),
+                         "--data.max_tokens_per_batch", "1000", "--trainer.grad_accum", "3"])
+    said = step_size(bart, resolve_batching(bart, 2))
+    assert said.startswith("up to 6,000 padded tokens (1,000 per micro-batch x 3 accumulation x 2 data-parallel"), said
+    assert "sequences (" not in said
+    fixed = parse_recipe(["--recipe", os.path.join(ROOT, "recipes", "smoke", "bart_forward.json"),
+                          "--data.fixed_shape", "true", "--data.micro_batch_size", "2"])
+    assert step_size(fixed, resolve_batching(fixed, 1)).startswith("2 sequences (2 per micro-batch")
+
+
 def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at():
     from molds.budget import horizon_of
     from molds.engines.optim import lr_lambda

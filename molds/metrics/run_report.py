@@ -101,8 +101,7 @@ def start_summary(run, parameters: int) -> None:
         if per_mol and recipe.data.mode == "packed" else ""
     print(f"[molds] {recipe.model.family} of {parameters:,} parameters on {run.engine.name} "
           f"(world {topo.world_size}: dp {topo.dp_size}, pp {topo.pp_size}, ep {topo.ep_size}); one step = "
-          f"{b.global_batch} sequences ({b.micro_batch} per micro-batch x {b.grad_accum} accumulation x "
-          f"{b.dp_size} data-parallel){mols}; host allocator: {run.lineage['host_allocator']}"
+          f"{step_size(recipe, b)}{mols}; host allocator: {run.lineage['host_allocator']}"
           f"{' (MOLDS_SYSTEM_ALLOCATOR=1 to keep the C library defaults)' if run.lineage['host_allocator'] == 'retain' else ''}",
           file=sys.stderr)
     print(f"[molds] {run.plan.precision.describe()}", file=sys.stderr)
@@ -126,6 +125,18 @@ def start_summary(run, parameters: int) -> None:
     for note in notes:
         if note:
             print(f"[molds] warning: {note}", file=sys.stderr)
+
+
+def step_size(recipe, b) -> str:
+    """One optimizer step in the unit the data mode batches by: sequences (packed rows, or
+    fixed-shape buckets), or, for length-bucketed batches, padded tokens (a micro-batch holds
+    as many sequences as ``data.max_tokens_per_batch`` allows, so its sequence count varies)."""
+    accum = f"{b.grad_accum} accumulation x {b.dp_size} data-parallel"
+    if recipe.data.mode == "bucketed" and not recipe.data.fixed_shape:
+        per = recipe.data.max_tokens_per_batch
+        return (f"up to {per * b.grad_accum * b.dp_size:,} padded tokens ({per:,} per micro-batch x {accum}; "
+                f"length-grouped sequences, as many as fit)")
+    return f"{b.global_batch} sequences ({b.micro_batch} per micro-batch x {accum})"
 
 
 def warmup_warning(recipe, horizon) -> str | None:
