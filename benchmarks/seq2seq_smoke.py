@@ -19,6 +19,12 @@ For each ``recipes/smoke/NAME.json``:
 4. ``molds-eval``'s top-k exact match (canonical molecules, any order) on the test split
    (``--num`` pairs, 0: all) with ``--beams`` beams.
 
+The encoder-decoder (``bart_forward``) starts, as Chemformer's does, from its denoising
+pretraining (``recipes/smoke/bart_pretrain.json``, docs/guides/pairs.md): before step 2, the
+sample's molecules that are in no bundled reaction (``make_pairs.py molecules --exclude``)
+are preprocessed with the reactions' vocabulary and the pretraining recipe runs to its end;
+its first launch then forks it (``--checkpoint.resume PRETRAINED --checkpoint.fork true``).
+
 One JSON line: per recipe the pairs per split, the step the interruption left and the step
 the resume reached, the train and test loss, top-1/3/5/10, invalid beams (for mol2mol the
 similarity to the source), the export agreement, the seconds of each stage, and the CPU;
@@ -46,6 +52,45 @@ DATA = {"reactions-forward": [*REACTIONS, "--task", "forward", "--randomized-var
         "reactions-retro": [*REACTIONS, "--task", "retro", "--randomized-variants", "8"],
         "mmp": ["--input", os.path.join(SAMPLES, "moses_sample_mmp.csv.gz"), "--smiles-column", "source",
                 "--target-column", "target", "--task", "mol2mol"]}
+
+
+#: recipes that start from another recipe's run (a fork of its last checkpoint)
+STARTS_FROM = {"bart_forward": "bart_pretrain"}
+
+
+def pretraining_molecules(pairs_manifest: str, out: str) -> None:
+    """The sample's molecules in no bundled reaction, preprocessed with the pairs' vocabulary
+    (docs/guides/pairs.md, denoising pretraining)."""
+    if os.path.exists(os.path.join(out, "manifest.json")):
+        return
+    from molds.sample_data.make_pairs import main as make_pairs
+
+    csv_path = out + ".csv"
+    make_pairs(["molecules", "--exclude", os.path.join(SAMPLES, "moses_sample_reactions.csv.gz"), "--out", csv_path])
+    subprocess.run(["molds-preprocess", "--input", csv_path, "--smiles-column", "SMILES", "--split", "scaffold",
+                    "--split-fractions", "0.8,0.1,0.1", "--tokenizer", os.path.join(pairs_manifest, "tokenizer"),
+                    "--randomized-variants", "8", "--workers", "2", "--progress", "false", "--output", out],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def pretrain(args, name: str, pairs_manifest: str) -> tuple[str, dict]:
+    """Run ``recipes/smoke/NAME.json`` (denoising) to its end on the pretraining molecules;
+    its run directory and what it cost."""
+    from molds.eval.evaluate import evaluate_checkpoint
+
+    manifest = os.path.join(args.output_dir, "data-pretrain-molecules")
+    t0 = time.perf_counter()
+    pretraining_molecules(pairs_manifest, manifest)
+    etl_s = time.perf_counter() - t0
+    out = os.path.join(args.output_dir, name)
+    seconds, _ = launch(args, os.path.join(ROOT, "recipes", "smoke", f"{name}.json"), manifest, out,
+                        "--run.overwrite", "true", "--checkpoint.resume", "null", "--checkpoint.fork", "false")
+    report = evaluate_checkpoint(out, split="test", num=0, max_batches=0)
+    from molds.data.manifest import Manifest
+
+    return out, {"recipe": f"recipes/smoke/{name}.json", "molecules": Manifest.load(manifest).data["stats"]["splits"][
+        "train"]["rows"], "etl_s": round(etl_s, 1), "train_s": round(seconds, 1),
+        "test_denoising_loss": round(report["loss"], 4)}
 
 
 def preprocess(name: str, out: str) -> dict:
@@ -140,8 +185,13 @@ def smoke(args, name: str) -> dict:
     t0 = time.perf_counter()
     entry = {"recipe": os.path.relpath(recipe, ROOT), "family": body["model"]["family"], "pairs": preprocess(
         data_name, manifest), "etl_s": round(time.perf_counter() - t0, 1)}
+    start = []
+    if name in STARTS_FROM:  # its pretraining first, then a fork of it
+        pretrained, entry["pretraining"] = pretrain(args, STARTS_FROM[name], manifest)
+        start = ["--checkpoint.resume", pretrained, "--checkpoint.fork", "true"]
     out = os.path.join(args.output_dir, name)
-    first_s, _ = launch(args, recipe, manifest, out, "--run.overwrite", "true", stop_after_first_checkpoint=True)
+    first_s, _ = launch(args, recipe, manifest, out, "--run.overwrite", "true", *start,
+                        stop_after_first_checkpoint=True)
     done = complete_checkpoints(checkpoints_dir(out))
     if not done:
         raise SystemExit(f"{name}: no checkpoint before the interruption; see {out}.log")

@@ -5,6 +5,7 @@ themselves are taken by running the scripts, never asserted here."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -110,6 +111,41 @@ def test_the_pair_smoke_benchmark_interrupts_resumes_exports_and_scores(tmp_path
     assert r["inputs"] == 12 and 0 <= r["top1"] <= r["top3"] <= 1 and "similarity_to_source" in r, r
     log = open(out_dir / "seq2seq_mol2mol.log").read()
     assert "resumed from" in log
+
+
+@pytest.mark.slow
+def test_the_encoder_decoder_smoke_forks_its_denoising_pretraining(tmp_path):
+    """bart_forward starts from bart_pretrain: the pretraining reads only molecules in no
+    bundled reaction (RDKit's canonical forms, checked here against the reaction file), runs
+    to its end, and the pair run's first launch forks it, then resumes and is scored."""
+    from rdkit import Chem
+
+    out_dir = tmp_path / "smoke"
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_smoke.py"), "--recipes",
+                           "bart_forward", "--nproc", "1", "--max_steps", "20", "--interval", "10", "--num", "8",
+                           "--beams", "2", "--agree", "2", "--output_dir", str(out_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])["recipes"]["bart_forward"]
+    pre = r["pretraining"]
+    assert pre["recipe"] == "recipes/smoke/bart_pretrain.json" and pre["molecules"] > 10000, pre
+    assert math.isfinite(pre["test_denoising_loss"]) and pre["test_denoising_loss"] > 0, pre
+    log = open(out_dir / "bart_forward.log").read()
+    assert f"forked from {out_dir / 'bart_pretrain'}" in log and "resumed from" in log, log[-2000:]
+    assert r["resumed_to_step"] == 20 and r["export"]["exported_as"] == "BartForConditionalGeneration", r
+    import csv
+    import gzip
+
+    in_pairs = set()
+    with gzip.open(os.path.join(ROOT, "molds", "sample_data", "moses_sample_reactions.csv.gz"), "rt") as fh:
+        for row in csv.DictReader(fh):
+            for side in row["reactants>reagents>production"].split(">"):
+                in_pairs.update(Chem.CanonSmiles(m) for m in side.split(".") if m)
+    with open(out_dir / "data-pretrain-molecules.csv") as fh:
+        kept = [line.strip() for line in fh][1:]
+    assert 0.7 * len(kept) < pre["molecules"] < len(kept), (len(kept), pre)  # its training split: about 80 %
+    assert not {Chem.CanonSmiles(s) for s in kept} & in_pairs
 
 
 def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():

@@ -9,6 +9,10 @@
   between two heavy atoms (RDKit's ``rdMMPA``); molecules that share a core and differ in a
   small substituent (at most ``--max_variable`` heavy atoms) are pairs, both ways:
   ``source,target,core``.
+- ``molecules``: the input's molecules that are in no pair of ``--exclude`` (on either side,
+  any molecule of a multi-molecule side; compared as RDKit canonical SMILES), as a
+  ``SMILES`` CSV: a denoising pretraining set for the encoder-decoder that holds no product
+  or reactant of the pairs, so no test answer is seen in pretraining.
 
 No reaction data set ships on the package index; USPTO-50k and USPTO-MIT are public
 downloads a user fetches (see docs/tutorials). These sets are what the tests, the smoke
@@ -18,6 +22,11 @@ recipes and the CPU benchmark train on. The bundled samples are
 
     python molds/sample_data/make_pairs.py reactions --out molds/sample_data/moses_sample_reactions.csv.gz
     python molds/sample_data/make_pairs.py mmp --out molds/sample_data/moses_sample_mmp.csv.gz
+
+the smoke encoder-decoder's pretraining molecules (16,449 of the sample's 20,000) by
+
+    python molds/sample_data/make_pairs.py molecules --exclude molds/sample_data/moses_sample_reactions.csv.gz \
+        --out pretrain-molecules.csv
 
 and the benchmark's set from the whole MOSES training set by
 ``--input moses/train.csv.gz --every 8`` (about 200,000 molecules).
@@ -240,6 +249,45 @@ def make_mmp(smiles: list[str], max_variable: int = 8, per_core: int = 10, seed:
     return rows
 
 
+def pair_molecules(path: str) -> set[str]:
+    """Canonical SMILES of every molecule in a pair file's ``source`` / ``target`` columns and
+    its reaction columns (a header holding ``>``: ``reactants>reagents>products``)."""
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as fh:
+        rows = csv.reader(fh)
+        header = next(rows)
+        cols = [i for i, h in enumerate(header) if ">" in h or h.strip().lower() in ("source", "target")]
+        if not cols:
+            raise SystemExit(f"{path}: no pair column (source, target, or a reaction column such as "
+                             f"reactants>reagents>production) in its header {header}")
+        found = set()
+        for row in rows:
+            for i in cols:
+                for side in (row[i] if i < len(row) else "").split(">"):
+                    for part in side.split("."):
+                        mol = Chem.MolFromSmiles(part) if part else None
+                        if mol is not None:
+                            found.add(Chem.MolToSmiles(mol))
+    return found
+
+
+def molecules_not_in(smiles: list[str], exclude: set[str]) -> list[list[str]]:
+    """The molecules (as given) whose canonical SMILES is not in ``exclude``; unreadable ones
+    are kept for the ETL to reject and count."""
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+    keep = []
+    for smi in smiles:
+        mol = Chem.MolFromSmiles(smi)
+        if mol is None or Chem.MolToSmiles(mol) not in exclude:
+            keep.append([smi])
+    return keep
+
+
 def _write(path: str, header: list[str], rows: list[list[str]]) -> None:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -256,7 +304,7 @@ def _write(path: str, header: list[str], rows: list[list[str]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("kind", choices=["reactions", "mmp"])
+    p.add_argument("kind", choices=["reactions", "mmp", "molecules"])
     p.add_argument("--input", default=os.path.join(HERE, "moses_sample.csv.gz"), help="MOSES-style CSV of SMILES")
     p.add_argument("--out", required=True, help="the CSV to write (.gz: gzip)")
     p.add_argument("--every", type=int, default=1, help="take every N-th molecule of the input")
@@ -265,13 +313,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per_core", type=int, default=10, help="mmp: pairs kept a core, at most")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exclude", default=None, help="molecules: a pair file whose molecules are left out")
     args = p.parse_args(argv)
+    if (args.kind == "molecules") != (args.exclude is not None):
+        p.error("--exclude goes with molecules, and molecules needs it")
     smiles = read_smiles(args.input, args.every, args.limit)
     if args.kind == "reactions":
         rows = make_reactions(smiles, args.seed, args.workers)
         _write(args.out, ["id", "class", "reactants>reagents>production"], rows)
         classes = sorted({r[1] for r in rows})
         print(f"{len(rows):,} reactions of {len(smiles):,} molecules, {len(classes)} classes -> {args.out}")
+    elif args.kind == "molecules":
+        rows = molecules_not_in(smiles, pair_molecules(args.exclude))
+        _write(args.out, ["SMILES"], rows)
+        print(f"{len(rows):,} of {len(smiles):,} molecules are in no pair of {args.exclude} -> {args.out}")
     else:
         rows = make_mmp(smiles, args.max_variable, args.per_core, args.seed)
         _write(args.out, ["source", "target", "core"], rows)
