@@ -95,3 +95,30 @@ def test_the_bundled_samples_are_what_the_script_writes(molecules):
     mmp = read_rows("moses_sample_mmp.csv.gz")
     assert mmp[0] == ["source", "target", "core"] and len(mmp) > 5_000
     assert len(Counter(r[1] for r in rows[1:])) >= 10  # the bundled set has at least ten classes
+
+
+@pytest.mark.parametrize("layout", ["reactions", "columns"])
+def test_pretraining_molecules_leave_out_every_molecule_of_the_pairs(tmp_path, layout):
+    """``molecules --exclude``: a molecule on either side of a pair (any of a multi-molecule
+    side, reagents too, in any spelling) is left out; the rest are kept as given, unreadable
+    ones too (the ETL rejects and counts them)."""
+    pairs = tmp_path / ("pairs.csv" if layout == "columns" else "reactions.csv")
+    if layout == "reactions":
+        pairs.write_text("id,class,reactants>reagents>production\n"  # atom-mapped, as USPTO's files are
+                         "1,amide_coupling,[CH3:1][C:2](=O)O.[NH2:3]CCc1ccccc1>CN(C)C=O>"
+                         "[CH3:1][C:2](=O)[NH:3]CCc1ccccc1\n")
+    else:
+        pairs.write_text("source,target\nCC(=O)O.NCCc1ccccc1,CC(=O)NCCc1ccccc1\nOCCN(C)C=O,CCO\n")
+    given = ["OC(C)=O", "c1ccc(CCNC(C)=O)cc1", "C1CCCCC1", "O=CN(C)C", "not a molecule", "NCCc1ccccc1", "CCCO"]
+    (tmp_path / "mols.smi").write_text("\n".join(given) + "\n")
+    out = tmp_path / "kept.csv"
+    make_pairs.main(["molecules", "--input", str(tmp_path / "mols.smi"), "--exclude", str(pairs), "--out", str(out)])
+    kept = [line.strip() for line in out.read_text().splitlines()][1:]
+    unmapped = {"[CH3:1][C:2](=O)O": "CC(=O)O", "[NH2:3]CCc1ccccc1": "NCCc1ccccc1",
+                "[CH3:1][C:2](=O)[NH:3]CCc1ccccc1": "CC(=O)NCCc1ccccc1"}
+    in_pairs = {Chem.CanonSmiles(unmapped.get(m, m)) for row in csv.DictReader(pairs.open()) for k, v in row.items()
+                if k in ("source", "target") or ">" in k for side in v.split(">") for m in side.split(".") if m}
+    expected = [s for s in given if Chem.MolFromSmiles(s) is None or Chem.CanonSmiles(s) not in in_pairs]
+    assert kept == expected
+    assert "C1CCCCC1" in kept and "not a molecule" in kept and "OC(C)=O" not in kept
+    assert ("O=CN(C)C" in kept) == (layout == "columns")  # a reagent of the reaction, not in the two columns

@@ -35,6 +35,7 @@ OTHERS = {
     "python -m": "a standard-library module (unzipping the MOSES wheel)",
     "tensorboard": "TensorBoard's viewer, pointed at a run's events",
     "export": "an environment variable for the launcher (the Slurm example)",
+    "cp": "a file copied (ChEMBL's tab-separated .txt given its .tsv name)",
 }
 
 
@@ -140,12 +141,20 @@ def _benchmark(argv: list[str], monkeypatch) -> None:
     """Runs the script until its argparse has parsed the line, then stops it."""
     script = os.path.join(ROOT, argv[0])
     assert os.path.isfile(script), f"{argv[0]}: no such script"
+    depth = [0]  # parse_args calls parse_known_args: stop only when the outermost call returns, so
+    # that parse_args still refuses an option the script does not know
     for method in ("parse_args", "parse_known_args"):
         original = getattr(argparse.ArgumentParser, method)
 
         def parse_then_stop(self, args=None, namespace=None, _original=original):
-            _original(self, args, namespace)
-            raise _Parsed
+            depth[0] += 1
+            try:
+                result = _original(self, args, namespace)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                raise _Parsed
+            return result
 
         monkeypatch.setattr(argparse.ArgumentParser, method, parse_then_stop)
     monkeypatch.setattr(sys, "argv", argv)
@@ -179,7 +188,7 @@ def check(command: str, monkeypatch, where: str) -> None:
         _launcher(argv)
     elif head == "python" and argv[1] == "molds/train.py":
         _train(argv[2:])
-    elif head == "python" and argv[1].startswith("benchmarks/"):
+    elif head == "python" and argv[1].startswith(("benchmarks/", "molds/sample_data/")):
         _benchmark(argv[1:], monkeypatch)
     elif head.startswith("molds-"):
         _console(argv)

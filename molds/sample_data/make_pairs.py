@@ -250,8 +250,9 @@ def make_mmp(smiles: list[str], max_variable: int = 8, per_core: int = 10, seed:
 
 
 def pair_molecules(path: str) -> set[str]:
-    """Canonical SMILES of every molecule in a pair file's ``source`` / ``target`` columns and
-    its reaction columns (a header holding ``>``: ``reactants>reagents>products``)."""
+    """Canonical SMILES (atom maps removed) of every molecule in a pair file's ``source`` /
+    ``target`` columns and its reaction columns (a header holding ``>``:
+    ``reactants>reagents>products``)."""
     from rdkit import Chem, RDLogger
 
     RDLogger.DisableLog("rdApp.*")
@@ -270,22 +271,29 @@ def pair_molecules(path: str) -> set[str]:
                     for part in side.split("."):
                         mol = Chem.MolFromSmiles(part) if part else None
                         if mol is not None:
+                            for atom in mol.GetAtoms():
+                                atom.SetAtomMapNum(0)
                             found.add(Chem.MolToSmiles(mol))
     return found
 
 
-def molecules_not_in(smiles: list[str], exclude: set[str]) -> list[list[str]]:
-    """The molecules (as given) whose canonical SMILES is not in ``exclude``; unreadable ones
-    are kept for the ETL to reject and count."""
+def _canonical(smi: str) -> str | None:
     from rdkit import Chem, RDLogger
 
     RDLogger.DisableLog("rdApp.*")
-    keep = []
-    for smi in smiles:
-        mol = Chem.MolFromSmiles(smi)
-        if mol is None or Chem.MolToSmiles(mol) not in exclude:
-            keep.append([smi])
-    return keep
+    mol = Chem.MolFromSmiles(smi) if smi else None
+    return Chem.MolToSmiles(mol) if mol is not None else None
+
+
+def molecules_not_in(smiles: list[str], exclude: set[str], workers: int = 1) -> list[list[str]]:
+    """The molecules (as given) whose canonical SMILES is not in ``exclude``; unreadable ones
+    are kept for the ETL to reject and count."""
+    if workers > 1 and len(smiles) > 10000:
+        with Pool(workers) as pool:
+            canonical = pool.map(_canonical, smiles, chunksize=2000)
+    else:
+        canonical = [_canonical(smi) for smi in smiles]
+    return [[smi] for smi, can in zip(smiles, canonical) if can is None or can not in exclude]
 
 
 def _write(path: str, header: list[str], rows: list[list[str]]) -> None:
@@ -313,20 +321,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per_core", type=int, default=10, help="mmp: pairs kept a core, at most")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--exclude", default=None, help="molecules: a pair file whose molecules are left out")
+    p.add_argument("--exclude", action="append", default=None,
+                   help="molecules: a pair file whose molecules are left out (again for more files)")
+    p.add_argument("--smiles_column", default=None,
+                   help="molecules: the SMILES column of a .csv / .tsv --input (default: SMILES in any case, else the first)")
     args = p.parse_args(argv)
     if (args.kind == "molecules") != (args.exclude is not None):
         p.error("--exclude goes with molecules, and molecules needs it")
-    smiles = read_smiles(args.input, args.every, args.limit)
+    if args.kind == "molecules":  # any SMILES file molds-eval reads: .csv / .tsv by --smiles_column, else lines
+        from molds.eval.evaluate import smiles_cells
+
+        smiles = [c for c in smiles_cells(args.input, "molecules", need_column=False, column=args.smiles_column)[1]
+                  if c][::args.every][:args.limit]
+    else:
+        smiles = read_smiles(args.input, args.every, args.limit)
     if args.kind == "reactions":
         rows = make_reactions(smiles, args.seed, args.workers)
         _write(args.out, ["id", "class", "reactants>reagents>production"], rows)
         classes = sorted({r[1] for r in rows})
         print(f"{len(rows):,} reactions of {len(smiles):,} molecules, {len(classes)} classes -> {args.out}")
     elif args.kind == "molecules":
-        rows = molecules_not_in(smiles, pair_molecules(args.exclude))
+        exclude = set().union(*(pair_molecules(path) for path in args.exclude))
+        rows = molecules_not_in(smiles, exclude, args.workers)
         _write(args.out, ["SMILES"], rows)
-        print(f"{len(rows):,} of {len(smiles):,} molecules are in no pair of {args.exclude} -> {args.out}")
+        print(f"{len(rows):,} of {len(smiles):,} molecules are in no pair of {', '.join(args.exclude)} -> {args.out}")
     else:
         rows = make_mmp(smiles, args.max_variable, args.per_core, args.seed)
         _write(args.out, ["source", "target", "core"], rows)
