@@ -329,10 +329,16 @@ def main(argv: list[str] | None = None) -> None:
     if (args.kind == "molecules") != (args.exclude is not None):
         p.error("--exclude goes with molecules, and molecules needs it")
     if args.kind == "molecules":  # any SMILES file molds-eval reads: .csv / .tsv by --smiles_column, else lines
+        from molds.errors import MoldsError
         from molds.eval.evaluate import smiles_cells
 
-        smiles = [c for c in smiles_cells(args.input, "molecules", need_column=False, column=args.smiles_column)[1]
-                  if c][::args.every][:args.limit]
+        try:
+            table, cells = smiles_cells(args.input, "molecules", need_column=False, column=args.smiles_column)
+        except MoldsError as exc:
+            raise SystemExit(str(exc)) from None
+        if not table:  # a .smi line: the SMILES, then perhaps a name
+            cells = [c.split()[0] if c.split() else "" for c in cells]
+        smiles = [c for c in cells if c][::args.every][:args.limit]
     else:
         smiles = read_smiles(args.input, args.every, args.limit)
     if args.kind == "reactions":
