@@ -255,8 +255,10 @@ def prepare_data(ctx) -> dict:
     for name, src, extra in (("data", SAMPLE, ["--smiles-column", "SMILES"]),
                              ("labelled", LABELLED, ["--smiles-column", "SMILES",
                                                      "--label-columns", "logp_gt_3,tpsa_gt_90"]),
+                             # 8 root-aligned spellings a pair: the bart recipes read half their pairs in them
                              ("reactions", REACTIONS, ["--smiles-column", "reactants>reagents>production",
-                                                       "--id-column", "id", "--task", "forward"])):
+                                                       "--id-column", "id", "--task", "forward",
+                                                       "--randomized-variants", "8"])):
         dest = os.path.join(ctx.work, name)
         if not os.path.exists(os.path.join(dest, "manifest.json")):
             rc = preprocess(["--input", src, "--output", dest, "--split", "scaffold",
