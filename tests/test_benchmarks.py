@@ -92,19 +92,23 @@ def test_the_seq2seq_benchmark_trains_both_families_on_one_split_and_scores_them
     assert "aligned" in proc.stderr or "root-aligned" in proc.stderr  # the runs read the stored spellings
 
 
+def _pair_smoke(tmp_path, recipe: str, *args: str):
+    """``benchmarks/seq2seq_smoke.py`` on one recipe, one CPU rank: its entry and output folder."""
+    out_dir = tmp_path / "smoke"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_smoke.py"), "--recipes", recipe,
+                           "--nproc", "1", *args, "--output_dir", str(out_dir)], cwd=tmp_path,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["recipes"][recipe], out_dir
+
+
 @pytest.mark.slow
 def test_the_pair_smoke_benchmark_interrupts_resumes_exports_and_scores(tmp_path):
     """A smoke pair recipe, shortened, under the deepspeed launcher: killed after its first
     checkpoint, resumed to its last step, exported (transformers' beams equal molds'), and
     its test split scored; every stage's figure is in the line."""
-    out_dir = tmp_path / "smoke"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_smoke.py"), "--recipes",
-                           "seq2seq_mol2mol", "--nproc", "1", "--max_steps", "60", "--interval", "10", "--num", "12",
-                           "--beams", "3", "--agree", "3", "--output_dir", str(out_dir)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])["recipes"]["seq2seq_mol2mol"]
+    r, out_dir = _pair_smoke(tmp_path, "seq2seq_mol2mol", "--max_steps", "60", "--interval", "10", "--num", "12",
+                             "--beams", "3", "--agree", "3")
     assert r["pairs"]["train"] > 0 and r["pairs"]["test"] > 0, r
     assert 10 <= r["interrupted_at_step"] < r["resumed_to_step"] == 60, r
     assert r["export"]["exported_as"] == "LlamaForCausalLM" and r["export"]["same_top_k"] == 3, r
@@ -120,14 +124,8 @@ def test_the_encoder_decoder_smoke_forks_its_denoising_pretraining(tmp_path):
     to its end, and the pair run's first launch forks it, then resumes and is scored."""
     from rdkit import Chem
 
-    out_dir = tmp_path / "smoke"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seq2seq_smoke.py"), "--recipes",
-                           "bart_forward", "--nproc", "1", "--max_steps", "20", "--interval", "10", "--num", "8",
-                           "--beams", "2", "--agree", "2", "--output_dir", str(out_dir)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])["recipes"]["bart_forward"]
+    r, out_dir = _pair_smoke(tmp_path, "bart_forward", "--max_steps", "20", "--interval", "10", "--num", "8",
+                             "--beams", "2", "--agree", "2")
     pre = r["pretraining"]
     assert pre["recipe"] == "recipes/smoke/bart_pretrain.json" and pre["molecules"] > 10000, pre
     assert math.isfinite(pre["test_denoising_loss"]) and pre["test_denoising_loss"] > 0, pre
