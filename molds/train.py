@@ -142,7 +142,7 @@ def train(run: Run) -> None:
             profile.before(run.step + 1)
         with collective(f"step {run.step + 1}: forward/backward/optimizer", dist):
             result = engine.train_step([batch_tensors(b, dist.device) for b in micro])
-        count(window, micro, result)
+        count(window, micro)
         with collective(f"step {run.step + 1}: agreeing that the step is finite", dist):
             finite = all_have(not result.skipped and math.isfinite(result.loss), dist)
         if not finite:

@@ -17,7 +17,8 @@ def new_window() -> dict:
             "steps": 0}
 
 
-def count(window: dict, micro: list, result) -> None:
+def count(window: dict, micro: list) -> None:
+    """Add a step's micro-batches (tokens, molecules, loader wait) to the logging window."""
     for b in micro:
         st = b["stats"]
         window["real"] += st["real_tokens"]
