@@ -4,7 +4,10 @@
 
 Each op runs forward + backward (quantization: forward only) on the shapes below, and is
 timed against its plain-PyTorch reference in the same run, alternating the two so a
-machine's drift hits both; median of ``--rounds``. Memory: on a GPU the peak bytes
+machine's drift hits both; median of ``--rounds`` (``*_s``: one call, the host's overhead and a
+synchronization included). On a GPU also the device time of a call within a stream of calls
+(``*_device_s``: triton.testing.do_bench, as Liger Kernel and torchao time their kernels),
+which the fractions of the bandwidth are taken from. Memory: on a GPU the peak bytes
 allocated during the pass above what was there before (``*_peak_mb``); on a CPU, where
 torch keeps no allocator statistics, the activation memory the pass holds from its
 forward for its backward (``*_saved_mb``).
@@ -18,9 +21,9 @@ On a GPU it adds, per op: Liger Kernel's version where it has one (RMSNorm, SwiG
 linear + cross-entropy: ``kernels.fused_backend``) and torchao's tensor-wise and row-wise
 Float8 linears (``kernels.fp8_recipe``), and the physical limit: the bytes an op must
 move over the measured HBM bandwidth (a device-to-device copy), the FLOPs of a product
-over the measured BF16 / FP8 matrix rate. Targets (issue 22): memory-bound ops at >= 80 %
-of the bandwidth, at least Liger's speed, the FP8 linear >= 1.4x the BF16 linear at
-4096^3, the FP8 expert GEMMs >= 1.3x BF16 ``grouped_mm``.
+over the measured BF16 / FP8 matrix rate. Targets (issue 43): memory-bound ops at >= 80 %
+of the bandwidth, at least Liger's speed, the FP8 linear >= 1.2x the BF16 linear at
+4096^3.
 
 Prints one JSON line (the last line of output).
 """
@@ -66,6 +69,19 @@ def time_pass(fn, device, rounds: int) -> list[float]:
     return out
 
 
+def device_time(fn, device) -> float | None:
+    """A CUDA device: the median device time of one call of ``fn`` among a stream of them
+    (triton.testing.do_bench: CUDA events around each call, the L2 cache flushed between
+    calls, the host enqueueing ahead as in a training step), seconds. What a kernel costs
+    the GPU; ``time_pass`` is what one call costs the caller, host overhead and synchronization
+    included. None on a CPU."""
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") / 1e3
+
+
 def peak_bytes(fn, device) -> int:
     """A CUDA device: the peak bytes allocated by one call of ``fn`` above what was there
     before. A CPU (torch keeps no allocation statistics there): the bytes of the tensors
@@ -104,10 +120,15 @@ def compare(name, ours, theirs, device, rounds, results, label="reference"):
     results[f"{name}_s"] = ta
     results[f"{name}_{label}_s"] = tb
     results[f"{name}_speedup_over_{label}"] = tb / ta
+    da, db = device_time(ours, device), device_time(theirs, device)
+    if da is not None:
+        results[f"{name}_device_s"] = da
+        results[f"{name}_{label}_device_s"] = db
+        results[f"{name}_device_speedup_over_{label}"] = db / da
     kind = "peak" if device.type == "cuda" else "saved"
     results[f"{name}_{kind}_mb"] = peak_bytes(ours, device) / 2**20
     results[f"{name}_{label}_{kind}_mb"] = peak_bytes(theirs, device) / 2**20
-    return ta
+    return ta if da is None else da
 
 
 def fwd_bwd(fn, inputs):
@@ -133,7 +154,7 @@ def bench_ops(device, dtype, sizes, rounds, results, gpu):
     import torch.nn.functional as F
 
     from molds.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-    from molds.kernels.fp8 import fp8_quantize
+    from molds.kernels.fp8 import fp8_quantize, fp8_quantize_both
     from molds.kernels.moe_permute import moe_permute, moe_unpermute, permute_reference, unpermute_reference
     from molds.kernels.rmsnorm import fused_rms_norm, rms_norm_reference
     from molds.kernels.swiglu import fused_swiglu, swiglu_reference
@@ -150,9 +171,16 @@ def bench_ops(device, dtype, sizes, rounds, results, gpu):
     # quantization: read x once, write codes and scales
     m, k = sizes["quantize"]
     x = randn(m, k)
-    t = min(time_pass(lambda: fp8_quantize(x, "e4m3", 1), device, rounds))
-    results["fp8_quantize_1x128_s"] = t
-    floors["fp8_quantize_1x128"] = (m * k * (el + 1) + m * -(-k // 128) * 4, t)
+    one = lambda: fp8_quantize(x, "e4m3", 1)  # noqa: E731
+    both = lambda: fp8_quantize_both(x, "e4m3")  # noqa: E731  (the linear's: both layouts, one read)
+    results["fp8_quantize_1x128_s"] = t = min(time_pass(one, device, rounds))
+    results["fp8_quantize_both_s"] = t2 = min(time_pass(both, device, rounds))
+    if gpu:
+        results["fp8_quantize_1x128_device_s"] = t = device_time(one, device)
+        results["fp8_quantize_both_device_s"] = t2 = device_time(both, device)
+    scales = m * -(-k // 128) * 4
+    floors["fp8_quantize_1x128"] = (m * k * (el + 1) + scales, t)
+    floors["fp8_quantize_both"] = (m * k * (el + 2) + scales + k * -(-m // 128) * 4, t2)
 
     n, h = sizes["rms_norm"]
     x, w = randn(n, h), randn(h)
@@ -253,33 +281,40 @@ def bench_fp8(device, sizes, rounds, results, gpu):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             e4m3 = fwd_bwd(lambda x, w: fp8_linear(x, w, grad_format="e4m3"), [x, w])
             results["fp8_linear_e4m3_grads_s"] = statistics.median(time_pass(e4m3, device, rounds))
+            results["fp8_linear_e4m3_grads_device_s"] = device_time(e4m3, device)
+            results["fp8_linear_e4m3_grads_device_speedup_over_bf16_linear"] = (
+                results["fp8_linear_bf16_linear_device_s"] / results["fp8_linear_e4m3_grads_device_s"])
         _fp8_linear_parts(device, x, w, rounds, results)
         _torchao(device, x, w, rounds, results)
 
 
 def _fp8_linear_parts(device, x, w, rounds, results):
-    """Where the FP8 linear's time goes: each quantization and each product of one forward and
-    backward, timed alone (``fp8_linear_part_*_s``, medians)."""
+    """Where the FP8 linear's time goes, for each gradient format: each quantization and each
+    product of one forward and backward timed alone (``fp8_linear_<fmt>_part_*_s``; medians;
+    with the device time, ``*_device_s``), and which path each kind of product took (cuBLAS's
+    ``scaled_mm`` or the Triton kernel, with the reason: ``fp8_linear_products``)."""
     import torch
 
-    from molds.kernels.fp8 import fp8_quantize
-    from molds.kernels.fp8_gemm import fp8_mm
+    from molds.kernels.fp8 import fp8_quantize, fp8_quantize_both
+    from molds.kernels.fp8_gemm import fp8_mm, scaled_mm_report
 
     g = torch.randn(x.shape[0], w.shape[0], device=device).to(torch.bfloat16)
-    qx, sx = fp8_quantize(x, "e4m3", 1)
+    qx, sx, qxt, sxt = fp8_quantize_both(x, "e4m3")
     qw, sw = fp8_quantize(w, "e4m3", 128)
-    qg, sg = fp8_quantize(g, "e5m2", 1)
-    qgt, sgt = fp8_quantize(g.t(), "e5m2", 1)
-    qxt, sxt = fp8_quantize(x.t(), "e4m3", 1)
-    parts = {"quantize_x": lambda: fp8_quantize(x, "e4m3", 1), "quantize_w": lambda: fp8_quantize(w, "e4m3", 128),
-             "forward_mm": lambda: fp8_mm(qx, sx, qw, sw, 128, torch.bfloat16),
-             "quantize_grad": lambda: fp8_quantize(g, "e5m2", 1),
-             "input_grad_mm": lambda: fp8_mm(qg, sg, qw.t(), sw.t(), 128, torch.bfloat16),
-             "quantize_grad_t": lambda: fp8_quantize(g.t(), "e5m2", 1),
-             "quantize_x_t": lambda: fp8_quantize(x.t(), "e4m3", 1),
-             "weight_grad_mm": lambda: fp8_mm(qgt, sgt, qxt, sxt, 1, torch.float32)}
-    for name, fn in parts.items():
-        results[f"fp8_linear_part_{name}_s"] = statistics.median(time_pass(fn, device, rounds))
+    for fmt in ("e5m2", "e4m3"):
+        qg, sg, qgt, sgt = fp8_quantize_both(g, fmt)
+        parts = {"quantize_x_both": lambda: fp8_quantize_both(x, "e4m3"),
+                 "quantize_w": lambda: fp8_quantize(w, "e4m3", 128),
+                 "forward_mm": lambda: fp8_mm(qx, sx, qw, sw, 128, torch.bfloat16),
+                 "quantize_grad_both": lambda fmt=fmt: fp8_quantize_both(g, fmt),
+                 "input_grad_mm": lambda qg=qg, sg=sg: fp8_mm(qg, sg, qw.t(), sw.t(), 128, torch.bfloat16),
+                 "weight_grad_mm": lambda qgt=qgt, sgt=sgt: fp8_mm(qgt, sgt, qxt, sxt, 1, torch.float32)}
+        for name, fn in parts.items():
+            results[f"fp8_linear_{fmt}_part_{name}_s"] = statistics.median(time_pass(fn, device, rounds))
+            t = device_time(fn, device)
+            if t is not None:
+                results[f"fp8_linear_{fmt}_part_{name}_device_s"] = t
+    results["fp8_linear_products"] = scaled_mm_report()
 
 
 def _torchao(device, x, w, rounds, results):

@@ -187,3 +187,35 @@ def test_a_section_the_budget_cannot_hold_is_skipped_and_said(tmp_path):
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["sections"]["environment"]["status"] == "skipped"
     assert "out of budget" in line["sections"]["environment"]["why"]
+
+
+def test_the_kernel_benchmarks_gpu_only_code_runs(monkeypatch):
+    """benchmarks/kernels.py's code that only a GPU runs (device times, the fused quantization's
+    floor, the FP8 linear's parts for both gradient formats, the report of which products
+    cuBLAS took, the targets read from them), run here on CPU tensors at toy sizes with the
+    synchronized timer standing in for ``do_bench``: so that a GPU window never finds it
+    broken. The figures mean nothing."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import kernels
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(kernels, "device_time", lambda fn, device: min(kernels.time_pass(fn, device, 1)))
+    monkeypatch.setattr(kernels, "_torchao", lambda *a: None)  # (torchao's Float8Linear wants FP8 units,
+    monkeypatch.setattr(kernels, "_liger", lambda *a: None)  # Liger Kernel a GPU)
+    device, results = torch.device("cpu"), {"hbm_bytes_per_s": 1e11}
+    kernels.bench_ops(device, torch.float32, kernels.QUICK_SIZES, 1, results, True)
+    kernels.bench_fp8(device, kernels.QUICK_SIZES, 1, results, True)
+    for fmt in ("e5m2", "e4m3"):
+        for part in ("quantize_x_both", "quantize_w", "forward_mm", "quantize_grad_both", "input_grad_mm",
+                     "weight_grad_mm"):
+            assert results[f"fp8_linear_{fmt}_part_{part}_device_s"] > 0
+    assert isinstance(results["fp8_linear_products"], dict)  # (empty here: no cuBLAS on a CPU)
+    for op in ("fp8_quantize_1x128", "fp8_quantize_both", "rms_norm", "swiglu", "moe_permute"):
+        assert results[f"{op}_fraction_of_bandwidth"] > 0
+    targets = _gpu_check().targets({"kernel_benchmarks": results})
+    for name in ("fp8_linear_4096_over_bf16_device", "fp8_linear_e4m3_grads_4096_over_bf16_device",
+                 "fp8_quantize_both_fraction_of_bandwidth"):
+        assert targets[name]["value"] > 0 and targets[name]["met"] in (True, False)

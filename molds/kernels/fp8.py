@@ -98,6 +98,30 @@ def fp8_quantize_reference(x: torch.Tensor, fmt: str = "e4m3", tile_rows: int = 
     return (q, scale) if x.dim() == 3 else (q[0], scale[0])
 
 
+def padded_rows(m: int) -> int:
+    """The token axis of a transposed quantization, padded to whole 128-wide tiles (zero codes):
+    cuBLAS wants a product's contraction side divisible by 16, and a weight gradient contracts
+    over the tokens."""
+    return -(-m // TILE) * TILE
+
+
+def fp8_quantize_both_reference(x: torch.Tensor, fmt: str = "e4m3", pow2: bool = False):
+    """``(q, scale, qt, scale_t)`` of a matrix ``x`` [M, K]: ``fp8_quantize_reference(x, fmt,
+    1, pow2)`` (1x128 tiles along K) and the same of ``x.t()`` (1x128 tiles along M), the
+    latter's codes padded with zeros to ``padded_rows(M)`` columns: ``qt`` [K, Mp],
+    ``scale_t`` [K, ceil(M / 128)]. What a linear needs of its input (the forward product,
+    and the weight gradient later) and of its output gradient (the input gradient, and the
+    weight gradient)."""
+    if x.dim() != 2:
+        raise ValueError(f"fp8_quantize_both takes a matrix, got shape {tuple(x.shape)}")
+    q, s = fp8_quantize_reference(x, fmt, 1, pow2)
+    qt_, st = fp8_quantize_reference(x.t(), fmt, 1, pow2)
+    m = x.shape[0]
+    qt = qt_.new_zeros((x.shape[1], padded_rows(m)))
+    qt[:, :m] = qt_
+    return q, s, qt, st
+
+
 def fp8_dequantize_reference(q: torch.Tensor, scale: torch.Tensor, tile_rows: int = 1,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` per tile (any strides; a batch too), in ``dtype`` (computed in float32)."""
@@ -168,6 +192,21 @@ def inverse_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @jit
+def scaled_code(y, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr, HW_CAST: tl.constexpr):
+    """The fp8 code of a value already scaled into the format's range (or NaN): the GPU's
+    own cast there (``cvt.rn.satfinite``, see the module's docstring), ``fp8_code`` in the
+    interpreter."""
+    if HW_CAST:
+        if EXP == 4:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        code = fp8_code(y, EXP, MAN, SATURATE)
+    return code
+
+
+@jit
 def quantize_kernel(X, Q, S, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_qm, stride_sb, stride_sm,
                     FP8_MAX: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr,
                     POW2: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -185,20 +224,39 @@ def quantize_kernel(X, Q, S, M, K, stride_xb, stride_xm, stride_xk, stride_qb, s
     if TILE_M != 1:
         amax = tl.max(amax, axis=0, keep_dims=True)  # [1, 1]: one scale per block
     inv = inverse_scale(amax, FP8_MAX, POW2)
-    y = x * inv
-    if HW_CAST:  # a GPU: cvt.rn.satfinite (see the module's docstring)
-        if EXP == 4:
-            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    else:
-        code = fp8_code(y, EXP, MAN, SATURATE)
+    code = scaled_code(x * inv, EXP, MAN, SATURATE, HW_CAST)
     tl.store(Q + rows[:, None] * stride_qm + cols[None, :], code, mask=mask)
     scale = tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv)
     if TILE_M == 1:
         tl.store(S + rows[:, None] * stride_sm + pid_k, scale, mask=(rows < M)[:, None])
     else:
         tl.store(S + pid_m * stride_sm + pid_k + tl.zeros([1, 1], dtype=tl.int32), scale)
+
+
+@jit
+def quantize_both_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_xk, stride_qm, stride_sm, stride_qtk, stride_stk,
+                         FP8_MAX: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, SATURATE: tl.constexpr,
+                         POW2: tl.constexpr, HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
+    """One 128 x 128 tile of X, read once: its 1x128 tiles along K (Q, S) and along M,
+    written transposed (QT [K, Mp], ST [K, ceil(M / 128)]; rows past M are zero codes)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
+    row_in, col_in = rows < M, cols < K
+    mask = row_in[:, None] & col_in[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    mag = tl.where(x != x, float("inf"), tl.abs(x))
+    inv = inverse_scale(tl.max(mag, axis=1, keep_dims=True), FP8_MAX, POW2)  # [BLOCK, 1]: along K
+    tl.store(Q + rows[:, None] * stride_qm + cols[None, :], scaled_code(x * inv, EXP, MAN, SATURATE, HW_CAST),
+             mask=mask)
+    tl.store(S + rows[:, None] * stride_sm + pid_k, tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv),
+             mask=row_in[:, None])
+    inv_t = inverse_scale(tl.max(mag, axis=0, keep_dims=True), FP8_MAX, POW2)  # [1, BLOCK]: along M
+    code_t = scaled_code(x * inv_t, EXP, MAN, SATURATE, HW_CAST)
+    code_t = tl.where(row_in[:, None], code_t, tl.zeros_like(code_t))  # the padding: zero even in a NaN tile
+    tl.store(QT + cols[:, None] * stride_qtk + rows[None, :], tl.trans(code_t), mask=col_in[:, None])
+    tl.store(ST + cols[None, :] * stride_stk + pid_m, tl.math.div_rn(tl.full(inv_t.shape, 1.0, tl.float32), inv_t),
+             mask=col_in[None, :])
 
 
 @jit
@@ -260,6 +318,27 @@ def fp8_quantize_triton(x: torch.Tensor, fmt: str = "e4m3", tile_rows: int = 1, 
     return (q, scale) if x.dim() == 3 else (q[0], scale[0])
 
 
+def fp8_quantize_both_triton(x: torch.Tensor, fmt: str = "e4m3", pow2: bool = False):
+    """The fused kernel: each 128 x 128 tile of ``x`` read once, both layouts written (any
+    strides of ``x``; compiled on a GPU, interpreted on a CPU)."""
+    if not x.is_cuda:
+        check_interpreter()
+    if fmt not in FORMATS or x.dim() != 2:
+        raise ValueError(f"fp8_quantize_both: a matrix and one of {', '.join(FORMATS)} (got {tuple(x.shape)}, "
+                         f"{fmt!r})")
+    dtype, e, m_bits, fp8_max, sat = FORMATS[fmt]
+    m, k = x.shape
+    mb, kb = -(-m // TILE), -(-k // TILE)
+    q, s = empty((m, k), dtype, x.device), empty((m, kb), torch.float32, x.device)
+    qt, st = empty((k, mb * TILE), dtype, x.device), empty((k, mb), torch.float32, x.device)
+    if x.numel():
+        qv, qtv = q.view(torch.uint8), qt.view(torch.uint8)
+        quantize_both_kernel[(mb, kb)](x, qv, s, qtv, st, m, k, *x.stride(), qv.stride(0), s.stride(0),
+                                       qtv.stride(0), st.stride(0), FP8_MAX=fp8_max, EXP=e, MAN=m_bits,
+                                       SATURATE=sat, POW2=pow2, HW_CAST=x.is_cuda, BLOCK=TILE, num_warps=8)
+    return q, s, qt, st
+
+
 def fp8_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, tile_rows: int = 1,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The Triton kernel (any strides of ``q`` and ``scale``)."""
@@ -301,6 +380,22 @@ def _(x, fmt, tile_rows, pow2):
             x.new_empty((*lead, *scale_shape(m, k, tile_rows)), dtype=torch.float32))
 
 
+@torch.library.custom_op("molds::fp8_quantize_both", mutates_args=())
+def _quantize_both_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
+    if runs_triton(x):
+        return fp8_quantize_both_triton(x, fmt, pow2)
+    return fp8_quantize_both_reference(x, fmt, pow2)
+
+
+@_quantize_both_op.register_fake
+def _(x, fmt, pow2):
+    m, k = x.shape
+    dtype = FORMATS[fmt][0]
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, -(-k // TILE)), dtype=torch.float32),
+            x.new_empty((k, padded_rows(m)), dtype=dtype), x.new_empty((k, -(-m // TILE)), dtype=torch.float32))
+
+
 @torch.library.custom_op("molds::fp8_dequantize", mutates_args=())
 def _dequantize_op(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, dtype: torch.dtype) -> torch.Tensor:
     if runs_triton(q):
@@ -313,13 +408,38 @@ def _(q, scale, tile_rows, dtype):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+def eager_launch(*tensors: torch.Tensor) -> bool:
+    """Whether a call may go straight to its Triton launcher, past the custom op: plain CUDA
+    tensors, nothing tracing (torch.compile, a fake or dispatch mode). The custom op's
+    dispatch costs tens of microseconds a call in eager mode, on the order of a small
+    kernel; torch.compile and the modes still see the op."""
+    return (not torch.compiler.is_compiling()  # (first: under torch.compile nothing else is evaluated)
+            and all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
+            and torch._C._len_torch_dispatch_stack() == 0 and runs_triton(tensors[0]))
+
+
 def fp8_quantize(x: torch.Tensor, fmt: str = "e4m3", tile_rows: int = 1, pow2: bool = False):
     """``(q, scale)`` of a matrix (or a batch of them), any strides: a transposed view
     quantizes along its own rows. 1x128 tiles (``tile_rows=1``) or 128x128 blocks
     (``tile_rows=128``)."""
     _check(fmt, tile_rows)
     _as_batch(x)
+    if eager_launch(x):
+        return fp8_quantize_triton(x, fmt, tile_rows, pow2)
     return _quantize_op(x, fmt, tile_rows, pow2)
+
+
+def fp8_quantize_both(x: torch.Tensor, fmt: str = "e4m3", pow2: bool = False):
+    """``(q, scale, qt, scale_t)``: ``x`` [M, K] in 1x128 tiles along K, and ``x.t()`` in 1x128
+    tiles along M with its codes padded to ``padded_rows(M)`` columns
+    (``fp8_quantize_both_reference``); on a GPU one kernel reads ``x`` once for both."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fp8 format {fmt!r}: one of {', '.join(FORMATS)}")
+    if x.dim() != 2:
+        raise ValueError(f"fp8_quantize_both takes a matrix, got shape {tuple(x.shape)}")
+    if eager_launch(x):
+        return fp8_quantize_both_triton(x, fmt, pow2)
+    return _quantize_both_op(x, fmt, pow2)
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int = 1,

@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .fp8 import TILE, fp8_dequantize_reference
+from .fp8 import TILE, eager_launch, fp8_dequantize_reference
 from .launch import check_interpreter, empty, fp8_matrix_units, jit, runs_triton, tl
 
 # ---------------------------------------------------------------- PyTorch path (reference and CPU)
@@ -234,16 +234,37 @@ def fp8_grouped_wgrad_triton(at, sa, bt, sb, offs_padded: torch.Tensor, out_dtyp
 
 # ---------------------------------------------------------------- scaled_mm (Hopper)
 
-_SCALED_MM_REFUSED: set = set()
-_SCALED_MM_LAYOUT: dict = {}
+_SCALED_MM_REFUSED: dict = {}  # kind of product -> why cuBLAS did not take it
+_SCALED_MM_LAYOUT: dict = {}  # kind of product -> the index of the scale layout it took
+
+
+def _kind(key) -> str:
+    a, b, tile_b, k128, n128, k16, out = key
+    k = "K a multiple of 128" if k128 else "K a multiple of 16" if k16 else "K not a multiple of 16"
+    return (f"{str(a)[6:]} x {str(b)[6:]} -> {str(out)[6:]}, B in {tile_b}x128 tiles, {k}, "
+            f"N {'' if n128 else 'not '}a multiple of 128")
+
+
+def scaled_mm_report() -> dict:
+    """Which kinds of block-scaled product this process gave cuBLAS (``scaled_mm``) and
+    which it refused, with the reason: what a benchmark or the start line names."""
+    return ({_kind(k): f"cuBLAS (scale layout {i})" for k, i in _SCALED_MM_LAYOUT.items()}
+            | {_kind(k): f"Triton: cuBLAS refused ({why})" for k, why in _SCALED_MM_REFUSED.items()})
 
 
 def _scale_b_layouts(sb: torch.Tensor, tile_b: int) -> list:
-    """Bt's scales as torch's block-scaled product may want them: 128x128 blocks row-major
-    (transposed view); 1x128 tiles [K/128, N] (ATen's main branch checks Bt's scales
-    outer-dim-major), or [N, K/128] outer-dim-major (torch 2.11 checks that shape)."""
+    """Bt's scales as torch's block-scaled product may want them. 128x128 blocks: [K/128, N/128]
+    with strides (1, K/128), K/128 padded to a multiple of 4 (torch 2.11's
+    ``_scaled_block1x128_block128x128`` checks ``round_up(ceil_div(K, 128), 4)`` rows: a
+    2816-wide K has 22 blocks, 24 wanted; cuBLAS reads the first 22), or unpadded. 1x128
+    tiles: [K/128, N] (ATen's main branch checks Bt's scales outer-dim-major), or [N, K/128]
+    outer-dim-major (torch 2.11 checks that shape). Each index means the same layout
+    whatever the shape (the layout kept for a kind of product is an index)."""
     if tile_b == TILE:
-        return [sb.contiguous().t()]
+        nb, kb = sb.shape
+        padded = sb.new_ones((nb, -(-kb // 4) * 4))
+        padded[:, :kb] = sb
+        return [padded.t(), sb.contiguous().t()]
     return [sb.t().contiguous(), sb.t().contiguous().t()]
 
 
@@ -272,12 +293,13 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
     otherwise would be silently wrong, so the first product of each kind is also run by the
     Triton kernel and kept only where the two agree (``_agrees``); the layout is then kept
     for that kind of product."""
-    key = (a.dtype, bt.dtype, tile_b, a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, out_dtype)
+    key = (a.dtype, bt.dtype, tile_b, a.shape[1] % TILE == 0, bt.shape[0] % TILE == 0, a.shape[1] % 16 == 0,
+           out_dtype)
     if key in _SCALED_MM_REFUSED:
         return None
     st = getattr(F, "ScalingType", None)
     if st is None:
-        _SCALED_MM_REFUSED.add(key)
+        _SCALED_MM_REFUSED[key] = "this torch has no torch.nn.functional.ScalingType"
         return None
     bt = bt.contiguous()  # (``_mm_op`` has made a CUDA operand contiguous already)
     scale_a = sa.t().contiguous().t()
@@ -302,7 +324,7 @@ def _scaled_mm(a, sa, bt, sb, tile_b: int, out_dtype):
                 continue
         _SCALED_MM_LAYOUT[key] = i
         return out
-    _SCALED_MM_REFUSED.add(key)
+    _SCALED_MM_REFUSED[key] = " / ".join(reasons)
     print(f"[molds] fp8: torch scaled_mm refused a block-scaled product ({str(a.dtype)[6:]} x {str(bt.dtype)[6:]}, "
           f"B in {tile_b}x128 tiles) of shape {tuple(a.shape)} x {tuple(bt.shape)} ({' / '.join(reasons)}); "
           f"the Triton kernel runs these", file=sys.stderr)
@@ -319,9 +341,7 @@ def _fp8_units(t: torch.Tensor) -> bool:
     return t.is_cuda and fp8_matrix_units(t.device.index or 0)
 
 
-@torch.library.custom_op("molds::fp8_mm", mutates_args=())
-def _mm_op(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, tile_b: int,
-           out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(a, sa, bt, sb, tile_b: int, out_dtype: torch.dtype) -> torch.Tensor:
     if a.is_cuda and not bt.is_contiguous():  # an input gradient's transposed weight: cuBLAS takes B only
         # column-major, and a strided read of B in the Triton kernel costs ~5x the product (seen
         # on an H200: 1.5 ms at 4096^3); a copy of its codes costs one pass over N x K bytes,
@@ -334,6 +354,12 @@ def _mm_op(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor
     if runs_triton(a) and (not a.is_cuda or _fp8_units(a)):
         return fp8_mm_triton(a, sa, bt, sb, tile_b, out_dtype)
     return fp8_mm_reference(a, sa, bt, sb, tile_b, out_dtype)
+
+
+@torch.library.custom_op("molds::fp8_mm", mutates_args=())
+def _mm_op(a: torch.Tensor, sa: torch.Tensor, bt: torch.Tensor, sb: torch.Tensor, tile_b: int,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    return _mm(a, sa, bt, sb, tile_b, out_dtype)
 
 
 @_mm_op.register_fake
@@ -369,6 +395,8 @@ def _(at, sa, bt, sb, offs_padded, out_dtype):
 
 def fp8_mm(a, sa, bt, sb, tile_b: int, out_dtype: torch.dtype) -> torch.Tensor:
     """A @ Bt^T of quantized operands (A [M, K] in 1x128 tiles, Bt [N, K] in ``tile_b`` x 128)."""
+    if eager_launch(a, sa, bt, sb):  # past the custom op's dispatch (``fp8.eager_launch``)
+        return _mm(a, sa, bt, sb, tile_b, out_dtype)
     return _mm_op(a, sa, bt, sb, tile_b, out_dtype)
 
 

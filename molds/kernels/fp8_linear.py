@@ -9,7 +9,15 @@ quantizes both operands block-wise (``molds.kernels.fp8``) and accumulates in fl
 
     forward   y  = x W^T       x: e4m3 1x128 tiles along K, W: e4m3 128x128 blocks
     input     dx = dy W        dy: e5m2 1x128 along N, W: the forward's blocks, read transposed
-    weight    dW = dy^T x      dy^T and x^T re-quantized in 1x128 tiles along the tokens
+    weight    dW = dy^T x      dy^T and x^T in 1x128 tiles along the tokens
+
+Three quantizations a step, not five: x and dy each go through ``fp8_quantize_both``,
+which reads a 128 x 128 tile once and writes it in both layouts (on a GPU one kernel;
+1x128 tiles along K for the forward or input-gradient product, and along the tokens,
+transposed and padded with zero codes to whole tiles, for the weight gradient). The
+forward keeps x^T's FP8 tiles for the backward, not x itself (DeepSeek-V3 caches a
+linear's input in FP8 the same way): one byte an element instead of two, and no second
+pass over x. A frozen weight or an evaluation forward quantizes x one way only.
 
 The weight gradient honours ``molds.models.wgrad.WeightGradStore`` as the BF16 linears
 do: inside ``WeightGradStore.deferring()`` the backward returns the input gradient only
@@ -30,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8 import TILE, fp8_dequantize_reference, fp8_quantize, fp8_quantize_reference
+from .fp8 import TILE, fp8_dequantize_reference, fp8_quantize, fp8_quantize_both, fp8_quantize_reference
 from .fp8_gemm import fp8_grouped_mm as _grouped_product
 from .fp8_gemm import fp8_grouped_wgrad, fp8_mm, pad_groups, scatter_rows
 
@@ -82,40 +90,42 @@ def fp8_experts_reference(x, w, offs, pow2: bool = False) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, pow2, grad_format):
+    def forward(ctx, x, weight, bias, out_dtype, pow2, grad_format, wgrad):
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = fp8_quantize(x2, "e4m3", 1, pow2)
+        if wgrad:  # the weight gradient will want x^T's tiles too
+            qx, sx, qxt, sxt = fp8_quantize_both(x2, "e4m3", pow2)
+        else:
+            (qx, sx), qxt, sxt = fp8_quantize(x2, "e4m3", 1, pow2), None, None
         qw, sw = fp8_quantize(weight, "e4m3", TILE, pow2)
         y = fp8_mm(qx, sx, qw, sw, TILE, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x2, qw, sw)
+        ctx.save_for_backward(qxt, sxt, qw, sw)  # the input is kept in FP8 (DeepSeek-V3 caches it so)
         ctx.params = (weight, bias)  # to accumulate into when the weight gradient is deferred
         ctx.meta = (x.shape, x.dtype, pow2, grad_format)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        x2, qw, sw = ctx.saved_tensors
+        qxt, sxt, qw, sw = ctx.saved_tensors
         shape, x_dtype, pow2, fmt = ctx.meta
         weight, bias = ctx.params
         g2 = grad.reshape(-1, grad.shape[-1])
-        dx = None
-        if ctx.needs_input_grad[0]:
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w:  # one pass over the gradient for both of its products
+            qg, sg, qgt, sgt = fp8_quantize_both(g2, fmt, pow2)
+        elif need_x:
             qg, sg = fp8_quantize(g2, fmt, 1, pow2)
-            dx = fp8_mm(qg, sg, qw.t(), sw.t(), TILE, x_dtype).view(shape)
-        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx = fp8_mm(qg, sg, qw.t(), sw.t(), TILE, x_dtype).view(shape) if need_x else None
 
-        def weight_grad():
-            qgt, sgt = fp8_quantize(g2.t(), fmt, 1, pow2)
-            qxt, sxt = fp8_quantize(x2.t(), "e4m3", 1, pow2)
+        def weight_grad():  # contracts over the tokens, padded with zero codes to whole tiles
             return fp8_mm(qgt, sgt, qxt, sxt, 1, torch.float32)
 
         if not (need_w or need_b):
-            return dx, None, None, None, None, None
+            return dx, None, None, None, None, None, None
         if not _deferring():
             return (dx, weight_grad().to(weight.dtype) if need_w else None,
-                    g2.float().sum(0).to(bias.dtype) if need_b else None, None, None, None)
+                    g2.float().sum(0).to(bias.dtype) if need_b else None, None, None, None, None)
 
         def deferred():
             if need_w:
@@ -124,14 +134,15 @@ class _Fp8Linear(torch.autograd.Function):
                 _accumulate(bias, g2.float().sum(0))
 
         _defer(deferred)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pow2: bool = False,
                grad_format: str = "e5m2") -> torch.Tensor:
     """``F.linear`` with both operands in block-scaled FP8 (forward and backward);
     ``grad_format`` is the format of the gradient flowing back (e5m2, or e4m3)."""
-    return _Fp8Linear.apply(x, weight, bias, _out_dtype(x), pow2, grad_format)
+    wgrad = weight.requires_grad and torch.is_grad_enabled()  # (grad mode is off inside the Function's forward)
+    return _Fp8Linear.apply(x, weight, bias, _out_dtype(x), pow2, grad_format, wgrad)
 
 
 class Fp8Linear(nn.Linear):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from molds.kernels.fp8 import (FORMATS, fp8_cast_triton, fp8_dequantize, fp8_dequantize_reference,
-                               fp8_dequantize_triton, fp8_quantize, fp8_quantize_reference, fp8_quantize_triton)
+                               fp8_dequantize_triton, fp8_quantize, fp8_quantize_both, fp8_quantize_both_reference,
+                               fp8_quantize_both_triton, fp8_quantize_reference, fp8_quantize_triton, padded_rows)
 
 
 def _bits(q: torch.Tensor) -> torch.Tensor:
@@ -98,6 +99,50 @@ def test_quantize_kernel_equals_the_reference(shape, fmt, tile_rows, pow2, dtype
     assert bool(((deq.double() - x.double()).abs() <= bound * (1 + 1e-6)).all())
 
 
+BOTH = [  # shape, format, pow2, input dtype, transposed view
+    ((300, 257), "e4m3", False, torch.float32, False),
+    ((129, 130), "e5m2", True, torch.bfloat16, True),
+    ((1, 300), "e4m3", False, torch.float16, False),
+    ((256, 128), "e5m2", False, torch.bfloat16, False),  # whole tiles: no padding
+]
+
+
+@pytest.mark.parametrize("shape,fmt,pow2,dtype,transposed", BOTH,
+                         ids=[f"{'x'.join(map(str, c[0]))}-{c[1]}-{'pow2' if c[2] else 'any'}-{str(c[3])[6:]}"
+                              f"{'-T' if c[4] else ''}" for c in BOTH])
+def test_the_fused_quantization_writes_both_layouts_as_two_quantizations_would(shape, fmt, pow2, dtype, transposed,
+                                                                                 gen, device):
+    """One kernel, each tile read once: its 1x128 tiles along K equal ``fp8_quantize(x)``'s and
+    along M ``fp8_quantize(x.t())``'s (torch's casts, the reference's rule), bit for bit; the
+    transposed codes are padded with zeros to whole tiles, also where a tile holds a NaN or an
+    infinity (its scale is NaN: the padding must not carry it)."""
+    m, k = shape
+    x = (torch.randn(shape, generator=gen) * torch.rand(k, generator=gen) * 10).to(dtype)
+    x[m // 2, k // 3] = float("nan")
+    x[m - 1, k - 1] = float("inf")
+    if transposed:
+        x = x.t().contiguous().t()
+    got = fp8_quantize_both_triton(_moved(x, device), fmt, pow2)
+    q_ref, s_ref = fp8_quantize_reference(x, fmt, 1, pow2)
+    qt_ref, st_ref = fp8_quantize_reference(x.t(), fmt, 1, pow2)
+    q, s, qt, st = (t.cpu() for t in got)
+    assert q.shape == (m, k) and qt.shape == (k, padded_rows(m)) and padded_rows(m) % 128 == 0
+    assert q.dtype == qt.dtype == FORMATS[fmt][0]
+    assert torch.equal(_bits(q), _bits(q_ref)) and _same_floats(s, s_ref)
+    assert torch.equal(_bits(qt[:, :m]), _bits(qt_ref)) and _same_floats(st, st_ref)
+    assert not bool(_bits(qt[:, m:]).any())  # zero codes
+    assert bool(st.isnan().any()) and bool(s.isnan().any())  # the non-finite tiles are there
+    for a, b in zip(got, fp8_quantize_both_reference(x, fmt, pow2)):  # the reference says the same
+        assert a.shape == b.shape and (torch.equal(_bits(a), _bits(b)) if a.dtype in
+                                       (torch.float8_e4m3fn, torch.float8_e5m2) else _same_floats(a, b))
+
+
+def _moved(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` with the same strides."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t)
+
+
 def test_zero_tiny_and_non_finite_tiles_follow_the_rule(device):
     x = torch.randn(4, 384)
     x[0, :128] = 0.0  # a zero tile
@@ -142,6 +187,10 @@ def test_custom_ops_route_to_the_kernel_and_trace(device, gen):
                                fp8_dequantize_reference(q, s, 128, torch.bfloat16), rtol=2**-7, atol=0)
     # the fake (meta) implementations agree with the real ops (opcheck's schema test cannot
     # compare fp8 outputs on a CPU: torch has no CPU arithmetic for them)
+    both = fp8_quantize_both(x, "e4m3")  # the fused op routes to its kernel too (one launch)
+    assert all(torch.equal(_bits(a), _bits(b)) if a.dtype == torch.float8_e4m3fn else _same_floats(a, b)
+               for a, b in zip(both, fp8_quantize_both_reference(x.cpu(), "e4m3")))
     for op, args in ((torch.ops.molds.fp8_quantize.default, (x, "e4m3", 1, False)),
+                     (torch.ops.molds.fp8_quantize_both.default, (x, "e5m2", False)),
                      (torch.ops.molds.fp8_dequantize.default, (q, s, 128, torch.float32))):
         torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
