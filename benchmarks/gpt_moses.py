@@ -2,13 +2,13 @@
 
     python benchmarks/gpt_moses.py [--recipe recipes/cpu_moses.json] [--nproc 2]
                                    [--input moses/train.csv.gz] [--seed 0] [--steps N]
-                                   [--num 10000] [--average_last 3] [--fcd] [--moses]
+                                   [--num 10000] [--top_k 0] [--average_last 3] [--fcd] [--moses]
                                    [--reference test=moses/test.csv.gz] [--score_only]
                                    [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
    ``--input`` (the MOSES training file: random split 0.98/0.01/0.01, regex tokenizer, and for
-   a recipe that reads randomized SMILES ``--randomized_variants`` stored spellings, 8 by
+   a recipe that reads randomized SMILES ``--randomized_variants`` stored spellings, 4 by
    default, as the command of docs/tutorials/cpu-moses.md), or from the bundled sample when the manifest is the
    quick start's ``runs/quickstart/data``.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` (a fresh
@@ -16,7 +16,7 @@
 3. The model scored: the recipe's own average (``checkpoint.average_last``: RUN/averaged),
    or with ``--average_last N`` ``molds-average`` of the run's N newest checkpoints, or
    else the final checkpoint.
-4. ``molds-sample``: ``--num`` molecules at ``--temperature`` (the procedure ends here:
+4. ``molds-sample``: ``--num`` molecules at ``--temperature`` and ``--top_k`` (the procedure ends here:
    ``procedure_s`` is ETL + training + averaging + sampling), then ``molds-eval --samples``:
    the generation metrics, FCD to the split with ``--fcd``, and with ``--moses`` FCD, SNN,
    Frag and Scaf against the whole split, and with ``--reference NAME=FILE`` against
@@ -68,7 +68,7 @@ def main() -> int:
     ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_moses.json"))
     ap.add_argument("--nproc", type=int, default=2, help="training processes (torchrun)")
     ap.add_argument("--input", default=None, help="raw SMILES file for the ETL when the manifest is missing")
-    ap.add_argument("--randomized_variants", type=int, default=8,
+    ap.add_argument("--randomized_variants", type=int, default=4,
                     help="the ETL's stored spellings per training molecule, for a recipe that reads randomized "
                          "SMILES (0: the run writes them live)")
     ap.add_argument("--seed", type=int, default=None, help="run.seed and data.seed (default: the recipe's)")
@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--num", type=int, default=10000)
     ap.add_argument("--split", default="test", help="split for the loss (and FCD)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top_k", type=int, default=0, help="molds-sample --top_k (0: the full distribution)")
     ap.add_argument("--fcd", action="store_true")
     ap.add_argument("--moses", action="store_true",
                     help="also MOSES's FCD, SNN, Frag and Scaf against the whole --split (the manifest's own "
@@ -156,15 +157,15 @@ def main() -> int:
     seed = 0 if args.seed is None else args.seed
     samples = os.path.join(out, "samples.smi")
     t0 = time.perf_counter()
-    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--seed", str(seed),
-                    "--out", samples]):
+    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--top_k", str(args.top_k),
+                    "--seed", str(seed), "--out", samples]):
         raise SystemExit("molds-sample failed")
     sample_s = time.perf_counter() - t0
     # what the tokens spell, sampled again with the same seed (the same samples): the share that
     # finished without a special token, and the share of all that decode to a SMILES (SELFIES, SAFE)
     raw_path = os.path.join(out, "samples.raw")
-    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--seed", str(seed),
-                    "--raw", "true", "--out", raw_path]):
+    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--top_k", str(args.top_k),
+                    "--seed", str(seed), "--raw", "true", "--out", raw_path]):
         raise SystemExit("molds-sample --raw failed")
     raw = open(raw_path).read().split("\n")[:-1]
     decoded = open(samples).read().split("\n")[:-1]
@@ -196,7 +197,7 @@ def main() -> int:
         "procedure_s": None if procedure_s is None else round(procedure_s, 1), "eval_s": round(eval_s, 1), "samples": m["samples"],
         "representation": (recipe_manifest_representation(manifest_dir)), "finished": round(finished, 4),
         "decodable": round(decodable, 4),
-        "temperature": args.temperature, "reference_split": args.split, f"{args.split}_loss": round(loss, 4),
+        "temperature": args.temperature, "top_k": args.top_k, "reference_split": args.split, f"{args.split}_loss": round(loss, 4),
         **{k: m.get(k) for k in keys}, "against": against, "published": PUBLISHED}))
     return 0
 
