@@ -52,6 +52,57 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert greedy == [expect, expect]
 
 
+class _MarkovChain(torch.nn.Module):
+    """A stand-in model whose next-token logits depend on the last token only (row ``table[last]``),
+    so what ``sample_ids`` may draw at each step is known exactly."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # sample_ids reads the device from the parameters
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def decode(self, ids, cache, start):
+        return self.table[ids[:, -1]]
+
+
+def test_top_k_draws_only_the_k_likeliest_tokens_in_their_renormalized_proportions():
+    """``--top_k K`` (the CPU MOSES tutorial samples with 8): every token drawn is among the K
+    likeliest after the one before it, and the first tokens come in the proportions of the
+    softmax over those K alone; without top-k the same chain draws outside them."""
+    from molds.eval.sampling import sample_ids
+
+    vocab, bos, eos, k = 12, 0, 1, 4
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(vocab, vocab, generator=g) * 1.5
+    table[:, bos] = -30.0  # bos is never drawn
+    table[:, eos] = table.max(dim=1).values + 0.5  # the likeliest everywhere: every sample ends
+    chain = _MarkovChain(table)
+    allowed = {row: set(torch.topk(table[row], k).indices.tolist()) for row in range(vocab)}
+
+    def transitions(samples):
+        for s in samples:
+            if s is None:
+                continue
+            path = [bos, *s, eos]
+            yield from zip(path, path[1:])
+
+    n = 20000
+    kw = dict(bos=bos, eos=eos, max_tokens=40, batch_size=n)
+    drawn = sample_ids(chain, n, top_k=k, seed=1, **kw)
+    assert sum(s is None for s in drawn) < n // 100
+    assert all(b in allowed[a] for a, b in transitions(drawn))
+    firsts = torch.tensor([s[0] if s else eos for s in drawn if s is not None])
+    seen = torch.bincount(firsts, minlength=vocab).double() / len(firsts)
+    top = torch.topk(table[bos], k)
+    want = torch.zeros(vocab, dtype=torch.double)
+    want[top.indices] = torch.softmax(top.values.double(), 0)
+    assert 0.5 * (seen - want).abs().sum() < 0.02, (seen, want)  # total variation of 20,000 draws
+    free = sample_ids(chain, n, top_k=0, seed=1, **kw)
+    assert any(b not in allowed[a] for a, b in transitions(free))
+
+
 @pytest.mark.slow
 def test_trained_decoder_beats_untrained_and_logs_its_evaluation(dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
