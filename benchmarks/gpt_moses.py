@@ -156,16 +156,16 @@ def main() -> int:
 
     seed = 0 if args.seed is None else args.seed
     samples = os.path.join(out, "samples.smi")
+    sampling = [scored, "--num", str(args.num), "--temperature", str(args.temperature), "--top_k", str(args.top_k),
+                "--seed", str(seed)]
     t0 = time.perf_counter()
-    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--top_k", str(args.top_k),
-                    "--seed", str(seed), "--out", samples]):
+    if sample_main([*sampling, "--out", samples]):
         raise SystemExit("molds-sample failed")
     sample_s = time.perf_counter() - t0
     # what the tokens spell, sampled again with the same seed (the same samples): the share that
     # finished without a special token, and the share of all that decode to a SMILES (SELFIES, SAFE)
     raw_path = os.path.join(out, "samples.raw")
-    if sample_main([scored, "--num", str(args.num), "--temperature", str(args.temperature), "--top_k", str(args.top_k),
-                    "--seed", str(seed), "--raw", "true", "--out", raw_path]):
+    if sample_main([*sampling, "--raw", "true", "--out", raw_path]):
         raise SystemExit("molds-sample --raw failed")
     raw = open(raw_path).read().split("\n")[:-1]
     decoded = open(samples).read().split("\n")[:-1]
