@@ -238,17 +238,11 @@ def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(dataset, tmp
 
 def _slurm_script(port: int, train_args: list[str]) -> str:
     """docs/guides/multi-node.md's Slurm batch script, as printed there, with one rank per
-    node, the test's port and the test's training arguments in place of the GPU recipe."""
-    import re
-    import shlex
+    node, the test's port and the test's training arguments in place of the GPU recipe (the
+    substitutions ``benchmarks/slurm_check.py`` makes to run it under a real Slurm)."""
+    from benchmarks.slurm_check import docs_batch_script
 
-    page = open(os.path.join(ROOT, "docs", "guides", "multi-node.md")).read()
-    script = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "#SBATCH" in b)
-    for old, new in (("--nproc_per_node 8", "--nproc_per_node 1"), (":29400", f":{port}"),
-                     ("molds/train.py --recipe recipes/moe_fp8.json", " ".join(map(shlex.quote, train_args)))):
-        assert old in script, old  # the page changed: this test follows it
-        script = script.replace(old, new)
-    return script
+    return docs_batch_script(port, train_args)
 
 
 #: stand-ins for Slurm's commands: ``srun`` starts its command once per node (SLURM_NODEID,
