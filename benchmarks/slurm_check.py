@@ -122,12 +122,16 @@ PartitionName=check Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
 """)
         open(os.path.join(h, "cgroup.conf"), "w").write("CgroupPlugin=cgroup/v1\n")
 
-    def up(self):
-        for tool in ("slurmctld", "slurmd", "sbatch", "munged", "ip", "nsenter", "unshare"):
+    @staticmethod
+    def preflight():
+        for tool in ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "munge", "munged", "ip",
+                     "nsenter", "unshare"):
             if not shutil.which(tool):
                 raise SystemExit(f"slurm_check: {tool} not found (apt-get install slurmctld slurmd slurm-client munge)")
         if os.geteuid() != 0:
             raise SystemExit("slurm_check: needs root (network namespaces, a bridge, the Slurm daemons)")
+
+    def up(self):
         self.write_conf()
         if sh("munge", "-n", check=False).returncode != 0:
             sh("munged", "--force")
@@ -199,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--requeue_after", type=int, default=110, help="requeue the job once its log holds this step")
     args = p.parse_args(argv)
+    Cluster.preflight()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=False)
     os.chdir(ROOT)
