@@ -74,9 +74,11 @@ def train_args(out: str, steps: int) -> list[str]:
 
 
 def losses(out: str) -> dict[int, float]:
-    path = os.path.join(out, "metrics.jsonl")
-    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    """Each step's loss in ``out/metrics.jsonl`` (read while the job writes it: a torn last
+    line is dropped; a step logged again after the requeue keeps its later value)."""
+    from molds.metrics.logger import read_metrics
+
+    return {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
 
 
 class Cluster:
