@@ -24,9 +24,10 @@ crashes the CUDA context or hangs costs only itself:
   the device (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
 - ``real_shapes``: two layers (one dense, one MoE) of ``recipes/moe_fp8.json``'s model at
   full width, forward + backward under bf16 autocast, kernels off / triton / fp8 /
-  fp8 + triton: tokens/s and the FP8-over-BF16 ratio; and every distinct product of the
-  model (its linears and the experts' grouped GEMM), and expert widths 256-2048, FP8 against
-  BF16: what sizing ``moe_fp8.json`` so that FP8 pays is read from.
+  fp8 + triton / torchao's row-wise (linears; linears and experts) and tensor-wise:
+  tokens/s and the FP8-over-BF16 ratios; and every distinct product of the model (its
+  linears and the experts' grouped GEMM, block-wise and row-wise), and expert widths
+  256-2048, FP8 against BF16: what sizing ``moe_fp8.json`` so that FP8 pays is read from.
 - ``dualpipev``: the full MoE model's per-layer F, B, I (input gradient, weight gradients
   deferred), W and F&B times measured on the device, summed per pipeline stage (DeepSpeed's
   partition by parameters: 2P stages for the V schedules, P for 1F1B) and fed, stage by
@@ -481,6 +482,7 @@ def targets(results: dict) -> dict:
            "fp8_real_shapes_over_bf16": entry(shapes.get("fp8_over_bf16"), 1.15),
            "fp8_rowwise_real_shapes_over_bf16": entry(shapes.get("fp8_rowwise_over_bf16"), 1.15),
            "fp8_tensorwise_real_shapes_over_bf16": entry(shapes.get("fp8_tensorwise_over_bf16"), 1.15),
+           "fp8_rowwise_experts_real_shapes_over_bf16": entry(shapes.get("fp8_rowwise_experts_over_bf16"), 1.15),
            "lm_head_memory_over_liger": entry(ratio("linear_cross_entropy_peak_mb",
                                                     "linear_cross_entropy_liger_peak_mb"), 1.5, higher=False),
            "dense_zero3_mfu": entry((runs.get("dense_zero3") or {}).get("mfu"), 0.35)}

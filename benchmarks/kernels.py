@@ -277,6 +277,13 @@ def bench_fp8(device, sizes, rounds, results, gpu):
         compare("fp8_experts", fwd_bwd(lambda a, b: fp8_grouped_mm(a, b, offs=offs), [xe, we]),
                 fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
                 results, "bf16_grouped_mm")
+    rowwise = _rowwise_grouped(device)
+    if rowwise is not None:  # torchao's row-wise grouped GEMM (kernels.fp8_experts), emulated off a Hopper GPU
+        results["fp8_rowwise_experts_path"] = "torchao" if rowwise.hardware else "emulated"
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            compare("fp8_rowwise_experts", fwd_bwd(lambda a, b: rowwise(a, b, offs=offs), [xe, we]),
+                    fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
+                    results, "bf16_grouped_mm")
     if gpu:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             e4m3 = fwd_bwd(lambda x, w: fp8_linear(x, w, grad_format="e4m3"), [x, w])
@@ -286,6 +293,15 @@ def bench_fp8(device, sizes, rounds, results, gpu):
                 results["fp8_linear_bf16_linear_device_s"] / results["fp8_linear_e4m3_grads_device_s"])
         _fp8_linear_parts(device, x, w, rounds, results)
         _torchao(device, x, w, rounds, results)
+
+
+def _rowwise_grouped(device):
+    """``kernels.fp8_experts``' grouped GEMM for ``device`` (None: torchao is not installed)."""
+    try:
+        from molds.kernels.fp8_torchao import RowwiseGroupedMM, grouped_fp8_units
+    except ImportError:
+        return None
+    return RowwiseGroupedMM(hardware=grouped_fp8_units(device))
 
 
 def _fp8_linear_parts(device, x, w, rounds, results):

@@ -26,10 +26,10 @@ def one_batch(recipe, device) -> tuple[dict, int]:
 
 def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     """Two layers of the MoE recipe's model at full width, forward + backward under bf16
-    autocast, with kernels off, triton, fp8 (blockwise; + triton; torchao's rowwise and
-    tensorwise): tokens/s and the FP8 ratios;
-    then every distinct product of the model, and the experts' grouped GEMM at the recipe's
-    expert width and ``widths``, FP8 against BF16."""
+    autocast, with kernels off, triton, fp8 (blockwise; + triton; torchao's rowwise, with and
+    without the experts' row-wise grouped GEMM, and tensorwise): tokens/s and the FP8 ratios;
+    then every distinct product of the model, and the experts' grouped GEMM (block-wise and
+    row-wise) at the recipe's expert width and ``widths``, FP8 against BF16."""
     import dataclasses
 
     import torch
@@ -38,6 +38,7 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     from kernels import compare, fwd_bwd, time_pass
     from molds.kernels import apply_kernels
     from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
+    from molds.kernels.fp8_torchao import RowwiseGroupedMM, grouped_fp8_units
     from molds.models import build_model
     from molds.models.loss import build_loss
 
@@ -53,7 +54,9 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
                 # every product in FP8 whatever the recipe's kernels.fp8_products: the ratio measured here is
                 # what that choice is about
                 "fp8_rowwise": {"fp8": True, "triton": False, "fp8_recipe": "rowwise", "fp8_grad_format": "e4m3"},
-                "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"}}
+                "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"},
+                "fp8_rowwise_experts": {"fp8": True, "triton": False, "fp8_recipe": "rowwise",
+                                        "fp8_grad_format": "e4m3", "fp8_experts": True}}
     for name, options in variants.items():
         model = build_model(recipe.model, tok, seed=0, device=device)
         loss_fn = build_loss(recipe.model)
@@ -101,6 +104,11 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
                     fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
                     r, "bf16")
             products[f"experts_{experts}x{per}x{m.hidden_size}x{width}"] = r["e_speedup_over_bf16"]
+            rowwise = RowwiseGroupedMM(hardware=grouped_fp8_units(device))  # kernels.fp8_experts
+            compare("r", fwd_bwd(lambda a, b: rowwise(a, b, offs=offs), [xe, we]),
+                    fwd_bwd(lambda a, b: F.grouped_mm(a, b.to(torch.bfloat16), offs=offs), [xe, we]), device, rounds,
+                    r, "bf16")
+            products[f"experts_rowwise_{experts}x{per}x{m.hidden_size}x{width}"] = r["r_speedup_over_bf16"]
             save(out | {"fp8_over_bf16_products": products})
     out["fp8_over_bf16_products"] = products
     return out

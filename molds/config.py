@@ -357,6 +357,14 @@ class KernelsConfig:
     e4m3: more precision, as DeepSeek-V3 uses with its fine-grained scales). The row-wise
     recipe casts gradients to e4m3 only (torchao's)."""
 
+    fp8_experts: bool = False
+    """kernels.fp8_recipe=rowwise: the MoE experts' grouped GEMMs in row-wise FP8 too
+    (torchao's grouped GEMM through ``torch._scaled_grouped_mm`` on a GPU of compute
+    capability 9.0 or later, each expert's tokens padded to a multiple of 16; emulated
+    elsewhere). Off: they stay BF16 ``grouped_mm``. Needs model.hidden_size and
+    model.moe_expert_size to be multiples of 16. (The block-wise recipe converts the
+    experts with the linears.)"""
+
     triton: bool = False
     """Fused Triton kernels for RMSNorm, SwiGLU, the MoE token permute / unpermute and the
     LM head with the loss (never the full float32 logits); PyTorch paths on a CPU."""

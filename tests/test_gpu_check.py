@@ -119,13 +119,14 @@ def test_real_shapes_and_dualpipev_costs(dry_run):
     line = json.load(open(out / "gpu_check.json"))
     shapes = line["real_shapes"]
     assert set(shapes["variants"]) == {"bf16", "bf16_triton", "bf16_triton_molds", "fp8", "fp8_triton",
-                                         "fp8_rowwise", "fp8_tensorwise"}
+                                         "fp8_rowwise", "fp8_tensorwise", "fp8_rowwise_experts"}
     v = shapes["variants"]
     assert shapes["fp8_over_bf16"] == pytest.approx(v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"])
     for name, r in v.items():
         assert r["tokens_per_s"] == pytest.approx(shapes["tokens"] / r["s"])
     assert any(k.startswith("linear_q_") for k in shapes["fp8_over_bf16_products"])
     assert any(k.startswith("experts_") for k in shapes["fp8_over_bf16_products"])
+    assert any(k.startswith("experts_rowwise_") for k in shapes["fp8_over_bf16_products"])
 
     dp = line["dualpipev"]
     layers = dp["layers"]

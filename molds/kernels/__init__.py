@@ -12,6 +12,7 @@ applied, in a fixed order:
    (``fp8_linear``; the LM head and the router with ``fp8_lm_head`` / ``fp8_router``; with
    ``fp8_products=faster`` only the products FP8 measured faster on, ``fp8_select``), or,
    with ``fp8_recipe`` rowwise / tensorwise, the linears through torchao's ``Float8Linear``
+   and, with ``fp8_experts``, the experts through torchao's row-wise grouped GEMM
    (``fp8_torchao``);
 2. ``kernels.triton``: RMSNorm, SwiGLU, the MoE token permute / unpermute and the
    LM head with the loss (``rmsnorm``, ``swiglu``, ``moe_permute``, ``cross_entropy``), the
@@ -47,7 +48,8 @@ def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> o
                               f"does not import here ({exc}): pip install torchao, or use fp8_recipe blockwise") \
                 from None
         convert_to_float8_torchao(model, recipe=kernels.fp8_recipe, pow2=kernels.fp8_pow2_scales,
-                                  grad_format=kernels.fp8_grad_format, device=device)
+                                  grad_format=kernels.fp8_grad_format, device=device,
+                                  experts=kernels.fp8_experts)
     elif kernels.fp8:
         from .fp8_linear import convert_to_fp8
 

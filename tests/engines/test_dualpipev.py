@@ -204,9 +204,11 @@ def test_moe_expert_parallel_matches_the_sequential_reference(dataset, reference
 
 AGAINST_1F1B = {"bf16-wrapper": dict(precision="bf16", stage=0), "bf16-zero1": dict(precision="bf16", stage=1),
                 "zero1": dict(stage=1), "fp8": dict(extra=["--kernels.fp8", "true"]),
-                # torchao's linears compute their weight gradients in the I pass (not deferred)
+                # torchao's linears and the experts' row-wise grouped GEMMs (32 wide: a multiple of 16)
+                # compute their weight gradients in the I pass (not deferred)
                 "fp8-rowwise": dict(extra=["--kernels.fp8", "true", "--kernels.fp8_recipe", "rowwise",
-                                           "--kernels.fp8_grad_format", "e4m3"])}
+                                           "--kernels.fp8_grad_format", "e4m3", "--kernels.fp8_experts", "true",
+                                           "--model.moe_expert_size", "32"])}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bf16-zero1" else c for c in AGAINST_1F1B])

@@ -224,14 +224,18 @@ def test_fp8_and_triton_kernels_on_the_pipeline_match_one_process(dataset):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_torchaos_fp8_recipes_on_the_pipeline_match_one_process(dataset, recipe):
-    """kernels.fp8_recipe rowwise / tensorwise (torchao's Float8Linear, emulated on the CPU)
-    on pp=2 against one process: the stages are built on the meta device and materialized
+    """kernels.fp8_recipe rowwise / tensorwise (torchao's Float8Linear, emulated on the CPU;
+    row-wise with the experts' row-wise grouped GEMM) on pp=2 against one process: the stages are built on the meta device and materialized
     with their torchao modules in place, and the same micro-batches quantize the same way
     (the tensor-wise scales span one micro-batch's rows on both sides), so losses agree
     to float32 summation order and gradients to what that order does to FP8 rounding."""
-    extra = ["--kernels.fp8", "true", "--kernels.fp8_recipe", recipe, "--kernels.fp8_grad_format", "e4m3"]
+    # row-wise with the experts' grouped GEMMs too (kernels.fp8_experts; 32 wide: a multiple of 16)
+    shape = ["--model.moe_expert_size", "32"] if recipe == "rowwise" else []
+    extra = ["--kernels.fp8", "true", "--kernels.fp8_recipe", recipe, "--kernels.fp8_grad_format", "e4m3", *shape]
+    if recipe == "rowwise":
+        extra += ["--kernels.fp8_experts", "true"]
     one = run_ranks(_run, 1, _argv(dataset, "ddp", accum=2 * ACCUM, extra=extra), dataset, True, True)[0]
-    plain = run_ranks(_run, 1, _argv(dataset, "ddp", accum=2 * ACCUM), dataset, True, True)[0]
+    plain = run_ranks(_run, 1, _argv(dataset, "ddp", accum=2 * ACCUM, extra=shape), dataset, True, True)[0]
     got = run_ranks(_run, 2, _argv(dataset, "pipeline", 2, 1, accum=2 * ACCUM, extra=extra), dataset, False)
     losses = next(r["losses"] for r in got if r["stage"] == 1)
     # the first step's loss: the same weights and batches, float32 summation order only; the
