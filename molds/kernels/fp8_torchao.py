@@ -69,6 +69,11 @@ def _torchao_float8():
         log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
+    except ImportError as exc:
+        from ..errors import RecipeError
+
+        raise RecipeError(f"kernels.fp8_recipe rowwise / tensorwise run torchao, which does not import here ({exc}): "
+                          f"pip install torchao, or use kernels.fp8_recipe blockwise") from None
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
@@ -125,8 +130,11 @@ def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = Fal
             raise RecipeError(f"kernels.fp8_experts: torchao's FP8 grouped GEMM needs model.hidden_size and "
                               f"model.moe_expert_size to be multiples of 16 (they are {odd[0].hidden} and "
                               f"{odd[0].width})")
+        hardware = grouped_fp8_units(device)
+        if hardware:
+            _torchao_grouped()  # a torchao without the grouped path: said now, not at the first forward
         for module in sets:
-            module.grouped_mm = RowwiseGroupedMM(hardware=grouped_fp8_units(device))
+            module.grouped_mm = RowwiseGroupedMM(hardware=hardware)
         counts["experts"] = len(sets)
     return counts
 
@@ -136,6 +144,22 @@ def grouped_fp8_units(device) -> bool:
     is built for compute capability 9.0 and later); elsewhere it is emulated."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _torchao_grouped():
+    """torchao's differentiable row-wise FP8 grouped GEMM (torchao 0.18's name and signature)."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except ImportError as exc:
+        import importlib.metadata
+
+        from ..errors import RecipeError
+
+        raise RecipeError(f"kernels.fp8_experts on this GPU runs torchao's row-wise FP8 grouped GEMM "
+                          f"(torchao.prototype.moe_training.fp8_grouped_mm, as in torchao 0.18), which this torchao "
+                          f"{importlib.metadata.version('torchao')} lacks ({exc}): pip install 'torchao>=0.18', or set "
+                          f"kernels.fp8_experts false") from None
+    return _to_fp8_rowwise_then_scaled_grouped_mm
 
 
 #: rows each expert's token group is padded to a multiple of (cuBLAS's FP8 grouped GEMM)
@@ -160,12 +184,9 @@ class RowwiseGroupedMM:
         index, padded_offs, rows = pad_groups(counts, GROUP_ALIGN)
         xp = scatter_rows(x, index, rows)  # zero rows between the groups (differentiable: index_copy)
         if self.hardware:
-            from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-
             w_t = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert, as cuBLAS reads it
-            y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w_t, padded_offs, out_dtype=torch.bfloat16,
-                                                       float8_dtype=torch.float8_e4m3fn,
-                                                       pad_token_groups_for_grouped_mm=False).to(x.dtype)
+            y = _torchao_grouped()(xp, w_t, padded_offs, out_dtype=torch.bfloat16, float8_dtype=torch.float8_e4m3fn,
+                                   pad_token_groups_for_grouped_mm=False).to(x.dtype)
         else:
             y = _EmulatedRowwiseGroupedMM.apply(xp, w, padded_offs)
         return y.index_select(0, index)

@@ -279,3 +279,20 @@ def test_the_gpu_path_is_torchaos_function_as_called_on_a_hopper_gpu(monkeypatch
         results.append((y.detach().float(), x.grad.float(), w.grad))
     for got, want, name in zip(*results, ("y", "dx", "dw")):  # bf16 outputs on the GPU path
         torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3 * float(want.abs().max()), msg=name)
+
+
+def test_a_missing_or_older_torchao_is_one_line_naming_the_fix(monkeypatch):
+    import sys
+
+    import molds.kernels.fp8_torchao as ours
+
+    rowwise_experts = KernelsConfig(fp8=True, fp8_recipe="rowwise", fp8_grad_format="e4m3", fp8_experts=True)
+    # a torchao without the grouped path, on a GPU that would run it: refused at conversion
+    monkeypatch.setattr(ours, "grouped_fp8_units", lambda device: True)
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.fp8_grouped_mm", None)
+    with pytest.raises(RecipeError, match=r"kernels.fp8_experts on this GPU .* lacks .*pip install 'torchao>=0.18'"):
+        apply_kernels(moe_model(shared_expert_size=16, expert_size=32), rowwise_experts, CausalLMLoss())
+    # no torchao at all (a machine where it is not a requirement)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(RecipeError, match="run torchao, which does not import here .*pip install torchao"):
+        apply_kernels(moe_model(), KernelsConfig(fp8=True, fp8_recipe="tensorwise"), CausalLMLoss())
