@@ -335,8 +335,8 @@ class KernelsConfig:
     fastest is measured per card (benchmarks/gpu_check.py)."""
 
     fp8_products: Literal["all", "faster"] = "all"
-    """kernels.fp8 (block-wise): which products run in FP8. ``all``: every linear and expert
-    set the other switches name. ``faster``: at start each distinct product shape is timed,
+    """kernels.fp8: which products run in FP8, under every ``fp8_recipe``. ``all``: every
+    linear and expert set the other switches name. ``faster``: at start each distinct product shape is timed,
     forward and backward at a micro-batch's tokens, in FP8 and in the run's precision, and
     only those FP8 ran faster are converted; the start line and the lineage give each
     product's ratio, and a resume keeps the choice of the run it continues."""
@@ -361,7 +361,8 @@ class KernelsConfig:
     """kernels.fp8_recipe=rowwise: the MoE experts' grouped GEMMs in row-wise FP8 too
     (torchao's grouped GEMM through ``torch._scaled_grouped_mm`` on a GPU of compute
     capability 9.0 or later, each expert's tokens padded to a multiple of 16; emulated
-    elsewhere). Off: they stay BF16 ``grouped_mm``. Needs model.hidden_size and
+    elsewhere; with ``fp8_products: faster`` only where it measured faster). Off: they stay
+    BF16 ``grouped_mm``. Needs model.hidden_size and
     model.moe_expert_size to be multiples of 16. (The block-wise recipe converts the
     experts with the linears.)"""
 

@@ -352,9 +352,6 @@ def check_kernels(recipe: Recipe) -> None:
         if unused:
             raise RecipeError(f"{', '.join(unused)} applies with kernels.fp8=true (it is off)")
     if k.fp8 and k.fp8_recipe != "blockwise":
-        if k.fp8_products != "all":
-            raise RecipeError(f"kernels.fp8_products={k.fp8_products} applies to kernels.fp8_recipe=blockwise "
-                              f"(molds' own FP8); torchao's {k.fp8_recipe} recipe converts every linear")
         for key in ("fp8_lm_head", "fp8_router"):
             if getattr(k, key):
                 raise RecipeError(f"kernels.{key} applies to kernels.fp8_recipe=blockwise (molds' own FP8); "

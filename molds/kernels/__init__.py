@@ -49,7 +49,7 @@ def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> o
                 from None
         convert_to_float8_torchao(model, recipe=kernels.fp8_recipe, pow2=kernels.fp8_pow2_scales,
                                   grad_format=kernels.fp8_grad_format, device=device,
-                                  experts=kernels.fp8_experts)
+                                  experts=kernels.fp8_experts, only=fp8_choice.takes if fp8_choice else None)
     elif kernels.fp8:
         from .fp8_linear import convert_to_fp8
 

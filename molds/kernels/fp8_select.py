@@ -1,5 +1,10 @@
 """``kernels.fp8_products: faster``: FP8 only for the products where it measured faster.
 
+Under every FP8 recipe: molds' block-wise one, and torchao's row-wise / tensor-wise ones
+(``kernels.fp8_recipe``; their linears through ``Float8Linear``, the experts with
+``kernels.fp8_experts`` through the row-wise grouped GEMM), each product timed as the
+recipe converts it.
+
 Why it exists: whether FP8 pays depends on the product's shape and on the card, not on a
 flag. Quantizing both operands costs a pass over each of them at every product, so a
 narrow product loses more to the quantization than its FP8 GEMM gains; on the first H200
@@ -36,14 +41,22 @@ def product_key(module: nn.Module) -> tuple | None:
     return None
 
 
-def model_products(model: nn.Module, lm_head: bool = False) -> list[tuple]:
-    """The distinct products of ``model`` that ``kernels.fp8`` would convert, in order."""
+def model_products(model: nn.Module, lm_head: bool = False, recipe: str = "blockwise", experts: bool = True) -> list[tuple]:
+    """The distinct products of ``model`` that ``kernels.fp8`` would convert, in order: under
+    torchao's recipes (``recipe`` rowwise / tensorwise) the linears whose widths torchao
+    takes, and the expert sets only with ``experts`` (``kernels.fp8_experts``)."""
+    from .fp8_torchao import convertible
+
     head = getattr(model, "lm_head", None)
     keys = []
     for module in model.modules():
         key = product_key(module)
-        if key is not None and (module is not head or lm_head) and key not in keys:
-            keys.append(key)
+        if key is None or (module is head and not lm_head) or key in keys:
+            continue
+        if recipe != "blockwise" and (module is head or (key[0] == "linear" and not convertible(module))
+                                      or (key[0] == "experts" and not experts)):
+            continue
+        keys.append(key)
     return keys
 
 
@@ -67,12 +80,14 @@ def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dty
     from ..models.moe import Experts
     from .fp8_linear import Fp8GroupedMM, Fp8Linear
 
+    recipe = options.get("recipe", "blockwise")  # torchao's rowwise / tensorwise, or molds' own
+    options = {k: v for k, v in options.items() if k != "recipe"}
     gen = torch.Generator(device="cpu").manual_seed(0)
     dt = dtype or torch.float32
     if key[0] == "linear":
         _, n_in, n_out = key
         module = nn.Linear(n_in, n_out, bias=False)
-        if fp8:
+        if fp8 and recipe == "blockwise":
             module.__class__ = Fp8Linear
             module.fp8_options = options
         x = torch.randn(tokens, n_in, generator=gen)
@@ -83,13 +98,22 @@ def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dty
         with torch.no_grad():
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        if fp8:
+        if fp8 and recipe == "blockwise":
             module.grouped_mm = Fp8GroupedMM(**options)
+        elif fp8:
+            from .fp8_torchao import RowwiseGroupedMM, grouped_fp8_units
+
+            module.grouped_mm = RowwiseGroupedMM(hardware=grouped_fp8_units(device))
         per = max(1, tokens // local)
         x = torch.randn(per * local, hidden, generator=gen)
         counts = torch.full((local,), per, dtype=torch.int64)
         inputs = (x.to(device=device, dtype=dt).requires_grad_(), counts.to(device))
     module.to(device=device, dtype=dt)
+    if fp8 and recipe != "blockwise" and key[0] == "linear":  # torchao's Float8Linear in its place
+        from .fp8_torchao import convert_to_float8_torchao
+
+        module = nn.Sequential(module)
+        convert_to_float8_torchao(module, recipe=recipe, device=device, **options)
     run = _pass(module, inputs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = float("inf")
@@ -162,7 +186,9 @@ def choose_fp8_products(model: nn.Module, kernels, device, dtype: torch.dtype | 
                          precision=resumed.get("precision", precision), kept=True)
     device = torch.device(device)
     options = {"pow2": kernels.fp8_pow2_scales, "grad_format": kernels.fp8_grad_format}
-    keys = model_products(model, kernels.fp8_lm_head)
+    if kernels.fp8_recipe != "blockwise":
+        options["recipe"] = kernels.fp8_recipe
+    keys = model_products(model, kernels.fp8_lm_head, kernels.fp8_recipe, kernels.fp8_experts)
     moe = getattr(getattr(model, "config", None), "moe", None)
     top_k = moe.top_k if moe is not None else 1  # an expert set multiplies each token top_k times
     times = []

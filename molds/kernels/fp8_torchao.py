@@ -98,10 +98,11 @@ def convertible(module: nn.Module) -> bool:
 
 
 def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = False, grad_format: str = "e5m2",
-                              device="cpu", experts: bool = False) -> dict:
+                              device="cpu", experts: bool = False, only=None) -> dict:
     """Swap ``model``'s linears (not the LM head) for torchao's ``Float8Linear`` in place, and
     with ``experts`` (row-wise only) the experts' grouped GEMMs for row-wise FP8 ones; returns
-    how many were swapped and how many kept their precision."""
+    how many were swapped and how many kept their precision. ``only(module)``: whether to
+    swap that linear or expert set (``kernels.fp8_products=faster``: ``Fp8Choice.takes``)."""
     from ..errors import RecipeError
     from ..models.moe import Experts
 
@@ -110,14 +111,18 @@ def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = Fal
     head = getattr(model, "lm_head", None)
     linears = [m for m in model.modules() if type(m) is nn.Linear and m is not head]
     chosen = {id(m) for m in linears if convertible(m)}
-    if not chosen:
+    if only is not None:  # what measured faster in FP8 (none may have)
+        chosen = {id(m) for m in linears if id(m) in chosen and only(m)}
+    elif not chosen:
         raise RecipeError(f"kernels.fp8_recipe={recipe}: none of the model's {len(linears)} linears has both widths a "
                           f"multiple of 16, which torchao's FP8 products need (model.hidden_size, intermediate_size "
                           f"and the head widths); nothing would run in FP8")
-    convert_to_float8_training(model, config=float8_config(recipe, pow2=pow2, grad_format=grad_format,
-                                                           emulate=emulate),
-                               module_filter_fn=lambda module, fqn: id(module) in chosen)
+    if chosen:
+        convert_to_float8_training(model, config=float8_config(recipe, pow2=pow2, grad_format=grad_format,
+                                                               emulate=emulate),
+                                   module_filter_fn=lambda module, fqn: id(module) in chosen)
     counts = {"linear": len(chosen), "kept": len(linears) - len(chosen), "emulated": emulate}
+    model.torchao_fp8_experts = experts  # what the start line says of experts left as they were
     if experts:
         if recipe != "rowwise":
             raise RecipeError(f"kernels.fp8_experts applies to kernels.fp8_recipe=rowwise (torchao's FP8 grouped GEMM "
@@ -133,6 +138,7 @@ def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = Fal
         hardware = grouped_fp8_units(device)
         if hardware:
             _torchao_grouped()  # a torchao without the grouped path: said now, not at the first forward
+        sets = [m for m in sets if only is None or only(m)]
         for module in sets:
             module.grouped_mm = RowwiseGroupedMM(hardware=hardware)
         counts["experts"] = len(sets)
@@ -253,24 +259,37 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
 
 
 def torchao_summary(model: nn.Module) -> str | None:
-    """The start line's words for the torchao linears of ``model`` (None: there are none)."""
+    """The start line's words for the torchao linears and expert sets of ``model`` (None:
+    there are none)."""
     found = [m for m in model.modules() if type(m).__name__ == "Float8Linear"
              and type(m).__module__.startswith("torchao.")]
-    if not found:
-        return None
-    config = found[0].config
-    recipe = "rowwise" if "axiswise" in str(config.cast_config_input.scaling_granularity).lower() else "tensorwise"
-    kept = sum(type(m) is nn.Linear and m is not getattr(model, "lm_head", None) for m in model.modules())
-    how = ("torchao's emulation (no FP8 matrix units here: dequantized products)" if config.emulate
-           else "torch._scaled_mm (cuBLAS)")
-    line = (f"fp8 ({recipe}, torchao Float8Linear): {len(found)} linears -> {how}"
-            + (f"; {kept} linears kept their precision (a width not a multiple of 16)" if kept else ""))
     grouped = [m.grouped_mm for m in model.modules() if getattr(getattr(m, "grouped_mm", None), "torchao_rowwise",
                                                                  False)]
+    if not found and not grouped:
+        return None
+    head = getattr(model, "lm_head", None)
+    plain = [m for m in model.modules() if type(m) is nn.Linear and m is not head]
+    narrow = sum(not convertible(m) for m in plain)
+    if found:
+        config = found[0].config
+        recipe = "rowwise" if "axiswise" in str(config.cast_config_input.scaling_granularity).lower() else "tensorwise"
+        how = ("torchao's emulation (no FP8 matrix units here: dequantized products)" if config.emulate
+               else "torch._scaled_mm (cuBLAS)")
+        line = f"fp8 ({recipe}, torchao Float8Linear): {len(found)} linears -> {how}"
+    else:
+        line = "fp8 (rowwise, torchao): 0 linears"
+    if narrow:
+        line += f"; {narrow} linears kept their precision (a width not a multiple of 16)"
+    if len(plain) > narrow:
+        line += f"; {len(plain) - narrow} linears kept their precision (kernels.fp8_products=faster)"
     if grouped:
         where = ("torchao's row-wise grouped GEMM (torch._scaled_grouped_mm)" if grouped[0].hardware
                  else "the row-wise grouped GEMM emulated (no FP8 grouped GEMM here: dequantized float32 products)")
         line += f"; {len(grouped)} expert GEMM sets (fp8_experts) -> {where}"
-    elif any(type(m).__name__ == "Experts" for m in model.modules()):
-        line += "; the experts' grouped GEMMs in the run's precision (kernels.fp8_experts is off)"
+    rest = sum(type(m).__name__ == "Experts" and not getattr(m.grouped_mm, "torchao_rowwise", False)
+               for m in model.modules())
+    if rest:
+        asked = getattr(model, "torchao_fp8_experts", False)
+        line += (f"; {rest} expert GEMM sets kept their precision (kernels.fp8_products=faster)" if asked
+                 else "; the experts' grouped GEMMs in the run's precision (kernels.fp8_experts is off)")
     return line

@@ -143,6 +143,85 @@ def test_the_measurement_times_a_forward_and_backward(key):
     assert 0 < fp8 < 10 and 0 < plain < 10 and math.isfinite(fp8 / plain)
 
 
+ROWWISE_FASTER = KernelsConfig(fp8=True, fp8_recipe="rowwise", fp8_grad_format="e4m3", fp8_experts=True,
+                               fp8_products="faster")
+
+
+@pytest.mark.parametrize("wins", [{("linear", 32, 16), ("experts", 4, 32, 32)}, {("linear", 32, 48)}, set()])
+def test_torchaos_recipes_convert_only_what_measured_faster(wins):
+    """kernels.fp8_recipe rowwise with the experts (fp8_experts): the products are the
+    linears torchao takes and the expert sets; only the winners are converted, and the
+    model is the one converted by hand with torchao's own converter (the same loss and
+    gradients, bit for bit)."""
+    from torchao.float8 import convert_to_float8_training
+
+    from molds.kernels.fp8_torchao import RowwiseGroupedMM, float8_config
+
+    reference = moe_model(shared_expert_size=16, expert_size=32, first_dense_layers=1)
+    keys = model_products(reference, False, "rowwise", experts=True)
+    assert ("experts", 4, 32, 32) in keys and ("linear", 32, 48) in keys and ("linear", 32, 40) not in keys
+    assert ("experts", 4, 32, 32) not in model_products(reference, False, "rowwise", experts=False)
+    measure, calls = stub(wins)
+    choice = choose_fp8_products(reference, ROWWISE_FASTER, "cpu", None, 96, measure=measure)
+    assert choice.chosen() == wins and {tuple(p["key"]) for p in choice.products} == set(keys)
+    assert all(c[1] == 192 for c in calls if c[0][0] == "experts")  # top_k 2
+    model, loss = copy.deepcopy(reference), CausalLMLoss()
+    apply_kernels(model, ROWWISE_FASTER, loss, "cpu", choice)
+
+    by_hand = copy.deepcopy(reference)
+    shapes = {k[1:] for k in wins if k[0] == "linear"}
+    convert_to_float8_training(by_hand, config=float8_config("rowwise", pow2=False, grad_format="e4m3", emulate=True),
+                               module_filter_fn=lambda m, fqn: type(m) is nn.Linear and fqn != "lm_head"
+                               and (m.in_features, m.out_features) in shapes)
+    for m in by_hand.modules():
+        if isinstance(m, Experts) and ("experts", 4, 32, 32) in wins:
+            m.grouped_mm = RowwiseGroupedMM()
+    got = {n: type(m).__name__ for n, m in model.named_modules()}
+    assert got == {n: type(m).__name__ for n, m in by_hand.named_modules()}
+    want = sum(type(m) is nn.Linear and m is not reference.lm_head and (m.in_features, m.out_features) in shapes
+               for m in reference.modules())
+    assert sum(v == "Float8Linear" for v in got.values()) == want and (want > 0) == bool(shapes)
+    assert all(isinstance(m.grouped_mm, RowwiseGroupedMM) == (("experts", 4, 32, 32) in wins)
+               for m in model.modules() if isinstance(m, Experts))
+    batch = _batch()
+    for m in (model, by_hand):
+        m.zero_grad()
+    a, b = loss(model(**batch), batch), CausalLMLoss()(by_hand(**batch), batch)
+    a.backward(), b.backward()
+    assert float(a.detach()) == float(b.detach())
+    for (name, p), q in zip(model.named_parameters(), by_hand.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    line = kernel_summary(model, "cpu")
+    if not wins:
+        assert "fp8" not in line  # nothing converted: the choice's own start line says so
+    elif ("experts", 4, 32, 32) in wins:
+        assert f"{want} linears -> torchao's emulation" in line and "expert GEMM sets (fp8_experts)" in line
+        assert "linears kept their precision (kernels.fp8_products=faster)" in line
+    else:
+        assert line.startswith("fp8 (rowwise, torchao Float8Linear): ")
+        assert "2 expert GEMM sets kept their precision (kernels.fp8_products=faster)" in line
+
+
+@pytest.mark.parametrize("key", [("linear", 64, 32), ("experts", 4, 32, 32)])
+def test_the_measurement_times_torchaos_modules_under_its_recipes(key, monkeypatch):
+    """Under kernels.fp8_recipe rowwise the FP8 side timed is torchao's Float8Linear, or the
+    experts' row-wise grouped GEMM; the plain side the module as built."""
+    import molds.kernels.fp8_select as select
+    from molds.kernels.fp8_torchao import RowwiseGroupedMM
+
+    timed, real = [], select._pass
+    monkeypatch.setattr(select, "_pass", lambda module, inputs: timed.append(module) or real(module, inputs))
+    options = {"pow2": False, "grad_format": "e4m3", "recipe": "rowwise"}
+    for fp8 in (True, False):
+        assert 0 < time_product(key, 64, torch.device("cpu"), None, fp8, options, seconds=0.0) < 10
+    fp8_module, plain = timed
+    if key[0] == "linear":
+        assert type(fp8_module[0]).__name__ == "Float8Linear" and type(plain) is nn.Linear
+    else:
+        assert isinstance(fp8_module.grouped_mm, RowwiseGroupedMM)
+        assert plain.grouped_mm is torch.nn.functional.grouped_mm
+
+
 def test_recipe_rules():
     from molds.recipe import check_kernels, parse_recipe
 
@@ -154,6 +233,7 @@ def test_recipe_rules():
 
     with pytest.raises(RecipeError, match="kernels.fp8_products applies with kernels.fp8=true"):
         check_kernels(recipe(fp8=False, fp8_products="faster"))
-    with pytest.raises(RecipeError, match="fp8_products=faster applies to kernels.fp8_recipe=blockwise"):
-        check_kernels(recipe(fp8=True, fp8_recipe="tensorwise", fp8_products="faster"))
+    check_kernels(recipe(fp8=True, fp8_recipe="tensorwise", fp8_products="faster"))  # torchao's recipes too
+    check_kernels(recipe(fp8=True, fp8_recipe="rowwise", fp8_grad_format="e4m3", fp8_experts=True,
+                         fp8_products="faster"))
     check_kernels(recipe(fp8=True, fp8_products="faster"))
