@@ -361,6 +361,11 @@ def check_kernels(recipe: Recipe) -> None:
                               f"is row-wise; fp8_recipe={k.fp8_recipe})")
         if k.fp8_experts and not recipe.model.num_experts:
             raise RecipeError("kernels.fp8_experts applies to MoE models (model.num_experts is 0)")
+        widths = (recipe.model.hidden_size, recipe.model.moe_expert_size or recipe.model.intermediate_size)
+        if k.fp8_experts and any(w % 16 for w in widths):
+            raise RecipeError(f"kernels.fp8_experts: torchao's FP8 grouped GEMM needs model.hidden_size and the "
+                              f"experts' width (model.moe_expert_size, or intermediate_size) to be multiples of 16 "
+                              f"(they are {widths[0]} and {widths[1]})")
         if k.fp8_recipe == "rowwise" and k.fp8_grad_format != "e4m3":
             raise RecipeError("kernels.fp8_recipe=rowwise casts gradients to e4m3 (torchao's row-wise recipe): "
                               "set kernels.fp8_grad_format to e4m3, or use the tensorwise or blockwise recipe for "

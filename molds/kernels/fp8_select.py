@@ -41,7 +41,8 @@ def product_key(module: nn.Module) -> tuple | None:
     return None
 
 
-def model_products(model: nn.Module, lm_head: bool = False, recipe: str = "blockwise", experts: bool = True) -> list[tuple]:
+def model_products(model: nn.Module, lm_head: bool = False, recipe: str = "blockwise",
+                   experts: bool = True) -> list[tuple]:
     """The distinct products of ``model`` that ``kernels.fp8`` would convert, in order: under
     torchao's recipes (``recipe`` rowwise / tensorwise) the linears whose widths torchao
     takes, and the expert sets only with ``experts`` (``kernels.fp8_experts``)."""

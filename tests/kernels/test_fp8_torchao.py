@@ -184,6 +184,9 @@ def test_recipe_rules_for_the_torchao_recipes(tmp_path):
     validate(parse_recipe(base + ["--kernels.fp8_recipe", "tensorwise"]), 4)
     validate(parse_recipe(base + ["--kernels.fp8_recipe", "rowwise", "--kernels.fp8_grad_format", "e4m3",
                                   "--kernels.fp8_experts", "true"]), 4)
+    with pytest.raises(RecipeError, match=r"multiples of 16 \(they are 128 and 24\)"):  # before any rank starts
+        validate(parse_recipe(base + ["--kernels.fp8_recipe", "rowwise", "--kernels.fp8_grad_format", "e4m3",
+                                      "--kernels.fp8_experts", "true", "--model.moe_expert_size", "24"]), 4)
     with pytest.raises(RecipeError, match="kernels.fp8_experts applies to MoE models"):
         validate(parse_recipe(base + ["--kernels.fp8_recipe", "rowwise", "--kernels.fp8_grad_format", "e4m3",
                                       "--kernels.fp8_experts", "true", "--model.num_experts", "0"]), 4)
