@@ -152,19 +152,27 @@ def grouped_fp8_units(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _torchao_grouped():
     """torchao's differentiable row-wise FP8 grouped GEMM (torchao 0.18's name and signature)."""
     try:
         from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-    except ImportError as exc:
-        import importlib.metadata
-
+    except Exception as exc:  # missing (another torchao), or its Triton kernels refused by this triton at import
         from ..errors import RecipeError
 
         raise RecipeError(f"kernels.fp8_experts on this GPU runs torchao's row-wise FP8 grouped GEMM "
                           f"(torchao.prototype.moe_training.fp8_grouped_mm, as in torchao 0.18), which this torchao "
-                          f"{importlib.metadata.version('torchao')} lacks ({exc}): pip install 'torchao>=0.18', or set "
-                          f"kernels.fp8_experts false") from None
+                          f"{_version('torchao')} lacks or cannot load here ({type(exc).__name__}: "
+                          f"{exc}): pip install 'torchao>=0.18' (one whose kernels this triton "
+                          f"{_version('triton')} takes), or set kernels.fp8_experts false") from None
     return _to_fp8_rowwise_then_scaled_grouped_mm
 
 
