@@ -1,12 +1,15 @@
 """FP8 on and off in training: the smoke MoE recipe's loss curves side by side.
 
     python benchmarks/fp8_training.py [--steps 300] [--nproc 4] [--manifest runs/quickstart/data]
+                                      [--e4m3_gradients] [--rowwise_experts]
 
 Trains ``recipes/smoke/moe_fp8.json`` (MoE decoder with a shared expert, pp = 2, ep = 2 on
 ``--nproc`` CPU ranks under the deepspeed launcher) three times for ``--steps`` steps:
 ``kernels.fp8`` on (seed 0), off (seed 0), and off with another seed (``run.seed 1``: other
 initial weights, the same data order); with ``--e4m3_gradients`` a fourth, FP8 with
-``kernels.fp8_grad_format e4m3`` (seed 0). The yardstick for "FP8 trains like the model it
+``kernels.fp8_grad_format e4m3`` (seed 0); with ``--rowwise_experts`` another, torchao's
+row-wise recipe on the linears and the experts (``kernels.fp8_recipe rowwise``,
+``kernels.fp8_experts``; seed 0). The yardstick for "FP8 trains like the model it
 approximates" is the third run: FP8's effect on the curve should be no larger than what a
 different initialization does. Figures: the train loss logged every 10 steps, its mean
 absolute difference over the second half of the run (fp8 vs off, and seed 0 vs seed 1),
@@ -30,7 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def train(manifest, out, steps, nproc, seed, fp8, port, grad_format=None):
+ROWWISE_EXPERTS = ["--kernels.fp8_recipe", "rowwise", "--kernels.fp8_grad_format", "e4m3", "--kernels.fp8_experts",
+                   "true"]
+
+
+def train(manifest, out, steps, nproc, seed, fp8, port, grad_format=None, extra=()):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port),
            "molds/train.py", "--recipe", "recipes/smoke/moe_fp8.json", "--data.manifest", manifest,
            "--run.output_dir", out, "--run.overwrite", "true", "--run.seed", str(seed),
@@ -38,6 +45,7 @@ def train(manifest, out, steps, nproc, seed, fp8, port, grad_format=None):
            "--checkpoint.interval_steps", "0", "--eval.interval_steps", str(steps), "--logging.progress", "false"]
     if grad_format:
         cmd += ["--kernels.fp8_grad_format", grad_format]
+    cmd += list(extra)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu")))
@@ -104,6 +112,8 @@ def main():
     ap.add_argument("--output_dir", default="runs/fp8-training")
     ap.add_argument("--e4m3_gradients", action="store_true",
                     help="a fourth run: FP8 with kernels.fp8_grad_format e4m3 (the format cuBLAS takes on Hopper)")
+    ap.add_argument("--rowwise_experts", action="store_true",
+                    help="another run: torchao's row-wise recipe on the linears and the experts (kernels.fp8_experts)")
     args = ap.parse_args()
     from molds.distributed import free_port
 
@@ -114,11 +124,14 @@ def main():
                         "0.8,0.1,0.1", "--tokenizer", "regex", "--workers", "2"], check=True, cwd=ROOT)
     out = os.path.abspath(args.output_dir)
     runs = {}
-    plan = [("fp8", 0, True, None), ("off", 0, False, None), ("off_seed1", 1, False, None)]
+    plan = [("fp8", 0, True, None, ()), ("off", 0, False, None, ()), ("off_seed1", 1, False, None, ())]
     if args.e4m3_gradients:
-        plan.append(("fp8_e4m3", 0, True, "e4m3"))
-    for name, seed, fp8, fmt in plan:
-        runs[name] = train(manifest, os.path.join(out, name), args.steps, args.nproc, seed, fp8, free_port(), fmt)
+        plan.append(("fp8_e4m3", 0, True, "e4m3", ()))
+    if args.rowwise_experts:
+        plan.append(("fp8_rowwise_experts", 0, True, None, ROWWISE_EXPERTS))
+    for name, seed, fp8, fmt, extra in plan:
+        runs[name] = train(manifest, os.path.join(out, name), args.steps, args.nproc, seed, fp8, free_port(), fmt,
+                           extra)
     from benchmarks.kernels import cpu_name
 
     result = {"cpu": cpu_name(), "steps": args.steps, "nproc": args.nproc, "manifest": manifest,
@@ -127,6 +140,9 @@ def main():
     if "fp8_e4m3" in runs:
         result["fp8_e4m3_vs_off_late_mean_abs_loss_gap"] = late_gap(runs["fp8_e4m3"]["curve"], runs["off"]["curve"])
         result["fp8_e4m3_vs_fp8_late_mean_abs_loss_gap"] = late_gap(runs["fp8_e4m3"]["curve"], runs["fp8"]["curve"])
+    if "fp8_rowwise_experts" in runs:
+        result["fp8_rowwise_experts_vs_off_late_mean_abs_loss_gap"] = late_gap(runs["fp8_rowwise_experts"]["curve"],
+                                                                               runs["off"]["curve"])
     for name, r in runs.items():
         result[f"{name}_valid_loss"] = r["valid_loss"]
         result[f"{name}_final_train_loss"] = r["curve"][max(r["curve"])]
