@@ -336,8 +336,8 @@ class KernelsConfig:
 
     fp8_products: Literal["all", "faster"] = "all"
     """kernels.fp8: which products run in FP8, under every ``fp8_recipe``. ``all``: every
-    linear and expert set the other switches name. ``faster``: at start each distinct product shape is timed,
-    forward and backward at a micro-batch's tokens, in FP8 and in the run's precision, and
+    linear and expert set the other switches name. ``faster``: at start each distinct
+    product shape is timed, forward and backward at a micro-batch's tokens, in FP8 and in the run's precision, and
     only those FP8 ran faster are converted; the start line and the lineage give each
     product's ratio, and a resume keeps the choice of the run it continues."""
 
@@ -362,9 +362,8 @@ class KernelsConfig:
     (torchao's grouped GEMM through ``torch._scaled_grouped_mm`` on a GPU of compute
     capability 9.0 or later, each expert's tokens padded to a multiple of 16; emulated
     elsewhere; with ``fp8_products: faster`` only where it measured faster). Off: they stay
-    BF16 ``grouped_mm``. Needs model.hidden_size and
-    model.moe_expert_size to be multiples of 16. (The block-wise recipe converts the
-    experts with the linears.)"""
+    BF16 ``grouped_mm``. Needs model.hidden_size and model.moe_expert_size to be multiples
+    of 16. (The block-wise recipe converts the experts with the linears.)"""
 
     triton: bool = False
     """Fused Triton kernels for RMSNorm, SwiGLU, the MoE token permute / unpermute and the

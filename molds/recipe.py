@@ -356,9 +356,6 @@ def check_kernels(recipe: Recipe) -> None:
             if getattr(k, key):
                 raise RecipeError(f"kernels.{key} applies to kernels.fp8_recipe=blockwise (molds' own FP8); "
                                   f"torchao's {k.fp8_recipe} recipe converts the decoder's linears only")
-        if k.fp8_experts and k.fp8_recipe != "rowwise":
-            raise RecipeError(f"kernels.fp8_experts applies to kernels.fp8_recipe=rowwise (torchao's FP8 grouped GEMM "
-                              f"is row-wise; fp8_recipe={k.fp8_recipe})")
         if k.fp8_experts and not recipe.model.num_experts:
             raise RecipeError("kernels.fp8_experts applies to MoE models (model.num_experts is 0)")
         widths = (recipe.model.hidden_size, recipe.model.moe_expert_size or recipe.model.intermediate_size)
@@ -370,9 +367,10 @@ def check_kernels(recipe: Recipe) -> None:
             raise RecipeError("kernels.fp8_recipe=rowwise casts gradients to e4m3 (torchao's row-wise recipe): "
                               "set kernels.fp8_grad_format to e4m3, or use the tensorwise or blockwise recipe for "
                               "e5m2 gradients")
-    if k.fp8 and k.fp8_recipe == "blockwise" and k.fp8_experts:
-        raise RecipeError("kernels.fp8_experts applies to kernels.fp8_recipe=rowwise: the block-wise recipe converts "
-                          "the experts with the linears (kernels.fp8_products chooses among them)")
+    if k.fp8 and k.fp8_experts and k.fp8_recipe != "rowwise":
+        why = ("the block-wise recipe converts the experts with the linears (kernels.fp8_products chooses among them)"
+               if k.fp8_recipe == "blockwise" else f"torchao's FP8 grouped GEMM is row-wise; fp8_recipe={k.fp8_recipe}")
+        raise RecipeError(f"kernels.fp8_experts applies to kernels.fp8_recipe=rowwise: {why}")
     if k.fused_backend != "auto" and not k.triton:
         raise RecipeError(f"kernels.fused_backend={k.fused_backend} applies with kernels.triton=true (it is off)")
     if k.fp8_lm_head and k.triton:

@@ -135,12 +135,10 @@ def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = Fal
             raise RecipeError(f"kernels.fp8_experts: torchao's FP8 grouped GEMM needs model.hidden_size and "
                               f"model.moe_expert_size to be multiples of 16 (they are {odd[0].hidden} and "
                               f"{odd[0].width})")
-        hardware = grouped_fp8_units(device)
-        if hardware:
-            _torchao_grouped()  # a torchao without the grouped path: said now, not at the first forward
         sets = [m for m in sets if only is None or only(m)]
+        grouped = RowwiseGroupedMM(hardware=grouped_fp8_units(device))  # refuses a torchao without the path
         for module in sets:
-            module.grouped_mm = RowwiseGroupedMM(hardware=hardware)
+            module.grouped_mm = grouped
         counts["experts"] = len(sets)
     return counts
 
@@ -190,6 +188,7 @@ class RowwiseGroupedMM:
 
     def __init__(self, hardware: bool = False):
         self.hardware = hardware
+        self._torchao = _torchao_grouped() if hardware else None  # one import, refused here if it fails
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
         from .fp8_gemm import pad_groups, scatter_rows
@@ -199,22 +198,22 @@ class RowwiseGroupedMM:
         xp = scatter_rows(x, index, rows)  # zero rows between the groups (differentiable: index_copy)
         if self.hardware:
             w_t = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert, as cuBLAS reads it
-            y = _torchao_grouped()(xp, w_t, padded_offs, out_dtype=torch.bfloat16, float8_dtype=torch.float8_e4m3fn,
-                                   pad_token_groups_for_grouped_mm=False).to(x.dtype)
+            y = self._torchao(xp, w_t, padded_offs, out_dtype=torch.bfloat16, float8_dtype=torch.float8_e4m3fn,
+                              pad_token_groups_for_grouped_mm=False).to(x.dtype)
         else:
             y = _EmulatedRowwiseGroupedMM.apply(xp, w, padded_offs)
         return y.index_select(0, index)
 
 
-def _rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` through e4m3 with one power-of-two scale per slice along ``dim`` (torchao's
-    ``tensor_to_scale`` and saturating cast), back in float32; and the scales."""
+    ``tensor_to_scale`` and saturating cast), back in float32."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     scale = tensor_to_scale(t, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
                             axiswise_dim=dim, round_scales_to_power_of_2=True)
-    return to_fp8_saturated(t.float() * scale, torch.float8_e4m3fn).float() / scale, scale
+    return to_fp8_saturated(t.float() * scale, torch.float8_e4m3fn).float() / scale
 
 
 def _per_group_columns(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -223,7 +222,7 @@ def _per_group_columns(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out, start = torch.zeros(t.shape, dtype=torch.float32, device=t.device), 0
     for end in offs.tolist():
         if end > start:
-            out[start:end] = _rowwise(t[start:end], 0)[0]
+            out[start:end] = _rowwise(t[start:end], 0)
         start = end
     return out
 
@@ -238,8 +237,8 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
 
         ctx.save_for_backward(x, w, offs)
         with torch.autocast(x.device.type, enabled=False):  # the products in float32, as the docstring says
-            xq = _rowwise(x, -1)[0]  # a scale per token, along K
-            wq = _rowwise(w, -2)[0]  # a scale per expert and output column, along K
+            xq = _rowwise(x, -1)  # a scale per token, along K
+            wq = _rowwise(w, -2)  # a scale per expert and output column, along K
             return _grouped_mm_fp32(xq, wq, offs).to(x.dtype)
 
     @staticmethod
@@ -254,7 +253,7 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:  # grad [M, N] @ w^T: scales along N
-            dx = _grouped_mm_fp32(_rowwise(grad, -1)[0], _rowwise(w, -1)[0].transpose(-2, -1), offs).to(x.dtype)
+            dx = _grouped_mm_fp32(_rowwise(grad, -1), _rowwise(w, -1).transpose(-2, -1), offs).to(x.dtype)
         if ctx.needs_input_grad[1]:  # per expert x_g^T grad_g: scales along the group's tokens
             xs, gs = _per_group_columns(x, offs), _per_group_columns(grad, offs)
             dw, start = torch.zeros(w.shape, dtype=torch.float32, device=w.device), 0
