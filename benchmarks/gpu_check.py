@@ -15,21 +15,25 @@ crashes the CUDA context or hangs costs only itself:
   launcher on one rank of each recipe family that fits one GPU: the dense decoder on DDP,
   ZeRO-2 and ZeRO-3 (``recipes/dense_zero3.json``: the MFU target's model), the MLM
   encoder, the BART encoder-decoder (``recipes/bart_retro.json`` on the bundled forward
-  reactions), and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (4 of its 16
-  layers, so that its final checkpoint stays small) with kernels off, ``kernels.triton``
-  and ``kernels.fp8``. Each reports tokens/s and MFU (medians of the logged windows after
-  the second: the first holds start-up and compilation, the second the steps profiled by
-  ``logging.profile_steps``), peak memory, its loss curve, where a step's time goes
-  (``profile``) and its start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
+  reactions), and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (2 of its 16
+  layers, one dense and one MoE, at full width, and 8 micro-batches a step: each run fits
+  the window) with kernels off, ``kernels.triton`` and ``kernels.fp8``. Each reports
+  tokens/s and MFU (medians of the logged windows after the second: the first holds
+  start-up and compilation, the second the steps profiled by ``logging.profile_steps``),
+  peak memory, its loss curve, where a step's time goes (``profile``) and its start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
   the device (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
 - ``real_shapes``: two layers (one dense, one MoE) of ``recipes/moe_fp8.json``'s model at
   full width, forward + backward under bf16 autocast, kernels off / triton / fp8 /
   fp8 + triton / torchao's row-wise (linears; linears and experts) and tensor-wise:
   tokens/s and the FP8-over-BF16 ratios; and every distinct product of the model (its
-  linears and the experts' grouped GEMM, block-wise and row-wise), and expert widths
-  256-2048, FP8 against BF16: what sizing ``moe_fp8.json`` so that FP8 pays is read from.
-- ``dualpipev``: the full MoE model's per-layer F, B, I (input gradient, weight gradients
-  deferred), W and F&B times measured on the device, summed per pipeline stage (DeepSpeed's
+  linears in the recipe's gradient format, the experts' grouped GEMM, block-wise and
+  row-wise), expert widths 256-2048, and a square and an MLP-shaped linear at hidden 1024,
+  2048 and 4096 in both gradient formats, FP8 against BF16: what sizing ``moe_fp8.json`` so
+  that FP8 pays is read from.
+- ``dualpipev``: the MoE model's per-layer F, B, I (input gradient, weight gradients
+  deferred), W and F&B times measured on the device (its first 4 blocks; the later blocks,
+  of the same shapes, take the median of the measured ones of their kind), summed per
+  pipeline stage (DeepSpeed's
   partition by parameters: 2P stages for the V schedules, P for 1F1B) and fed, stage by
   stage, to ``molds.engines.schedule.simulate`` for 1F1B, DeepSpeed's stock DualPipeV and
   molds' at P = 2, 4 and 8. One device has no all-to-all: the costs hold none, which the
@@ -66,7 +70,7 @@ sys.path.insert(0, ROOT)
 
 SECTIONS = ["environment", "training", "real_shapes", "dualpipev", "kernel_benchmarks", "kernel_tests"]
 #: seconds each section may take at most (the last one takes what is left)
-CAPS = {"environment": 45, "training": 270, "real_shapes": 45, "dualpipev": 45, "kernel_benchmarks": 60,
+CAPS = {"environment": 45, "training": 270, "real_shapes": 60, "dualpipev": 45, "kernel_benchmarks": 60,
         "kernel_tests": 600}
 #: a dry run's caps only stop a hang: it has no window to fit, and beside the test suite's
 #: other worker it ran 4x slower than on an idle machine (611 s against about 160 s; its
@@ -219,8 +223,8 @@ def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
     run. ``fp32_parity`` is the device-against-CPU check."""
     rec = os.path.join(ROOT, "recipes", "smoke" if dry else "")
     moe = ["--run.min_gpus", "0", "--parallel.pp_size", "1", "--parallel.ep_size", "1", "--parallel.schedule", "1f1b"]
-    if not dry:
-        moe += ["--model.num_layers", "4"]
+    if not dry:  # one dense and one MoE block at full width, half the recipe's step: a run fits the window
+        moe += ["--model.num_layers", "2", "--trainer.grad_accum", "8"]
     tiny = ["--model.hidden_size", "32"] if dry else []
     every = ["--kernels.fp8_products", "all"]  # FP8 on or off as named, whatever the recipe's choice
     return [
@@ -402,14 +406,18 @@ def section_real_shapes(ctx) -> dict:
 
     recipe, tok = moe_recipe(ctx, layers=2)
     return real_shapes(recipe, tok, ctx.device(), rounds=1 if ctx.dry else 10, save=ctx.save,
-                       widths=None if ctx.dry else (256, 512, 1024, 2048))
+                       widths=None if ctx.dry else (256, 512, 1024, 2048),
+                       hidden_widths=(64,) if ctx.dry else (1024, 2048, 4096))
 
 
 def section_dualpipev(ctx) -> dict:
     from layer_costs import dualpipev_costs
 
     recipe, tok = moe_recipe(ctx, layers=None)
-    return dualpipev_costs(recipe, tok, ctx.device(), rounds=2 if ctx.dry else 5, save=ctx.save)
+    # the first blocks measured, the later ones given their kind's costs (the full model is
+    # billions of parameters; its smoke twin's four blocks: three measured, the fourth given)
+    return dualpipev_costs(recipe, tok, ctx.device(), rounds=2 if ctx.dry else 5, save=ctx.save,
+                           measure_layers=3 if ctx.dry else 4)
 
 
 # ---------------------------------------------------------------- the kernels' own benchmark and tests

@@ -24,12 +24,14 @@ def one_batch(recipe, device) -> tuple[dict, int]:
     return batch_tensors(batch, device), int(batch["stats"]["real_tokens"])
 
 
-def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
+def real_shapes(recipe, tok, device, rounds: int, save, widths=None, hidden_widths=None) -> dict:
     """Two layers of the MoE recipe's model at full width, forward + backward under bf16
     autocast, with kernels off, triton, fp8 (blockwise; + triton; torchao's rowwise, with and
     without the experts' row-wise grouped GEMM, and tensorwise): tokens/s and the FP8 ratios;
     then every distinct product of the model, and the experts' grouped GEMM (block-wise and
-    row-wise) at the recipe's expert width and ``widths``, FP8 against BF16."""
+    row-wise) at the recipe's expert width and ``widths``, and a square and an MLP-shaped
+    linear at each of ``hidden_widths`` in both gradient formats, FP8 against BF16."""
+    import copy
     import dataclasses
 
     import torch
@@ -57,8 +59,9 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
                 "fp8_tensorwise": {"fp8": True, "triton": False, "fp8_recipe": "tensorwise"},
                 "fp8_rowwise_experts": {"fp8": True, "triton": False, "fp8_recipe": "rowwise",
                                         "fp8_grad_format": "e4m3", "fp8_experts": True}}
+    base = build_model(recipe.model, tok, seed=0, device=device)  # built once: each variant converts a copy
     for name, options in variants.items():
-        model = build_model(recipe.model, tok, seed=0, device=device)
+        model = copy.deepcopy(base)
         loss_fn = build_loss(recipe.model)
         apply_kernels(model, dataclasses.replace(recipe.kernels, **options, fp8_products="all"), loss_fn, device)
 
@@ -71,6 +74,7 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
         out["variants"][name] = {"s": t, "tokens_per_s": tokens / t}
         save(out)
         model = step = None  # the next variant's model in its place
+    base = None
     v = out["variants"]
     out["fp8_over_bf16"] = v["fp8"]["tokens_per_s"] / v["bf16"]["tokens_per_s"]
     for name in variants:
@@ -86,14 +90,28 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
         shapes["shared_up"] = (m.hidden_size, m.moe_shared_expert_size)
         shapes["shared_down"] = (m.moe_shared_expert_size, m.hidden_size)
     products = {}
+    fmt = recipe.kernels.fp8_grad_format
+    other = "e5m2" if fmt == "e4m3" else "e4m3"
+
+    def linear_ratio(k: int, n: int, grad_format: str) -> float:
+        x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+        w = torch.randn(n, k, device=device) * 0.02
+        r = {}
+        compare("l", fwd_bwd(lambda x, w: fp8_linear(x, w, grad_format=grad_format), [x, w]),
+                fwd_bwd(F.linear, [x, w]), device, rounds, r, "bf16")
+        return r["l_speedup_over_bf16"]
+
     with autocast:
+        # the recipe's products in its gradient format (e4m3: all three products through cuBLAS on Hopper)
         for name, (k, n) in shapes.items():
-            x = torch.randn(rows, k, device=device).to(torch.bfloat16)
-            w = torch.randn(n, k, device=device) * 0.02
-            r = {}
-            compare(name, fwd_bwd(lambda x, w: fp8_linear(x, w), [x, w]), fwd_bwd(F.linear, [x, w]), device, rounds,
-                    r, "bf16")
-            products[f"linear_{name}_{rows}x{k}x{n}"] = r[f"{name}_speedup_over_bf16"]
+            products[f"linear_{name}_{rows}x{k}x{n}"] = linear_ratio(k, n, fmt)
+        # the model's width against FP8's gain: a square product and an MLP's at each hidden
+        # size, in both gradient formats, at the recipe's tokens
+        for h in sorted({m.hidden_size, *(hidden_widths or ())}):
+            for k, n in ((h, h), (h, h * 11 // 4 // 128 * 128)):
+                for f in (fmt, other):
+                    products[f"linear_{f}_{rows}x{k}x{n}"] = linear_ratio(k, n, f)
+            save(out | {"fp8_over_bf16_products": products})
         for width in sorted({m.moe_expert_size, *(widths or ())}):
             experts, per = m.num_experts, max(16, rows * m.moe_top_k // m.num_experts // 16 * 16)
             offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per
@@ -114,9 +132,25 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None) -> dict:
     return out
 
 
-def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
+def layer_kinds(m) -> list[str]:
+    """``dense`` or ``moe`` for each block of the recipe's model section ``m``."""
+    from molds.models.moe import MoEConfig
+
+    if not m.num_experts:
+        return ["dense"] * m.num_layers
+    cfg = MoEConfig(num_experts=m.num_experts, first_dense_layers=m.moe_first_dense_layers,
+                    layer_interval=m.moe_layer_interval)
+    return ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(m.num_layers)]
+
+
+def dualpipev_costs(recipe, tok, device, rounds: int, save, measure_layers: int | None = None) -> dict:
     """The model's per-layer F, B, I, W and F&B times on ``device``, summed per pipeline stage
-    and simulated for each schedule at P = 2, 4, 8."""
+    and simulated for each schedule at P = 2, 4, 8. ``measure_layers``: build and time only the
+    first blocks, at least this many and at least two of each kind, and give each later block
+    the median costs of the measured blocks of its kind (the blocks of a kind have the same
+    shapes; a model of billions of parameters need not be built whole on one device)."""
+    import dataclasses
+
     import torch
 
     from kernels import time_pass
@@ -129,7 +163,12 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
     from molds.models.wgrad import WeightGradStore, defer_weight_grads
 
     batch, _ = one_batch(recipe, device)
-    model = build_model(recipe.model, tok, seed=0, device=device)
+    kinds = layer_kinds(recipe.model)
+    keep = len(kinds)
+    if measure_layers:
+        keep = next((k for k in range(min(measure_layers, len(kinds)), len(kinds) + 1)
+                     if all(kinds[:k].count(kind) >= min(2, kinds.count(kind)) for kind in set(kinds))), len(kinds))
+    model = build_model(dataclasses.replace(recipe.model, num_layers=keep), tok, seed=0, device=device)
     loss_fn = build_loss(recipe.model)
     # the products the recipe runs in FP8 (kernels.fp8_products=faster: those measured faster here)
     choice = choose_fp8_products(model, recipe.kernels, device, torch.bfloat16, batch["input_ids"].numel())
@@ -181,11 +220,17 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save) -> dict:
             p.grad = None
         with torch.no_grad(), autocast:
             x = (x[0],) + ids if last else layer(x)
-    names = ["embed"] + [f"layer{i}" for i in range(len(body.layers))] + ["norm", "head_loss"]
-    out = {"micro_batch": list(batch["input_ids"].shape), "kernels": {"fp8": recipe.kernels.fp8,
-                                                                     "triton": recipe.kernels.triton,
-                                                                     "fp8_products": choice.describe() if choice
-                                                                     else recipe.kernels.fp8_products},
+    measured = costs[1:1 + keep]
+    for c in measured:
+        c["measured"] = True
+    for i in range(keep, len(kinds)):  # the blocks not built: the median of the measured ones of their kind
+        same = [c for c, kind in zip(measured, kinds) if kind == kinds[i]]
+        costs.insert(1 + i, {k: statistics.median(c[k] for c in same) for k in ("F", "B", "I", "W", "FB", "params")}
+                     | {"measured": False})
+    names = ["embed"] + [f"layer{i}" for i in range(len(kinds))] + ["norm", "head_loss"]
+    out = {"micro_batch": list(batch["input_ids"].shape), "measured_layers": keep,
+           "kernels": {"fp8": recipe.kernels.fp8, "triton": recipe.kernels.triton,
+                       "fp8_products": choice.describe() if choice else recipe.kernels.fp8_products},
            "all_to_all": "none: one device (ep 1); the costs hold no expert-parallel exchange",
            "layers": dict(zip(names, costs)), "schedules": {}}
     from deepspeed.runtime.utils import partition_balanced

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -127,10 +128,20 @@ def test_real_shapes_and_dualpipev_costs(dry_run):
     assert any(k.startswith("linear_q_") for k in shapes["fp8_over_bf16_products"])
     assert any(k.startswith("experts_") for k in shapes["fp8_over_bf16_products"])
     assert any(k.startswith("experts_rowwise_") for k in shapes["fp8_over_bf16_products"])
+    # the width sweep: a square and an MLP-shaped linear at each hidden size, both gradient formats
+    sweep = [k for k in shapes["fp8_over_bf16_products"] if k.startswith(("linear_e4m3_", "linear_e5m2_"))]
+    assert {k.split("_")[1] for k in sweep} == {"e4m3", "e5m2"} and len(sweep) == 2 * 2 * 2  # hidden 64 and 128
 
     dp = line["dualpipev"]
     layers = dp["layers"]
     assert list(layers)[0] == "embed" and list(layers)[-1] == "head_loss"
+    # the smoke twin's 4 blocks (one dense, three MoE): the first 3 timed, the 4th given the
+    # median of the timed MoE blocks
+    blocks = [layers[f"layer{i}"] for i in range(4)]
+    assert dp["measured_layers"] == 3 and len(layers) == 4 + 3
+    assert [b["measured"] for b in blocks] == [True, True, True, False]
+    for key in ("F", "B", "I", "W", "FB", "params"):
+        assert blocks[3][key] == pytest.approx(statistics.median([blocks[1][key], blocks[2][key]]))
     for layer in layers.values():
         assert all(layer[k] >= 0 for k in ("F", "B", "I", "W", "FB")) and layer["F"] > 0
     for p in (2, 4, 8):

@@ -3,9 +3,10 @@
     molds-schedule --schedule dualpipev --pp 4 --micro-batches 16 --out timeline.png
     molds-schedule --pp 2 --micro-batches 8 --costs F=1,I=1,W=1,B=2,FB=2.5 --comm
 
-Prints each rank's actions in the chosen schedule and, side by side, the simulated step
-and bubble fraction (idle over step time, mean over ranks) of 1F1B, DeepSpeed's stock
-DualPipeV and molds' dualpipev with the same model and costs; ``--out`` draws the three
+Prints each rank's actions in the chosen schedule and, side by side, the simulated step,
+the bubble fraction (idle over step time, mean over ranks) and the most activations a rank
+holds (in micro-batches of the whole model) of 1F1B, DeepSpeed's stock DualPipeV and molds'
+dualpipev with the same model and costs; ``--out`` draws the three
 timelines one above the other. Costs are per V chunk (a model's 1 / 2P); 1F1B's stages
 hold two. Default: DualPipe's accounting, F = I = W = 1, B = 2, F&B = F + B.
 """
@@ -54,7 +55,7 @@ def parse_costs(text: str) -> dict:
 
 
 def run(argv: list[str]) -> int:
-    from ..engines.schedule import SCHEDULES, build, simulate
+    from ..engines.schedule import SCHEDULES, build, held_activations, simulate
     from ..engines.timeline import describe, draw
 
     args = parse(build_parser(), argv)
@@ -69,16 +70,19 @@ def run(argv: list[str]) -> int:
     for name in ("1f1b", "stock_dualpipev", "dualpipev"):
         lists, layout = build(name, args.pp, args.micro_batches)
         t = simulate(lists, layout, costs, scale=2.0 if name == "1f1b" else 1.0)
-        rows.append((name, t.makespan, t.bubble_fraction()))
+        # the fullest rank's activations, in micro-batches of the whole model (a chunk is 1 / stages of it)
+        held = max(held_activations(acts) for acts in lists) / layout.stages
+        rows.append((name, t.makespan, t.bubble_fraction(), held))
         panels.append((f"{NAMES[name]}: step {t.makespan:g}, bubble {100 * t.bubble_fraction():.1f} %", t))
         if name == args.schedule:
             shown = lists
     print(f"{args.schedule}, P={args.pp}, N={args.micro_batches}, costs {costs}:")
     for line in describe(shown, comm=args.comm):
         print("  " + line)
-    print(f"{'schedule':<20}{'step':>10}{'bubble':>10}")
-    for name, step, frac in rows:
-        print(f"{name:<20}{step:>10g}{100 * frac:>9.1f}%")
+    print(f"{'schedule':<20}{'step':>10}{'bubble':>10}{'activations':>13}")
+    for name, step, frac, held in rows:
+        print(f"{name:<20}{step:>10g}{100 * frac:>9.1f}%{held:>12.3g}x")
+    print("activations: the most a rank holds at once, in micro-batches of the whole model's activations")
     if args.out:
         draw(panels, args.out)
         print(f"timelines: {args.out}", file=sys.stderr)

@@ -517,6 +517,29 @@ def simulate(lists: list[list[Action]], layout: Layout, costs: dict | None = Non
     return timeline
 
 
+def held_activations(actions: list[Action]) -> int:
+    """The most (chunk, micro-batch) activations one rank's list holds at once, in chunks
+    (1F1B's chunk is its whole stage; DualPipeV's is half of one).
+
+    A forward keeps what its backward reads until that chunk's weight gradients are done:
+    its full backward (B), or the W after its input-only backward (I), which keeps the
+    products' inputs and output gradients (an upper bound: an I frees the rest). In an F&B
+    pair the forward's activations grow while the backward's shrink, so the pair counts
+    both at its peak."""
+    held = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            held += 1
+        elif a.kind == "FB":
+            held += 1
+            peak = max(peak, held)
+            held -= 1
+        elif a.kind in ("B", "W"):
+            held -= 1
+        peak = max(peak, held)
+    return peak
+
+
 def build(name: str, ranks: int, micro_batches: int) -> tuple[list[list[Action]], Layout]:
     """Every rank's list of schedule ``name`` (1f1b, stock_dualpipev, dualpipev)."""
     if name not in SCHEDULES:

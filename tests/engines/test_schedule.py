@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from molds.engines.schedule import (Action, Layout, ScheduleError, build, check_counts, dualpipev_compute,
-                                    formula_bubble, forward_only_actions, simulate, stock_dualpipev_actions)
+                                    formula_bubble, forward_only_actions, held_activations, simulate,
+                                    stock_dualpipev_actions)
 
 SIZES = [(p, n) for p in (1, 2, 3, 4, 8) for n in sorted({2 * p, 2 * p + 1, 3 * p + 2, 4 * p, 24})]
 UNIT = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # DualPipe's accounting: F = I, B = I + W, F&B = F + B
@@ -185,3 +186,40 @@ def test_an_fb_pair_of_two_stages_costs_one_forward_and_the_other_backward():
     pair = Action("FB", chunk=0, mb=1, b_chunk=1, b_mb=0)
     assert action_cost(pair, a) == 2.5
     assert action_cost(pair, a, b_costs=b) == pytest.approx(1.0 + 6.0 - (0.5 + 1.0) / 2)
+
+
+@pytest.mark.parametrize("p,n", SIZES)
+def test_1f1b_holds_what_deepspeed_allocates_pipe_buffers_for(p, n):
+    """1F1B's rank r holds min(P - r, N) micro-batches at once: DeepSpeed's TrainSchedule
+    allocates that many pipe buffers for them, at least 2 (``num_pipe_buffers``: "the maximum
+    number of in-flight forward passes")."""
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    lists, _ = build("1f1b", p, n)
+    for r, actions in enumerate(lists):
+        held = held_activations(actions)
+        assert held == min(p - r, n)
+        assert max(2, held) == TrainSchedule(micro_batches=n, stages=p, stage_id=r).num_pipe_buffers()
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "stock_dualpipev"])
+@pytest.mark.parametrize("p,n", [(p, n) for p, n in SIZES if n >= 2 * p])
+def test_dualpipev_holds_2p_plus_1_chunks_on_every_rank(name, p, n):
+    """DeepSeek's DualPipe holds PP + 1 stages' activations per device (its README's table),
+    a stage being 1 / PP of the model; DualPipeV, DualPipe cut in half onto P = PP / 2
+    devices, runs the same 2P chunks, so every rank holds 2P + 1 of them at its peak (a
+    weight-deferred chunk counted until its W). DeepSpeed's stock V, with full backwards
+    only, holds as many."""
+    lists, _ = build(name, p, n)
+    assert [held_activations(actions) for actions in lists] == [2 * p + 1] * p
+
+
+def test_held_activations_by_hand():
+    """P = 2, N = 4, rank 0, traced by hand: F F (2) F F (4) I W (4, 3) F (4) F&B (5, 4)
+    F&B (5, 4) B (3) F&B (4, 3) B (2) I W I W (2, 1, 1, 0)."""
+    actions = dualpipev_compute(2, 4, 0)
+    assert [str(a) for a in actions] == ["F0.0", "F0.1", "F0.2", "F1.0", "I1.0", "W1.0", "F1.1", "F0.3&B1.1",
+                                         "F1.2&B0.0", "B1.2", "F1.3&B0.1", "B1.3", "I0.2", "W0.2", "I0.3", "W0.3"]
+    assert held_activations(actions) == 5
+    assert held_activations(actions[:4]) == 4  # before the first backward
+    assert held_activations([Action("F", 0, 0), Action("I", 0, 0), Action("F", 0, 1)]) == 2  # I keeps it until W
