@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     from molds.data.manifest import Manifest
     from molds.engines.schedule import build, held_activations
     from molds.models import build_model
+    from molds.precision import cpu_description
     from molds.recipe import parse_recipe
     from molds.tokens import tokenizer_info
 
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
     out = {
         "script": "benchmarks/recipe_size.py", "recipe": os.path.relpath(args.recipe),
         "overrides": overrides, "manifest": recipe.data.manifest,
-        "machine": {"torch": torch.__version__, "cpu_threads": torch.get_num_threads()},
+        "machine": cpu_description(), "torch": torch.__version__,  # where the activations were measured
         "model": {"parameters": total, "active_parameters_per_token": a / 6.0,
                   "flops_per_token": a, "flops_per_squared_length": b,
                   **{k: getattr(m, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
