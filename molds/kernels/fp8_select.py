@@ -8,8 +8,8 @@ recipe converts it.
 Why it exists: whether FP8 pays depends on the product's shape and on the card, not on a
 flag. Quantizing both operands costs a pass over each of them at every product, so a
 narrow product loses more to the quantization than its FP8 GEMM gains; on the first H200
-measured (``benchmarks/results/2026-11-27-h200-*``) every product of
-``recipes/moe_fp8.json``'s model ran at 0.13-0.24x its BF16 speed in FP8. So at start
+measured (``benchmarks/results/2026-11-27-h200-*``) every product of the model
+``recipes/moe_fp8.json`` then held (hidden 1024) ran at 0.13-0.24x its BF16 speed in FP8. So at start
 each distinct product of the model (a linear's ``in -> out``, an expert set's
 ``experts x hidden -> width``) is timed, forward and backward, at a micro-batch's tokens,
 as the converted module and as the plain one in the run's precision; the ranks average
