@@ -310,7 +310,9 @@ class ParallelConfig:
     """DDP static_graph (the graph of these models does not change between steps)."""
 
     compile: bool = False
-    """torch.compile the model (ddp engine)."""
+    """torch.compile the model (ddp engine). On packed rows the attention layout and its
+    grouped attention run eagerly (they follow the batch's molecule lengths); the rest
+    compiles once for every token count."""
 
 
 @dataclass

@@ -108,6 +108,53 @@ def test_compiled_regions_match_eager():
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_whole_model_compile_on_packed_rows_stops_recompiling_and_matches_eager():
+    """parallel.compile: torch.compile of the whole decoder on packed rows, whose molecule
+    count, lengths and token count change every batch. The layout's construction and its
+    grouped attention are data-dependent and run eagerly (a graph break each); the rest
+    compiles for every token count after the second shape. Before, dynamo guarded on each
+    batch's attention groups and compiled anew for every batch until its recompile limit."""
+    import torch._dynamo
+
+    from molds.models.loss import CausalLMLoss
+
+    torch.manual_seed(5)
+    cfg = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    eager = CausalDecoder(DecoderConfig(**cfg))
+    compiled_model = CausalDecoder(DecoderConfig(**cfg))
+    compiled_model.load_state_dict(eager.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts the graphs dynamo hands over, runs them as they are
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend=backend)
+    batches = [([[5, 9, 3], [12, 1]], 20), ([[7, 7, 2, 11], [4, 13]], 28), ([[3], [2, 2, 2, 9]], 16),
+               ([[17, 1], [6, 6, 6]], 24), ([[2, 3, 4, 5], [11]], 20), ([[13, 13], [1, 1, 1, 8]], 30)]
+    counts = []
+    try:
+        for lengths, seq_len in batches:
+            ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
+            batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc,
+                     "labels": ids.masked_fill(doc < 0, -100)}
+            losses = []
+            for model, module in ((eager, eager), (compiled, compiled_model)):
+                module.zero_grad()
+                loss = CausalLMLoss()(model(**batch), batch)
+                loss.backward()
+                losses.append(loss)
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+            for (name, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+            counts.append(len(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert counts[1] > counts[0]  # the second shape makes the token count dynamic
+    assert counts[2:] == [counts[1]] * (len(batches) - 2), counts  # and then nothing compiles again
+
+
 def test_cpu_bf16_autocast_runs_attention_in_float32():
     """Under CPU bf16 autocast, attention runs in float32 on the bf16 inputs and comes
     back in bf16: autocast would otherwise send it to torch's bf16 CPU flash-attention

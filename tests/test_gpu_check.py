@@ -86,6 +86,9 @@ def test_every_training_run_trained_and_reports_its_figures(dry_run):
     assert any("fp8:" in s for s in training["runs"]["moe_fp8"]["start_lines"])
     assert any("triton:" in s for s in training["runs"]["moe_triton"]["start_lines"])
     assert not any("fp8:" in s or "triton:" in s for s in training["runs"]["moe_kernels_off"]["start_lines"])
+    # the MFU target's model on both engines
+    assert any(" parameters on zero " in s for s in training["runs"]["dense_zero3"]["start_lines"])
+    assert any(" parameters on ddp " in s for s in training["runs"]["dense_zero3_ddp"]["start_lines"])
     assert not os.path.exists(f"{out}-work/runs/dense_zero3")  # removed once read: a GPU machine's disk is small
 
 
@@ -231,3 +234,16 @@ def test_the_kernel_benchmarks_gpu_only_code_runs(monkeypatch):
     for name in ("fp8_linear_4096_over_bf16_device", "fp8_linear_e4m3_grads_4096_over_bf16_device",
                  "fp8_quantize_both_fraction_of_bandwidth"):
         assert targets[name]["value"] > 0 and targets[name]["met"] in (True, False)
+
+
+def test_the_dense_mfu_target_takes_the_faster_engine_for_its_model():
+    gc = _gpu_check()
+
+    def mfu(runs):
+        return gc.targets({"training": {"runs": runs}})["dense_zero3_mfu"]
+
+    assert mfu({"dense_zero3": {"mfu": 0.05}, "dense_zero3_ddp": {"mfu": 0.4}}) == {
+        "value": 0.4, "target": ">= 0.35", "met": True}
+    assert mfu({"dense_zero3": {"mfu": 0.05}, "dense_zero3_ddp": {"skipped": "out of time"}})["value"] == 0.05
+    assert mfu({"dense_zero3": {"mfu": 0.3}, "dense_zero3_ddp": {"mfu": 0.1}})["met"] is False
+    assert mfu({})["value"] is None and mfu({})["met"] is None

@@ -163,6 +163,11 @@ class PackedLayout:
     shape, and a flat length that changes every step makes a new one each step (three
     times slower than a repeated shape, and resident memory that grows by ~1.5 MB per
     shape: 4 GB per rank after 8,000 steps of ``recipes/cpu_moses.json``).
+
+    Under ``torch.compile`` (``parallel.compile``) the layout's construction and its grouped
+    attention run eagerly: both follow the batch's values (how many molecules, how long),
+    and compiled they would be guarded on them and compiled anew for every batch. The
+    layers around them compile once for every token count.
     """
 
     GROUPS = 4
@@ -217,6 +222,7 @@ class PackedLayout:
         self.doc_lengths = doc_len
 
     @classmethod
+    @torch.compiler.disable
     def of(cls, document_ids: torch.Tensor, position_ids: torch.Tensor, row_multiple: int = 1) -> "PackedLayout":
         """The layout of these packed rows, built once per pair of tensors: the layers of
         one pipeline stage receive the same (position_ids, document_ids) and share it."""
@@ -240,6 +246,7 @@ class PackedLayout:
         pad = t.new_zeros((1, *t.shape[1:]))
         return torch.cat([t, pad]).index_select(0, self.token_source).view(*self.shape, *t.shape[1:])
 
+    @torch.compiler.disable
     def attend(self, q, k, v):
         """q [T, H, D], k and v [T, KV, D] -> [T, H, D], causal within each molecule."""
         if not self.groups:  # no real token at all
