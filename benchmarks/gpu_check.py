@@ -20,8 +20,9 @@ crashes the CUDA context or hangs costs only itself:
   the window) with kernels off, ``kernels.triton`` and ``kernels.fp8``. Each reports
   tokens/s and MFU (medians of the logged windows after the second: the first holds
   start-up and compilation, the second the steps profiled by ``logging.profile_steps``),
-  peak memory, its loss curve, where a step's time goes (``profile``) and its start lines. Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on
-  the device (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
+  peak memory, its loss curve, where a step's time goes (``profile``) and its start lines.
+  Then fp32 parity: ``recipes/smoke/dense_ddp.json``'s first steps in fp32 on the device
+  (TF32 off: ``NVIDIA_TF32_OVERRIDE=0``) against the same run on the CPU.
 - ``real_shapes``: two layers (one dense, one MoE) of ``recipes/moe_fp8.json``'s model at
   full width, forward + backward under bf16 autocast, kernels off / triton / fp8 /
   fp8 + triton / torchao's row-wise (linears; linears and experts) and tensor-wise:
