@@ -71,7 +71,7 @@ sys.path.insert(0, ROOT)
 
 SECTIONS = ["environment", "training", "real_shapes", "dualpipev", "kernel_benchmarks", "kernel_tests"]
 #: seconds each section may take at most (the last one takes what is left)
-CAPS = {"environment": 45, "training": 270, "real_shapes": 60, "dualpipev": 45, "kernel_benchmarks": 60,
+CAPS = {"environment": 45, "training": 240, "real_shapes": 60, "dualpipev": 60, "kernel_benchmarks": 60,
         "kernel_tests": 600}
 #: a dry run's caps only stop a hang: it has no window to fit, and beside the test suite's
 #: other worker it ran 4x slower than on an idle machine (611 s against about 160 s; its

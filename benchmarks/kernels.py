@@ -96,18 +96,27 @@ def peak_bytes(fn, device) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    inputs = {t.untyped_storage().data_ptr() for t in getattr(fn, "leaves", ())}
+    return saved_tensor_bytes(fn, getattr(fn, "leaves", ()))[0]
+
+
+def saved_tensor_bytes(fn, exclude=()) -> tuple[int, object]:
+    """The bytes of the tensors autograd holds from ``fn()``'s forward for its backward
+    (activation memory, compiled regions' included), each storage once, the storages of
+    ``exclude`` (inputs, weights) not counted; and what ``fn`` returned."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     held = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in inputs:
+        if storage.data_ptr() not in skip:
             held[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(held.values())
+        out = fn()
+    return sum(held.values()), out
 
 
 def compare(name, ours, theirs, device, rounds, results, label="reference"):

@@ -25,9 +25,10 @@ sizes); ``--gpus`` changes it (the data-parallel size follows). Prints one JSON 
     parameters, data-parallel / expert-parallel for experts);
   - activations: what each layer keeps for its backward, measured here on one real packed
     micro-batch of the recipe's shape, layer by layer through the pipeline's own stage
-    modules (``molds.engines.stages``) with bf16 parameters and attention in bf16 as on a GPU:
-    every storage the forward created that is still alive when it returns, but its output
-    (the next layer's input); times the most micro-batches the schedule holds at once on one
+    modules (``molds.engines.stages``) with bf16 parameters and attention in bf16 as on a GPU,
+    and the recipe's fused and compiled regions as they run on a CPU: the storages autograd
+    saves (the block's weights and input left out); times the most micro-batches the
+    schedule holds at once on one
     rank (``molds.engines.schedule.held_activations``), plus each held micro-batch's stage
     input and output (the pipeline's buffers). Expert parallelism moves tokens between
     ranks but, with balanced routing, each rank's experts see as many tokens as here. An
@@ -40,6 +41,7 @@ sizes); ``--gpus`` changes it (the data-parallel size follows). Prints one JSON 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -74,26 +76,17 @@ def saved_bytes(layer, inputs, params) -> tuple[int, tuple]:
     hidden states requiring grad), and its output: the storages autograd saves (compiled
     regions' too), the inputs' and ``params``' own left out."""
     import torch
+    from kernels import saved_tensor_bytes
     from torch.utils._pytree import tree_flatten
 
-    skip = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
-    skip |= {t.untyped_storage().data_ptr() for t in params}
-    saved = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(inputs)
-    return sum(saved.values()), out
+    given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    return saved_tensor_bytes(lambda: layer(inputs), given + list(params))
 
 
-def _gpu_attention():
+@contextlib.contextmanager
+def gpu_attention():
     """Attention in its input's dtype on a CPU too (molds runs it in fp32 there; a GPU keeps
-    bf16), so what it saves is what a GPU saves."""
+    bf16), so that what it saves is what a GPU saves."""
     import torch.nn.functional as F
 
     from molds.models import decoder
@@ -101,7 +94,11 @@ def _gpu_attention():
     def attention(q, k, v, is_causal=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
 
-    decoder.causal_attention = attention
+    eager, decoder.causal_attention = decoder.causal_attention, attention
+    try:
+        yield
+    finally:
+        decoder.causal_attention = eager
 
 
 def layer_bytes(recipe, tok, batch) -> dict:
@@ -123,7 +120,6 @@ def layer_bytes(recipe, tok, batch) -> dict:
     kinds = [k for k in ("dense", "moe") if k in present]  # one block of each kind, dense first
     small = dataclasses.replace(m, num_layers=len(kinds), moe_layer_interval=1,
                                 moe_first_dense_layers=int("dense" in present and "moe" in present))
-    _gpu_attention()
     model = build_model(small, tok, seed=0).to(torch.bfloat16)
     loss_fn = build_loss(recipe.model)
     # the recipe's fused and compiled regions as they run here (they change what is saved);
@@ -141,8 +137,9 @@ def layer_bytes(recipe, tok, batch) -> dict:
 
     def measured(layer, x):
         inputs = (x.detach().requires_grad_(True),) + ids
-        layer(inputs)  # once first: compiled regions compile, caches fill
-        return saved_bytes(layer, inputs, params)
+        with gpu_attention():
+            layer(inputs)  # once first: compiled regions compile, caches fill
+            return saved_bytes(layer, inputs, params)
 
     for kind, block in zip(kinds, body.layers):
         out[kind], y = measured(BlockPipe(block, cfg.head_dim, cfg.rope_theta, 0), x[0])
@@ -234,8 +231,10 @@ def main(argv=None) -> int:
     dp = world // pp
     zero = p.zero_stage if p.engine != "ddp" else 0
     kind = "ddp" if p.engine == "ddp" else "pipeline0" if pipeline and zero == 0 else zero
-    if kind not in STATE_BYTES:
-        print(f"recipe_size: parallel.engine={p.engine} at ZeRO stage {zero} is not sized here", file=sys.stderr)
+    if kind not in STATE_BYTES or p.offload_optimizer or p.offload_params:
+        offload = " with CPU offload" if p.offload_optimizer or p.offload_params else ""
+        print(f"recipe_size: parallel.engine={p.engine} at ZeRO stage {zero}{offload} is not sized here (the ddp "
+              f"engine, ZeRO 1-3 on the GPU and the pipeline at stages 0-1 are)", file=sys.stderr)
         return 2
     accum = recipe.trainer.grad_accum or 1
     tok = tokenizer_info(Manifest.load(recipe.data.manifest))

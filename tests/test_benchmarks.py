@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script
 from tests.data.conftest import dataset  # noqa: F401  (the shared preprocessed fixture)
 from tests.dist.spawn import free_port
 
@@ -151,11 +152,7 @@ def test_the_etl_benchmark_pauses_a_whole_process_tree_and_resumes_it():
     workers it started."""
     import psutil
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        from etl import pause_tree
-    finally:
-        sys.path.pop(0)
+    pause_tree = benchmark_script("etl").pause_tree
     code = ("import multiprocessing as mp, time\n"
             "def spin():\n    while True: pass\n"
             "if __name__ == '__main__':\n"

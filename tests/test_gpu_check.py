@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script
+
 #: the dry run is the module fixture's set-up, counted in the first test's time: above
 #: .ci/run's 1,200 s a test, so that a loaded machine cannot end it before its own budget
 pytestmark = pytest.mark.timeout(1800)
@@ -23,12 +25,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
 
 def _gpu_check():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
-    return gpu_check
+    return benchmark_script("gpu_check")
 
 
 def _run(args, cwd, timeout=900):
@@ -212,11 +209,7 @@ def test_the_kernel_benchmarks_gpu_only_code_runs(monkeypatch):
     broken. The figures mean nothing."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import kernels
-    finally:
-        sys.path.pop(0)
+    kernels = benchmark_script("kernels")
     monkeypatch.setattr(kernels, "device_time", lambda fn, device: min(kernels.time_pass(fn, device, 1)))
     monkeypatch.setattr(kernels, "_torchao", lambda *a: None)  # (torchao's Float8Linear wants FP8 units,
     monkeypatch.setattr(kernels, "_liger", lambda *a: None)  # Liger Kernel a GPU)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.benchmark_scripts import benchmark_script
 from tests.data.conftest import dataset  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,12 +22,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "recipe_size.py")
 
 
 def _script():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import recipe_size
-    finally:
-        sys.path.pop(0)
-    return recipe_size
+    return benchmark_script("recipe_size")
 
 
 @pytest.mark.parametrize("params,gpus", [(1_000_003, 1), (185_661_440, 4), (6_433_013_760, 8), (7, 3)])
@@ -123,3 +119,17 @@ def test_the_smoke_moe_recipe_sized_against_its_model_and_deepspeeds_cut(dataset
     assert corpus["training_flops"] == pytest.approx(flops)
     assert out["time"]["days_per_pass"] == pytest.approx(flops / (4 * 100e12 * 0.5) / 86400)
     assert out["memory"]["fullest_rank_gb"] == max(r["total_gb"] for r in ranks)
+
+
+@pytest.mark.parametrize("recipe,extra,words", [
+    ("dense_zero3_offload.json", [], "ZeRO stage 3 with CPU offload is not sized here"),
+    ("dense_zero2.json", ["--parallel.zero_stage", "0"], "parallel.engine=zero at ZeRO stage 0 is not sized here"),
+    ("moe_fp8.json", ["--run.min_gpus", "0", "--gpus", "6"], "6 GPUs cannot hold pp 2"),
+])
+def test_what_it_cannot_size_is_one_line(recipe, extra, words, dataset, tmp_path):  # noqa: F811
+    proc = subprocess.run([sys.executable, SCRIPT, "--recipe", os.path.join(ROOT, "recipes", recipe), "--manifest",
+                           dataset, "--molecules", "1e6", *extra], cwd=tmp_path,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("recipe_size:")]
+    assert len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
