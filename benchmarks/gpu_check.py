@@ -16,8 +16,8 @@ crashes the CUDA context or hangs costs only itself:
   ZeRO-2 and ZeRO-3 (``recipes/dense_zero3.json``: the MFU target's model, also on DDP), the MLM
   encoder, the BART encoder-decoder (``recipes/bart_retro.json`` on the bundled forward
   reactions), and the MoE decoder of ``recipes/moe_fp8.json`` at pp 1, ep 1 (2 of its 16
-  layers, one dense and one MoE, at full width, and 8 micro-batches a step: each run fits
-  the window) with kernels off, ``kernels.triton`` and ``kernels.fp8``. Each reports
+  layers, one dense and one MoE, at full width, and 4 micro-batches a step: each run fits
+  its 120 s) with kernels off, ``kernels.triton`` and ``kernels.fp8``. Each reports
   tokens/s and MFU (medians of the logged windows after the second: the first holds
   start-up and compilation, the second the steps profiled by ``logging.profile_steps``),
   peak memory, its loss curve, where a step's time goes (``profile``) and its start lines.
@@ -224,8 +224,8 @@ def training_runs(dry: bool) -> list[tuple[str, str, list[str]]]:
     run. ``fp32_parity`` is the device-against-CPU check."""
     rec = os.path.join(ROOT, "recipes", "smoke" if dry else "")
     moe = ["--run.min_gpus", "0", "--parallel.pp_size", "1", "--parallel.ep_size", "1", "--parallel.schedule", "1f1b"]
-    if not dry:  # one dense and one MoE block at full width, half the recipe's step: a run fits the window
-        moe += ["--model.num_layers", "2", "--trainer.grad_accum", "8"]
+    if not dry:  # one dense and one MoE block at full width, a quarter of the recipe's step: a run fits its 120 s
+        moe += ["--model.num_layers", "2", "--trainer.grad_accum", "4"]
     tiny = ["--model.hidden_size", "32"] if dry else []
     every = ["--kernels.fp8_products", "all"]  # FP8 on or off as named, whatever the recipe's choice
     return [
