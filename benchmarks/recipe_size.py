@@ -1,5 +1,7 @@
 """What a recipe needs at full size: parameters, FLOPs, days per pass over a corpus, and
 memory per GPU, from the model molds builds and one layer of each kind run on this CPU.
+Decoder recipes, dense or MoE, on the ddp engine, ZeRO 1-3 or the pipeline; anything else
+is refused with one line.
 
     python benchmarks/recipe_size.py --recipe recipes/moe_fp8.json --manifest DIR \\
         --molecules 4.2e9 --gpu-memory-gb 80 --peak-tflops 989.4 --mfu 0.35 [--section.key value ...]
@@ -220,6 +222,9 @@ def main(argv=None) -> int:
     recipe = parse_recipe(["--recipe", args.recipe, *(["--data.manifest", args.manifest] if args.manifest else []),
                            *overrides])
     p, m = recipe.parallel, recipe.model
+    if m.family != "decoder":
+        print(f"recipe_size: model.family={m.family} is not sized here (decoders, dense and MoE, are)", file=sys.stderr)
+        return 2
     pipeline = p.engine == "pipeline"
     pp = p.pp_size if pipeline else 1
     ep = p.ep_size if m.num_experts else 1

@@ -125,6 +125,7 @@ def test_the_smoke_moe_recipe_sized_against_its_model_and_deepspeeds_cut(dataset
     ("dense_zero3_offload.json", [], "ZeRO stage 3 with CPU offload is not sized here"),
     ("dense_zero2.json", ["--parallel.zero_stage", "0"], "parallel.engine=zero at ZeRO stage 0 is not sized here"),
     ("moe_fp8.json", ["--run.min_gpus", "0", "--gpus", "6"], "6 GPUs cannot hold pp 2"),
+    ("bart_retro.json", [], "model.family=seq2seq is not sized here"),
 ])
 def test_what_it_cannot_size_is_one_line(recipe, extra, words, dataset, tmp_path):  # noqa: F811
     proc = subprocess.run([sys.executable, SCRIPT, "--recipe", os.path.join(ROOT, "recipes", recipe), "--manifest",
