@@ -82,11 +82,28 @@ def test_packed_loss_never_pairs_two_molecules():
     torch.testing.assert_close(packed, nll / pairs, rtol=0, atol=1e-12)
 
 
+def _assert_trains_as_eager(eager, other, lengths, seq_len, loss_rtol, grad_rtol, call=None):
+    """``other`` (``call``: how it is called, default itself) gives ``eager``'s loss and
+    parameter gradients on packed rows of these molecule lengths."""
+    from molds.models.loss import CausalLMLoss
+
+    ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
+    batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc, "labels": ids.masked_fill(doc < 0, -100)}
+    losses = []
+    for model, module in ((eager, eager), (other if call is None else call, other)):
+        module.zero_grad()
+        loss = CausalLMLoss()(model(**batch), batch)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=loss_rtol, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), other.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=grad_rtol, atol=1e-6, msg=name)
+
+
 def test_compiled_regions_match_eager():
     """kernels.compile_regions: the inductor-fused RoPE / SwiGLU / RMSNorm give the eager
     model's loss and gradients, on packed rows of a shape the compile never saw."""
     from molds.kernels.compile_regions import compile_regions
-    from molds.models.loss import CausalLMLoss
 
     torch.manual_seed(4)
     cfg = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -94,18 +111,7 @@ def test_compiled_regions_match_eager():
     fused = compile_regions(CausalDecoder(DecoderConfig(**cfg)))
     fused.load_state_dict(eager.state_dict())
     for lengths, seq_len in (([[5, 9, 3], [12, 1]], 20), ([[7, 7, 2, 11], [4, 13]], 28)):
-        ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
-        labels = ids.masked_fill(doc < 0, -100)
-        losses = []
-        for model in (eager, fused):
-            model.zero_grad()
-            batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc, "labels": labels}
-            loss = CausalLMLoss()(model(**batch), batch)
-            loss.backward()
-            losses.append(loss)
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-        for (name, a), b in zip(eager.named_parameters(), fused.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+        _assert_trains_as_eager(eager, fused, lengths, seq_len, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
 def test_whole_model_compile_on_packed_rows_stops_recompiling_and_matches_eager():
@@ -115,8 +121,6 @@ def test_whole_model_compile_on_packed_rows_stops_recompiling_and_matches_eager(
     compiles for every token count after the second shape. Before, dynamo guarded on each
     batch's attention groups and compiled anew for every batch until its recompile limit."""
     import torch._dynamo
-
-    from molds.models.loss import CausalLMLoss
 
     torch.manual_seed(5)
     cfg = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -136,18 +140,8 @@ def test_whole_model_compile_on_packed_rows_stops_recompiling_and_matches_eager(
     counts = []
     try:
         for lengths, seq_len in batches:
-            ids, pos, doc, _ = _packed_batch(lengths, seq_len, 40)
-            batch = {"input_ids": ids, "position_ids": pos, "document_ids": doc,
-                     "labels": ids.masked_fill(doc < 0, -100)}
-            losses = []
-            for model, module in ((eager, eager), (compiled, compiled_model)):
-                module.zero_grad()
-                loss = CausalLMLoss()(model(**batch), batch)
-                loss.backward()
-                losses.append(loss)
-            torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
-            for (name, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
-                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+            _assert_trains_as_eager(eager, compiled_model, lengths, seq_len, loss_rtol=1e-6, grad_rtol=1e-5,
+                                    call=compiled)
             counts.append(len(graphs))
     finally:
         torch._dynamo.reset()
