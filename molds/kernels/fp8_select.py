@@ -9,8 +9,8 @@ Why it exists: whether FP8 pays depends on the product's shape and on the card, 
 flag. Quantizing both operands costs a pass over each of them at every product, so a
 narrow product loses more to the quantization than its FP8 GEMM gains; on the first H200
 measured (``benchmarks/results/2026-11-27-h200-*``) every product of the model
-``recipes/moe_fp8.json`` then held (hidden 1024) ran at 0.13-0.24x its BF16 speed in FP8. So at start
-each distinct product of the model (a linear's ``in -> out``, an expert set's
+``recipes/moe_fp8.json`` then held (hidden 1024) ran at 0.13-0.24x its BF16 speed in FP8.
+So at start each distinct product of the model (a linear's ``in -> out``, an expert set's
 ``experts x hidden -> width``) is timed, forward and backward, at a micro-batch's tokens,
 as the converted module and as the plain one in the run's precision; the ranks average
 their times, and only the products that FP8 ran faster are converted
