@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     flops = args.molecules * (a * per_mol + b * sq_per_mol)
     slots_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * accum * dp
     tokens_per_step = slots_per_step * corpus["fill"]
+    steps = math.ceil(tokens / tokens_per_step)
     seconds = flops / (world * args.peak_tflops * 1e12 * args.mfu)
 
     # memory: model states of the fullest rank, activations held by its schedule
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
     boundary = 2 * measured["stage_input"] if pipeline else 0
     stage_act = [sum(act(n) for n, _, _ in sl) + boundary for sl in stage_layers]
     schedule = p.schedule if pipeline else "none"
+    # every rank's action list (a whole model's forward, one micro-batch at a time, off the pipeline)
+    lists = build("dualpipev" if v else "1f1b", pp, max(accum, 2 * pp if v else 1))[0] if pipeline else None
+    largest = max(d + e for _, d, e in layers)
     ranks = []
     for r in range(pp):
         own = [r, 2 * pp - 1 - r] if v else [r]
@@ -285,12 +289,8 @@ def main(argv=None) -> int:
         if model.config.tie_word_embeddings and "embed" in names and "head" in names:
             dense -= layers[0][1]  # DeepSpeed builds a tied weight once per rank
         experts = sum(e for s in own for _, _, e in stage_layers[s])
-        if pipeline:
-            lists, _ = build("dualpipev" if v else "1f1b", pp, max(accum, 2 * pp if v else 1))
-            held = held_activations(lists[r])
-        else:
-            held = 1  # a whole model's forward, one micro-batch at a time
-        states = model_states_bytes(dense, experts, kind, dp, ep, largest_layer=max(d + e for _, d, e in layers))
+        held = held_activations(lists[r]) if lists else 1
+        states = model_states_bytes(dense, experts, kind, dp, ep, largest_layer=largest)
         activations = held * max(stage_act[s] for s in own)
         ranks.append({"stages": own, "dense_parameters": dense, "expert_parameters": experts,
                       "held_micro_batches": held, "model_states_gb": states / 1e9,
@@ -311,9 +311,9 @@ def main(argv=None) -> int:
         "corpus": {"molecules": args.molecules, **corpus, "tokens_per_molecule_used": per_mol,
                    "tokens": tokens, "training_flops": flops},
         "step": {"token_slots": slots_per_step, "real_tokens": tokens_per_step,
-                 "molecules": tokens_per_step / per_mol, "steps_per_pass": math.ceil(tokens / tokens_per_step)},
+                 "molecules": tokens_per_step / per_mol, "steps_per_pass": steps},
         "time": {"peak_tflops_per_gpu": args.peak_tflops, "mfu": args.mfu, "days_per_pass": seconds / 86400,
-                 "seconds_per_step": seconds / math.ceil(tokens / tokens_per_step)},
+                 "seconds_per_step": seconds / steps},
         "activations_measured_bytes": measured,
         "memory": {"gpu_gb": args.gpu_memory_gb, "ranks": ranks, "fullest_rank_gb": fullest["total_gb"],
                    "fits": fullest["total_gb"] <= args.gpu_memory_gb,
