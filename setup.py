@@ -65,7 +65,7 @@ setup(
         # importing on one core, while the other waits)
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "ray[data]>=2.9", "accelerate>=1.1",
                 "selfies>=2.1", "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5"],
-        # (liger-kernel and torchao, which benchmarks/kernels.py compares against, are requirements on Linux)
+        # (liger-kernel and torchao, which benchmarks/kernel_ops.py compares against, are requirements on Linux)
     },
     entry_points={
         "console_scripts": [

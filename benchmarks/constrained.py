@@ -57,10 +57,10 @@ def main(argv=None) -> int:
 
     from molds.checkpoint import open_checkpoint
     from molds.checkpoint.layout import run_directory
+    from molds.chemistry.representation import of_manifest
     from molds.cli.sample import main as sample
     from molds.eval.constrained import keeps, plan
-    from molds.precision import cpu_description
-    from molds.representation import of_manifest
+    from molds.runtime.lifecycle import cpu_description
 
     RDLogger.DisableLog("rdApp.*")
     tasks = PANEL if args.tasks is None else json.load(open(args.tasks, encoding="utf-8"))

@@ -54,8 +54,8 @@ def seq2seq_loss(model, src):
     import torch
     import torch.nn.functional as F
 
+    from molds.chemistry.tokens import IGNORE_INDEX
     from molds.data.bucketing import encoder_decoder_batch
-    from molds.tokens import IGNORE_INDEX
 
     rows = [np.concatenate([[BOS], s, [EOS]]) for s in src.numpy()]
     b = encoder_decoder_batch(rows, rows, np.arange(len(rows)), pad=0)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--vocab must be above {FIRST + 1}")
     import torch
 
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     torch.set_num_threads(args.threads)
     result = {"steps": args.steps, "length": args.length, "vocab": args.vocab, "hidden": args.hidden,

@@ -53,20 +53,20 @@ def one(argv: list[str], steps: int, leave_out: str | None, profile_steps: int =
 
     import torch
 
-    from molds.allocator import retain_freed_memory
+    from molds.runtime.allocator import retain_freed_memory
 
     torch.set_num_threads(1)
     retain_freed_memory()  # as molds/train.py does first
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
-    from molds.distributed import init_distributed
     from molds.engines.ddp import DDPEngine
     from molds.kernels import apply_kernels
     from molds.models import build_model
     from molds.models.loss import build_loss
-    from molds.plan import plan_for
-    from molds.recipe import parse_recipe
-    from molds.tokens import tokenizer_info
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.plan import plan_for
+    from molds.runtime.distributed import init_distributed
 
     if leave_out == "exact_rows":
         from molds.models.decoder import CausalDecoder
@@ -167,7 +167,7 @@ def main() -> None:
     for other in (n for n in names if n != "bf16"):
         if other in med and "bf16" in med:
             result[f"{other}_over_bf16"] = round(med[other] / med["bf16"], 3)
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     result["cpu"] = cpu_description()
     print(json.dumps(result))

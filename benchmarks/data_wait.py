@@ -37,7 +37,7 @@ SOURCES = ("rdkit", "manifest")
 
 def cpu_name() -> str:
     sys.path.insert(0, ROOT)
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     return cpu_description()
 

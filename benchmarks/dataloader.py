@@ -98,8 +98,8 @@ def subset_manifest(manifest_dir: str, rows: int, out: str, seed: int = 0) -> st
 
 
 def packed(manifest_dir: str, seq_len: int, micro_batch: int) -> dict:
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
 
     cfg = DataConfig(manifest=manifest_dir, seq_len=seq_len, micro_batch_size=micro_batch, max_epochs=1)
     loader = MoleculeLoader(cfg)
@@ -144,8 +144,8 @@ def packed(manifest_dir: str, seq_len: int, micro_batch: int) -> dict:
 def bucketed(manifest_dir: str, batch: int) -> dict:
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
 
     lengths = lengths_of(manifest_dir)
     sampler = LengthGroupedSampler(batch_size=batch, lengths=lengths.tolist(),
@@ -208,7 +208,7 @@ def main() -> None:
         bucketed_padding_ratio=round(result["bucketed"]["padding_ratio"], 5),
         hf_length_grouped_padding_ratio=round(result["bucketed"]["hf_length_grouped_padding_ratio"], 5),
     )
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     result["cpu"] = cpu_description()
     print(json.dumps(result))

@@ -338,7 +338,7 @@ def main() -> None:
     floor_ends = (floor_before + floor_after) / 2
     rows = manifest["stats"]["rows_in"]
     mps = rows / wall
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
     from molds.preprocessing.inflate import backend as inflate_backend
 
     print(json.dumps({"cpu": cpu_description(),

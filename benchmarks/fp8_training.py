@@ -115,7 +115,7 @@ def main():
     ap.add_argument("--rowwise_experts", action="store_true",
                     help="another run: torchao's row-wise recipe on the linears and the experts (kernels.fp8_experts)")
     args = ap.parse_args()
-    from molds.distributed import free_port
+    from molds.runtime.distributed import free_port
 
     manifest = os.path.abspath(args.manifest)
     if not os.path.isfile(os.path.join(manifest, "manifest.json")):

@@ -92,7 +92,7 @@ def main() -> int:
     args, overrides = ap.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
 
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     name = os.path.splitext(os.path.basename(args.recipe))[0]
     out = args.output_dir or os.path.join(ROOT, "runs", f"bench-{name}" + ("" if args.seed is None else
@@ -185,7 +185,7 @@ def main() -> int:
     keys = ("validity", "unique@10k", "novelty", "novelty_all_splits", "int_div", "filters", "scaffold_novelty",
             "fcd", "snn", "frag", "scaf", "moses_reference_molecules")
     lineage = read_lineage(os.path.join(out, "checkpoints", open(os.path.join(out, "checkpoints", "latest")).read()))
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     procedure_s = None if train_s is None else (etl_s or 0.0) + train_s + average_s + sample_s
     print(json.dumps({"cpu": cpu_description(),

@@ -39,7 +39,7 @@ crashes the CUDA context or hangs costs only itself:
   stage, to ``molds.engines.schedule.simulate`` for 1F1B, DeepSpeed's stock DualPipeV and
   molds' at P = 2, 4 and 8. One device has no all-to-all: the costs hold none, which the
   figures say.
-- ``kernel_benchmarks``: ``benchmarks/kernels.py`` (each op against its reference, Liger
+- ``kernel_benchmarks``: ``benchmarks/kernel_ops.py`` (each op against its reference, Liger
   Kernel, torchao and the card's limits).
 - ``kernel_tests``: ``pytest tests/kernels``, compiled on CUDA tensors (whatever time is left).
 
@@ -176,7 +176,7 @@ def section_environment(ctx) -> dict:
 
     import torch
 
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     versions = {}
     for pkg in ("torch", "triton", "deepspeed", "transformers", "liger-kernel", "torchao", "rdkit", "pyarrow"):
@@ -207,9 +207,9 @@ def section_environment(ctx) -> dict:
 
 
 def measure_rates(device, dry: bool) -> dict:
-    """``benchmarks/kernels.py``'s measured limits (bandwidth, BF16 and FP8 matrix rates);
+    """``benchmarks/kernel_ops.py``'s measured limits (bandwidth, BF16 and FP8 matrix rates);
     small sizes in a dry run."""
-    from kernels import hardware_limits
+    from kernel_ops import hardware_limits
 
     out = {"matmul_side": 512 if dry else 8192}
     hardware_limits(device, out, copy_elements=(1 << 22) if dry else (1 << 28), side=out["matmul_side"])
@@ -392,9 +392,9 @@ def compare_losses(device: dict, cpu: dict) -> dict:
 
 def moe_recipe(ctx, layers: int | None):
     """``recipes/moe_fp8.json`` (its smoke twin in a dry run) for one device, its tokenizer."""
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.manifest import Manifest
-    from molds.recipe import parse_recipe
-    from molds.tokens import tokenizer_info
+    from molds.recipe.parse import parse_recipe
 
     data = prepare_data(ctx)["data"]
     path = os.path.join(ROOT, "recipes", "smoke", "moe_fp8.json") if ctx.dry else MOE_RECIPE
@@ -430,14 +430,14 @@ def section_dualpipev(ctx) -> dict:
 def section_kernel_benchmarks(ctx) -> dict:
     log = os.path.join(ctx.work, "kernel_benchmarks.log")
     open(log, "w").close()
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py")] + (["--quick", "--rounds", "1"]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernel_ops.py")] + (["--quick", "--rounds", "1"]
                                                                               if ctx.dry else ["--rounds", "5"])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if ctx.dry else None
     rc, seconds = run_logged(cmd, log, ctx.left() - 2, env=env)
-    echo(log, "benchmarks/kernels.py")
+    echo(log, "benchmarks/kernel_ops.py")
     lines = [line for line in tail(log, 5).splitlines() if line.startswith("{")]
     if rc != 0 or not lines:
-        raise RuntimeError(f"benchmarks/kernels.py {'timed out' if rc is None else f'exit {rc}'}:\n{tail(log)}")
+        raise RuntimeError(f"benchmarks/kernel_ops.py {'timed out' if rc is None else f'exit {rc}'}:\n{tail(log)}")
     return json.loads(lines[-1]) | {"seconds": seconds}
 
 
@@ -505,7 +505,7 @@ def targets(results: dict) -> dict:
     for op in ("rms_norm", "swiglu", "linear_cross_entropy"):
         out[f"{op}_over_liger"] = entry(kb.get(f"{op}_speedup_over_liger"), 1.0)
         out[f"{op}_over_liger_device"] = entry(kb.get(f"{op}_device_speedup_over_liger"), 1.0)
-    # (the fractions of the bandwidth are taken from device times: benchmarks/kernels.py's device_time)
+    # (the fractions of the bandwidth are taken from device times: benchmarks/kernel_ops.py's device_time)
     for op in ("rms_norm", "swiglu", "moe_permute", "moe_unpermute", "fp8_quantize_1x128", "fp8_quantize_both"):
         out[f"{op}_fraction_of_bandwidth"] = entry(kb.get(f"{op}_fraction_of_bandwidth"), 0.8)
     return out

@@ -4,7 +4,7 @@ pipeline schedules are simulated with (``molds.engines.schedule.simulate``).
 
 Both run the model's own modules (``molds.models``, the converters of ``molds.kernels``,
 the pipeline's stage modules of ``molds.engines.stages``) on a real packed micro-batch of
-the recipe's shape; timings are medians after an untimed call (``benchmarks/kernels.py``).
+the recipe's shape; timings are medians after an untimed call (``benchmarks/kernel_ops.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def real_shapes(recipe, tok, device, rounds: int, save, widths=None, hidden_widt
     import torch
     import torch.nn.functional as F
 
-    from kernels import compare, fwd_bwd, time_pass
+    from kernel_ops import compare, fwd_bwd, time_pass
     from molds.kernels import apply_kernels
     from molds.kernels.fp8_linear import fp8_grouped_mm, fp8_linear
     from molds.kernels.fp8_torchao import RowwiseGroupedMM, grouped_fp8_units
@@ -153,7 +153,7 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save, measure_layers: int 
 
     import torch
 
-    from kernels import time_pass
+    from kernel_ops import time_pass
     from molds.engines.schedule import build, simulate
     from molds.engines.stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe
     from molds.kernels import apply_kernels
@@ -262,7 +262,7 @@ def dualpipev_costs(recipe, tok, device, rounds: int, save, measure_layers: int 
 
 def _timed_after(setup, fn, device, rounds: int, after=None) -> float:
     """Median seconds of ``fn(setup())``, ``setup`` and ``after`` untimed."""
-    from kernels import _sync
+    from kernel_ops import _sync
 
     times = []
     for _ in range(rounds + 1):

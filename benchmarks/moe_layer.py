@@ -13,7 +13,7 @@ as ``recipes/moe_pipeline.json`` runs it (eager); ``--compile-regions`` adds ``*
 keys with the SwiGLU regions compiled, as the dense recipes ship them.
 
 The process keeps freed host memory as ``molds/train.py`` sets it up
-(``molds.allocator.retain_freed_memory``; both layers run under it, ``host_allocator`` in
+(``molds.runtime.allocator.retain_freed_memory``; both layers run under it, ``host_allocator`` in
 the JSON line says which policy was in force); ``MOLDS_SYSTEM_ALLOCATOR=1`` times both
 with the C library's defaults instead, where every large activation of the sorted batch
 is mapped fresh and faulted in again each pass.
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--compile-regions", action="store_true",
                     help="also time molds with kernels.compile_regions (SwiGLU fused by inductor), as *_compiled keys")
     args = ap.parse_args()
-    from molds.allocator import retain_freed_memory
+    from molds.runtime.allocator import retain_freed_memory
 
     allocator = retain_freed_memory()  # first, as molds/train.py does
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29621", RANK="0", WORLD_SIZE="1",
@@ -148,7 +148,7 @@ def main() -> None:
             r = run(args.tokens, args.hidden, experts, width, k, args.rounds, compiled)
             out[key + suffix] = r
             out[f"molds_over_deepspeed_{key}{suffix}"] = round(r["ratio"], 3)
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     out["cpu"] = cpu_description()
     print(json.dumps(out))

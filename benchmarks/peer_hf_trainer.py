@@ -43,17 +43,17 @@ class MoldsSide:
     """molds' packed decoder recipe on the ddp engine, one optimizer step at a time."""
 
     def __init__(self, manifest_dir: str, batch: int, total_steps: int, compile_regions: bool, precision: str):
-        from molds.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+        from molds.recipe.sections import DataConfig, ModelConfig, OptimConfig, TrainerConfig
         from molds.data.loader import MoleculeLoader
         from molds.data.manifest import Manifest
-        from molds.distributed import init_distributed
+        from molds.runtime.distributed import init_distributed
         from molds.engines.ddp import DDPEngine
-        from molds.plan import plan_for
+        from molds.recipe.plan import plan_for
         from molds.kernels import apply_kernels
         from molds.models import build_model
         from molds.models.loss import build_loss
-        from molds.recipe import Recipe
-        from molds.tokens import tokenizer_info
+        from molds.recipe.parse import Recipe
+        from molds.chemistry.tokens import tokenizer_info
 
         m = Manifest.load(manifest_dir)
         st = m.data["stats"]["splits"]["train"]
@@ -202,7 +202,7 @@ def main() -> None:
 
     hf, ours = r["hf_trainer"], r["molds"]
     ratios = r["round_ratios"]
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "cpu": cpu_description(),
                       "steps": args.steps,

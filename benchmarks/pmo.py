@@ -115,7 +115,7 @@ def internal_diversity(smiles: list) -> float:
 
 
 def main(argv=None):
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     args = parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -78,7 +78,7 @@ def saved_bytes(layer, inputs, params) -> tuple[int, tuple]:
     hidden states requiring grad), and its output: the storages autograd saves (compiled
     regions' too), the inputs' and ``params``' own left out."""
     import torch
-    from kernels import saved_tensor_bytes
+    from kernel_ops import saved_tensor_bytes
     from torch.utils._pytree import tree_flatten
 
     given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
@@ -109,13 +109,12 @@ def layer_bytes(recipe, tok, batch) -> dict:
     import dataclasses
 
     import torch
+    from layer_costs import layer_kinds
 
     from molds.engines.stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe
     from molds.kernels import apply_kernels
     from molds.models import build_model
     from molds.models.loss import build_loss
-
-    from layer_costs import layer_kinds
 
     m = recipe.model
     present = set(layer_kinds(m))
@@ -212,12 +211,12 @@ def main(argv=None) -> int:
     from deepspeed.runtime.utils import partition_balanced
     from layer_costs import layer_kinds
 
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.manifest import Manifest
     from molds.engines.schedule import build, held_activations
     from molds.models import build_model
-    from molds.precision import cpu_description
-    from molds.recipe import parse_recipe
-    from molds.tokens import tokenizer_info
+    from molds.recipe.parse import parse_recipe
+    from molds.runtime.lifecycle import cpu_description
 
     recipe = parse_recipe(["--recipe", args.recipe, *(["--data.manifest", args.manifest] if args.manifest else []),
                            *overrides])

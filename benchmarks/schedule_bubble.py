@@ -263,7 +263,7 @@ def measure(schedule, ranks, n, unit, a, steps):
 
     import torch
 
-    from molds.distributed import free_port
+    from molds.runtime.distributed import free_port
 
     out_dir = tempfile.mkdtemp(prefix="molds-bubble-")
     ctx = torch.multiprocessing.start_processes(_rank, args=(ranks, schedule, n, unit, a, steps, free_port(), out_dir),
@@ -337,7 +337,7 @@ def main():
 
 
 def _cpu() -> str:
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     return cpu_description()
 

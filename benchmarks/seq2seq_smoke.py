@@ -107,7 +107,7 @@ def launch(args, recipe: str, manifest: str, out: str, *extra: str, stop_after_f
     """Run the recipe under the deepspeed launcher; with ``stop_after_first_checkpoint`` send
     the job SIGTERM once a checkpoint is complete. Returns (seconds, what it printed)."""
     from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
-    from molds.distributed import free_port
+    from molds.runtime.distributed import free_port
 
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
            "--master_port", str(free_port()), os.path.join(ROOT, "molds", "train.py"), "--recipe", recipe,
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(os.path.join(ROOT, "recipes", "smoke", f"{name}.json")):
             ap.error(f"--recipes: no recipes/smoke/{name}.json")
     os.makedirs(args.output_dir, exist_ok=True)
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     result = {"nproc": args.nproc, "beams": args.beams, "max_steps": args.max_steps or "as written", "recipes": {},
               "cpu": cpu_description()}

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             entry[family] = train(args, family, task, manifest, os.path.join(args.output_dir, f"{family}-{task}"))
         if {"decoder", "seq2seq"} <= set(entry) and entry["decoder"]["top1"]:
             entry["seq2seq_over_decoder_top1"] = round(entry["seq2seq"]["top1"] / entry["decoder"]["top1"], 3)
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     result["cpu"] = cpu_description()
     print(json.dumps(result))

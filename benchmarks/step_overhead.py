@@ -40,15 +40,15 @@ def main() -> None:
 
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
-    from molds.distributed import init_distributed
+    from molds.runtime.distributed import init_distributed
     from molds.engines.ddp import DDPEngine
     from molds.engines.optim import build_optimizer, build_scheduler
     from molds.engines.zero import ZeroEngine
     from molds.models import build_model
     from molds.models.loss import build_loss
-    from molds.plan import plan_for
-    from molds.tokens import tokenizer_info
-    from molds.recipe import deepspeed_config, parse_recipe
+    from molds.recipe.plan import plan_for
+    from molds.chemistry.tokens import tokenizer_info
+    from molds.recipe.parse import deepspeed_config, parse_recipe
 
     recipe = parse_recipe(["--recipe", args.recipe, "--data.manifest", args.manifest,
                            "--trainer.max_steps", str(10**6)])
@@ -126,7 +126,7 @@ def main() -> None:
             spent[name] += time.perf_counter() - t0
     n = args.rounds * len(batches)
     per_step = {k: v / n for k, v in spent.items()}
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     print(json.dumps({"cpu": cpu_description(),
         "device": str(dist.device),

@@ -3,12 +3,12 @@
     python docs/gen_reference.py            # regenerate
     python docs/gen_reference.py --check    # exit 1, naming the stale pages, if one differs
 
-- ``recipe.md``: every recipe section and key (``molds/config.py``, ``molds/goal/config.py``):
+- ``recipe.md``: every recipe section and key (``molds/recipe/sections.py``, ``molds/recipe/goal.py``):
   type, default, allowed range, docstring, and whether the key may change on resume
   (``molds.checkpoint.resume.RESUME_MUTABLE``);
 - ``preprocess.md``: every ``molds-preprocess`` option (``preprocessing/config.py``);
 - ``commands.md``: every console script's ``--help`` (``setup.py``'s entry points);
-- ``rejections.md``: every reason the ETL rejects a row for (``molds.chem.REJECT_REASONS``);
+- ``rejections.md``: every reason the ETL rejects a row for (``molds.chemistry.canonical.REJECT_REASONS``);
 - ``tensorboard.md``: every TensorBoard tag the code writes (found in its source).
 
 The docstring under each dataclass field is the text ``--help`` shows; it is read from the
@@ -85,10 +85,10 @@ def range_of(cls, name: str) -> str:
 
 def recipe_page() -> str:
     from molds.checkpoint.resume import is_mutable
-    from molds.recipe import Recipe
+    from molds.recipe.parse import Recipe
 
     lines = [HEADER, "# Recipe keys\n",
-             "Every key a recipe may set, by section, as `molds/config.py` and `molds/goal/config.py` declare it. "
+             "Every key a recipe may set, by section, as `molds/recipe/sections.py` and `molds/recipe/goal.py` declare it. "
              "On the command line a key is `--section.key value` (`--optim.lr 1e-4`); `--print_config` prints the "
              "resolved recipe. *Range*: inclusive bounds, checked when the recipe is parsed. *On resume*: whether "
              "`--checkpoint.resume` may change the key (the new value is applied and recorded in the lineage), "
@@ -156,7 +156,7 @@ def commands_page() -> str:
 
 
 def rejections_page() -> str:
-    from molds.chem import REJECT_REASONS
+    from molds.chemistry.canonical import REJECT_REASONS
 
     lines = [HEADER, "# ETL rejection reasons\n",
              "Every row `molds-preprocess` reads is kept, counted as a duplicate, or rejected for one of these "

@@ -158,9 +158,9 @@ def hf_encoder(model):
 def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: str = "float32") -> str:
     """Write ``checkpoint`` as a Hugging Face directory ``out``; ``dtype``: the weights'
     (float32 as trained, or bfloat16; never FP8: ``kernels.fp8`` quantizes at use only)."""
-    from .atomic import atomic_directory
     from .checkpoint import open_checkpoint
     from .errors import MoldsError
+    from .runtime.atomic import atomic_directory
 
     if dtype not in ("float32", "bfloat16"):
         raise MoldsError(f"--dtype {dtype}: float32 or bfloat16")
@@ -212,7 +212,7 @@ _DECODING = {
 
 def model_card(loaded, architecture: str) -> str:
     """The exported directory's README: what the model is and how its output is read."""
-    from .representation import of_manifest
+    from .chemistry.representation import of_manifest
 
     rep = of_manifest(loaded.manifest)
     block = (loaded.manifest.data.get("representation") or {"name": "smiles"}) if loaded.manifest else {"name": "smiles"}

@@ -20,12 +20,22 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-if __name__ == "__main__":  # `python molds/train.py` from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # `deepspeed molds/train.py`, `python molds/train.py` from a checkout
+    # Python put this file's directory, molds/, first on the path, where molds' packages would
+    # stand in for top-level ones of the same name (transformers imports Hugging Face's
+    # `kernels`, and would get molds/kernels/): the checkout's root takes its place
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
 
 from molds.errors import MoldsError, NonFiniteError  # noqa: E402
-from molds.runtime import (code_version as _code_version, leave_process_group as _leave_process_group,  # noqa: E402
-                           machine as _machine, quiet_third_party as _quiet_third_party, seed_rank as _seed_rank)
+from molds.runtime.lifecycle import (  # noqa: E402
+    code_version as _code_version,
+    leave_process_group as _leave_process_group,
+    machine as _machine,
+    quiet_third_party as _quiet_third_party,
+    seed_rank as _seed_rank,
+)
 
 
 @dataclass
@@ -43,7 +53,7 @@ class Run:
     log: object
     evaluator: object
     flops: tuple  # (per real token, per squared molecule length)
-    plan: object = None  # molds.plan.Plan: the recipe resolved for this run
+    plan: object = None  # molds.recipe.plan.Plan: the recipe resolved for this run
     step: int = 0
     start_step: int = 0
     resumed_from: str | None = None
@@ -53,8 +63,8 @@ class Run:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from molds.plan import resolve_plan
-    from molds.recipe import check_machine, parse_recipe
+    from molds.recipe.parse import check_machine, parse_recipe
+    from molds.recipe.plan import resolve_plan
 
     if argv is None:
         argv = sys.argv[1:]
@@ -92,7 +102,7 @@ def _after_elastic_restart(recipe, dist):
     only re-join the rendezvous with their count unchanged. Before its first checkpoint the
     attempt starts over as the recipe says. ``run.output_dir`` must be on a filesystem
     every node sees."""
-    from molds.distributed import all_reduce_max
+    from molds.runtime.distributed import all_reduce_max
 
     restart = int(all_reduce_max(float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), dist))
     if not restart or recipe.checkpoint.resume == "auto" and not recipe.checkpoint.fork:
@@ -112,8 +122,8 @@ def _after_elastic_restart(recipe, dist):
 def train(run: Run) -> None:
     """The loop: take micro-batches, step, log, evaluate, checkpoint."""
     from molds.data.loader import batch_tensors
-    from molds.distributed import all_have, all_reduce_max, collective
     from molds.metrics.run_report import count, log_window, new_window, progress_bar
+    from molds.runtime.distributed import all_have, all_reduce_max, collective
 
     recipe, dist, engine, horizon = run.recipe, run.dist, run.engine, run.plan.horizon
     accum = run.batching.grad_accum
@@ -178,7 +188,7 @@ def train(run: Run) -> None:
 
 def finish(run: Run) -> dict:
     """The final evaluation and checkpoint, and the run's summary."""
-    from molds.distributed import all_reduce_sum, collective
+    from molds.runtime.distributed import all_reduce_sum, collective
 
     recipe, dist = run.recipe, run.dist
     if run.evaluator.enabled and run.step > run.start_step:  # the final evaluation, and hparams beside it
@@ -204,7 +214,7 @@ def finish(run: Run) -> dict:
                  if k not in ("steps", "checkpoint", "averaged", "horizon") and v]
         spent = ""
         if run.plan.horizon.timed:
-            from molds.budget import format_duration
+            from molds.recipe.budget import format_duration
 
             spent = f" in {format_duration(run.plan.horizon.elapsed_s)} of {run.plan.horizon.describe()}"
         print(f"[molds] {run.step} steps{spent}; checkpoint {final}" + (f"; averaged model {averaged}" if averaged
@@ -228,7 +238,7 @@ def _average_last(run: Run) -> str:
     (rank 0 writes it; every rank waits for it)."""
     from molds.checkpoint.average import average_checkpoints, last_checkpoints
     from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
-    from molds.distributed import all_have, collective
+    from molds.runtime.distributed import all_have, collective
 
     out = os.path.join(run.recipe.run.output_dir, "averaged")
     n = run.recipe.checkpoint.average_last
@@ -263,22 +273,22 @@ def teardown(run: Run) -> None:
 
 def setup(recipe, plan=None) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
-    the recipe resolved for this world size (``molds.plan``; resolved here when not given)."""
-    from molds.allocator import retain_freed_memory
+    the recipe resolved for this world size (``molds.recipe.plan``; resolved here when not given)."""
     from molds.checkpoint import read_lineage
     from molds.checkpoint.resume import fine_tune_heads, resumed_dtype, resumed_fp8_products
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.loader import MoleculeLoader
     from molds.data.manifest import Manifest
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.eval.training import TrainingEvaluator
     from molds.kernels import apply_kernels, kernel_summary
     from molds.kernels.fp8_select import choose_for_run
     from molds.models import build_model, count_parameters
     from molds.models.loss import build_loss
-    from molds.plan import resolve_plan
-    from molds.tokens import tokenizer_info
+    from molds.recipe.plan import resolve_plan
+    from molds.runtime.allocator import retain_freed_memory
+    from molds.runtime.distributed import init_distributed
 
     _quiet_third_party()
     allocator = retain_freed_memory()  # before the first large allocation
@@ -332,7 +342,7 @@ def setup(recipe, plan=None) -> Run:
     if resume_from is not None:
         _resume(run, resume_from, saved)
     if dist.is_main:
-        from molds.atomic import write_json
+        from molds.runtime.atomic import write_json
 
         write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
     from molds.metrics.logger import MetricsLogger
@@ -430,7 +440,7 @@ def _non_finite(run: Run, result) -> None:
 def save(run: Run) -> str:
     from molds.checkpoint import save_checkpoint
     from molds.data.loader import merge_states
-    from molds.distributed import collective, gather_objects
+    from molds.runtime.distributed import collective, gather_objects
 
     with collective(f"step {run.step}: saving a checkpoint", run.dist):
         _check_manifest_unchanged(run)
@@ -447,8 +457,8 @@ def _check_manifest_unchanged(run: Run) -> None:
     """The manifest the run started from must still be the one on disk when it saves:
     an edited manifest means the data under the run changed."""
     from molds.data.manifest import Manifest
-    from molds.distributed import all_have
     from molds.errors import ManifestError
+    from molds.runtime.distributed import all_have
 
     now = None
     if run.dist.is_main:

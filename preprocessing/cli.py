@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from molds.errors import run_cli
 
     if argv is None:  # the command itself, not a caller in Python: RDKit's allocations
-        from molds.allocator import rerun_with_malloc_cache  # noqa: PLC0415
+        from molds.runtime.allocator import rerun_with_malloc_cache  # noqa: PLC0415
 
         rerun_with_malloc_cache()  # returns only when it does not re-run; report.json says what ran
     return run_cli("molds-preprocess", _run, argv)

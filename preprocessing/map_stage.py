@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from molds.chem import Canonicalizer, Molecule
+from molds.chemistry.canonical import Canonicalizer, Molecule
 from .readers import RawChunk, is_clean
 from .stages import BUCKET_SHIFT, GROUP_SALT, StageOptions, Stats, hash64, spill_sorted
 from .tokenizer import GRAMMARS, counts_of_codes, token_codes
@@ -34,7 +34,7 @@ class MapStage:
         self.canonicalize = Canonicalizer(options.chem)
         self.pairs = None  # --task: reactions or molecule pairs, each side canonicalized
         if options.pairs is not None:
-            from molds.pairs import PairCanonicalizer
+            from molds.chemistry.pairs import PairCanonicalizer
 
             self.pairs = PairCanonicalizer(options.chem, options.pairs)
         # values read after the labels: the pair's target (--target_column), the row's split (--split_column)
@@ -43,7 +43,7 @@ class MapStage:
         self._sd_parser = None
         self.represent = None
         if options.representation != "smiles":
-            from molds.representation import get
+            from molds.chemistry.representation import get
 
             self.represent = get(options.representation, **dict(options.representation_options))
         # --conformers sd: an SD row's unit is made of the molecule read from it, coordinates and all
@@ -161,7 +161,7 @@ class MapStage:
         return self._file_splits[path]
 
     def _pair_row(self, raw: str, cid, label_values, target) -> tuple:
-        """One pair row's outcome, shaped as ``_smiles_row``'s, with a ``molds.pairs.Pair`` for
+        """One pair row's outcome, shaped as ``_smiles_row``'s, with a ``molds.chemistry.pairs.Pair`` for
         the molecule: a reaction SMILES, or (with ``--target_column``) a source and ``target``."""
         labels = self._labels(label_values)
         if labels is False:

@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 
-from molds.chem import ChemOptions
+from molds.chemistry.canonical import ChemOptions
 from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_failure_report, write_outputs
@@ -141,10 +141,10 @@ def _check_inputs_for_pairs(cfg: PreprocessConfig, inputs) -> None:
 
 
 def _pair_options(cfg: PreprocessConfig):
-    """The ``molds.pairs.PairOptions`` of ``--task``, None for molecules."""
+    """The ``molds.chemistry.pairs.PairOptions`` of ``--task``, None for molecules."""
     if cfg.task == "none":
         return None
-    from molds.pairs import PairOptions
+    from molds.chemistry.pairs import PairOptions
 
     return PairOptions(task=cfg.task, reagents=cfg.reagents)
 
@@ -177,13 +177,13 @@ def unit_fields(cfg: PreprocessConfig) -> tuple[str, ...]:
     """The JSONL keys ``--unit_template`` names (none without it)."""
     if cfg.unit_template is None:
         return ()
-    from molds.conformers import UnitTemplate
+    from molds.chemistry.conformers import UnitTemplate
 
     return UnitTemplate(cfg.unit_template).fields
 
 
 def _representation(cfg: PreprocessConfig):
-    from molds.representation import MissingPackage, get
+    from molds.chemistry.representation import MissingPackage, get
 
     name, options = representation_spec(cfg)
     if name == "conformer" and not (1 <= cfg.conformer_timeout_s <= 3600 and 0 <= cfg.conformer_decimals <= 4):
@@ -428,7 +428,7 @@ def run(cfg: PreprocessConfig) -> str:
 
 def _publish(tmp_dir: str, final_dir: str) -> None:
     """Rename the finished directory into place; an old one is removed only after."""
-    from molds.atomic import publish_directory
+    from molds.runtime.atomic import publish_directory
 
     publish_directory(tmp_dir, final_dir, durable=True)
     for stale in (final_dir + ".failed-report.json", final_dir + ".failed-report.md"):

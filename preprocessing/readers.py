@@ -24,7 +24,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from molds.chem import split_cxsmiles
+from molds.chemistry.canonical import split_cxsmiles
 from molds.errors import InputError  # a problem with an input file as a whole (names the file)
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}

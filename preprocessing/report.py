@@ -10,7 +10,7 @@ import re
 from molds import __version__
 from molds.data.manifest import FORMAT_VERSION, vocab_hash
 
-from molds.chem import REJECT_REASONS
+from molds.chemistry.canonical import REJECT_REASONS
 from .sdf import LEADING_BLANK_LINES
 from .split import SPLITS
 
@@ -92,7 +92,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         },
     }
     if cfg.task != "none":  # pairs: both sides' columns instead of one molecule's
-        from molds.pairs import PairOptions
+        from molds.chemistry.pairs import PairOptions
 
         manifest["pairs"] = {**PairOptions(cfg.task, cfg.reagents).describe(),
                              "read_from": ("source and target columns" if cfg.target_column is not None
@@ -115,7 +115,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         manifest["randomized"] = {
             "variants": cfg.randomized_variants, "splits": ["train"], "column": "randomized_token_ids",
             "form": ("root-aligned pairs (R-SMILES): source <sep> target, the anchor side rooted at a random atom, "
-                     "the other side's molecules rooted at corresponding atoms (molds.pairs.aligned_spellings)"
+                     "the other side's molecules rooted at corresponding atoms (molds.chemistry.pairs.aligned_spellings)"
                      if cfg.task != "none" else
                      "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)"),
             "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,
@@ -222,7 +222,7 @@ def _report(m, stats, finals, timings, cfg) -> str:
 def write_failure_report(final_dir: str, *, error: str, stats, where: str, inputs: list[str]) -> str:
     """``OUT.failed-report.{json,md}``: every row read before a failure, accounted for
     (canonicalized so far, or rejected with its reason). Nothing else is written."""
-    from molds.atomic import write_json, write_text
+    from molds.runtime.atomic import write_json, write_text
 
     rejected = dict(stats.rejected)
     canonical = stats.rows_in - sum(rejected.values())

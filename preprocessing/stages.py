@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from molds.chem import ChemOptions
+from molds.chemistry.canonical import ChemOptions
 from .readers import Columns
 from .split import assign_split, group_major
 from .tokenizer import GRAMMARS, count_tokens, make_encoder
@@ -53,11 +53,11 @@ class StageOptions:
     check_regex: bool  # reject canonical SMILES the SMILES regex cannot cover
     two_stage: bool  # dedupe key does not decide the group: dedupe, then regroup
     columns: Columns | None = None  # SD inputs: the id tag and label tags the workers read
-    representation: str = "smiles"  # what the tokens spell (molds.representation)
+    representation: str = "smiles"  # what the tokens spell (molds.chemistry.representation)
     representation_options: tuple = ()  # (key, value) pairs: the conformer units' embedding options
     decimal: str = "."  # the decimal mark of label values
     per_molecule: int = 1  # conformer units of one molecule kept (0: all; the input's conformers)
-    pairs: object = None  # molds.pairs.PairOptions: the rows are pairs for this task (None: molecules)
+    pairs: object = None  # molds.chemistry.pairs.PairOptions: the rows are pairs for this task (None: molecules)
     pair_target: bool = False  # a pair's target is in a column (--target_column), else rows are reactions
     split_from: str | None = None  # --split given: "column" (--split_column) or "file" (the input's name)
 
@@ -113,7 +113,7 @@ def hash64(texts: list[str], seed: int) -> np.ndarray:
 
 
 def _write_ipc(table: pa.Table, path: str) -> None:
-    from molds.atomic import atomic_file
+    from molds.runtime.atomic import atomic_file
 
     with atomic_file(path, durable=False) as tmp:  # work files: the output is synced when published
         with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
@@ -303,14 +303,14 @@ def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.nda
 
 def aligned_pair_variants(sources: list[str], targets: list[str], row_hash: np.ndarray, rows: np.ndarray, count: int,
                           seed: int, encoder) -> tuple[pa.ListArray, int]:
-    """``count`` root-aligned spellings of each pair in ``rows`` (``molds.pairs.aligned_spellings``,
+    """``count`` root-aligned spellings of each pair in ``rows`` (``molds.chemistry.pairs.aligned_spellings``,
     R-SMILES), each stored as the source's tokens, the sep token, the target's tokens: the
     layout ``randomized_variants`` gives molecules (list<list<uint16>>, empty for the other
     rows and for a spelling the vocabulary cannot take, which is counted). Roots come from
     (seed, the row hash), so any engine and partitioning writes the same ones."""
     from rdkit import RDLogger
 
-    from molds.pairs import aligned_spellings
+    from molds.chemistry.pairs import aligned_spellings
 
     from .tokenizer import SPECIAL_TOKENS
 
@@ -484,7 +484,7 @@ def write_shard(pieces, path: str, row_group_rows: int = 2048) -> dict:
     parts = [read_ipc(p).slice(start, length) for p, start, length in pieces]
     table = pa.concat_tables(parts)
     table = table.select([c for c in SHARD_COLUMNS if c in table.column_names])
-    from molds.atomic import atomic_file
+    from molds.runtime.atomic import atomic_file
 
     with atomic_file(path, durable=False) as tmp:  # synced with the whole output when it is published
         pq.write_table(table, tmp, row_group_size=row_group_rows, compression="zstd")

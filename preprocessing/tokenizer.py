@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from molds.representation import CONFORMER_PATTERN, SELFIES_PATTERN, SMILES_PATTERN as SMILES_REGEX
+from molds.chemistry.representation import CONFORMER_PATTERN, SELFIES_PATTERN, SMILES_PATTERN as SMILES_REGEX
 
 _TOKEN = re.compile(SMILES_REGEX)
 _COVERED = re.compile(f"(?:{SMILES_REGEX})*")

@@ -23,7 +23,7 @@ from tests.data.conftest import dataset  # noqa: E402,F401  (the small preproces
 
 import pytest  # noqa: E402
 
-#: what a launcher sets for each rank; molds.distributed sets them for a one-process run in
+#: what a launcher sets for each rank; molds.runtime.distributed sets them for a one-process run in
 #: its own process, so a test that trains in the pytest process would otherwise hand them to
 #: every launcher a later test starts
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

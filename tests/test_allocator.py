@@ -1,4 +1,4 @@
-"""molds.allocator: a large activation comes from the heap and stays in the process once
+"""molds.runtime.allocator: a large activation comes from the heap and stays in the process once
 freed (the C library's defaults map it fresh and hand it back to the kernel, and the
 next step faults its pages in again). Checked with glibc's own accounting (mallinfo2)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = r"""
 import ctypes, json, torch
-from molds.allocator import retain_freed_memory
+from molds.runtime.allocator import retain_freed_memory
 state = retain_freed_memory()
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -59,7 +59,7 @@ def test_large_activations_come_from_the_heap_and_stay():
 
 
 def test_system_allocator_opt_out_is_reported(monkeypatch):
-    import molds.allocator as a
+    import molds.runtime.allocator as a
 
     monkeypatch.setattr(a, "_state", None)
     monkeypatch.setenv("MOLDS_SYSTEM_ALLOCATOR", "1")
@@ -72,7 +72,7 @@ def test_the_etl_command_re_runs_itself_once_with_the_malloc_cache(monkeypatch):
     """rerun_with_malloc_cache re-runs the command line as it was started, with the tcache
     tunable added; the re-run goes on (it never loops, even when the setting was lost on the
     way); a user's tcache_count and MOLDS_SYSTEM_ALLOCATOR=1 are left alone."""
-    from molds import allocator
+    from molds.runtime import allocator
 
     execs = []
     monkeypatch.setattr(os, "execv", lambda path, argv: execs.append((path, argv, dict(os.environ))))

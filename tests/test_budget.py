@@ -1,4 +1,4 @@
-"""Time-budgeted training (molds.budget, ``trainer.max_time``): the schedule follows the
+"""Time-budgeted training (molds.recipe.budget, ``trainer.max_time``): the schedule follows the
 fraction of the budget spent, the run stops at the budget with its checkpoints at budget
 fractions and the average of the last ones; a run killed halfway and resumed spends the
 same total budget to within a step, continues the schedule from the fraction it reached,
@@ -13,7 +13,7 @@ import os
 import pytest
 from torch.multiprocessing import ProcessExitedException
 
-from molds.budget import Horizon, format_duration, parse_duration
+from molds.recipe.budget import Horizon, format_duration, parse_duration
 from tests.dist.spawn import run_ranks
 from tests.faults.common import died_by_sigkill_at
 
@@ -32,8 +32,8 @@ def test_a_bad_duration_is_refused(bad):
 
 
 def test_the_schedule_follows_the_budget_fraction():
-    from molds.config import OptimConfig
     from molds.engines.optim import lr_lambda
+    from molds.recipe.sections import OptimConfig
 
     optim = OptimConfig(lr=1.0, warmup_fraction=0.1, min_lr_ratio=0.05)
     h = Horizon(max_time_s=100.0)
@@ -86,8 +86,8 @@ def _lineage(checkpoint):
 
 @pytest.mark.slow
 def test_a_budgeted_run_killed_and_resumed_spends_its_budget_and_sees_each_molecule_once(dataset, tmp_path):
-    from molds.config import OptimConfig
     from molds.engines.optim import lr_lambda
+    from molds.recipe.sections import OptimConfig
     from tests.faults.common import metrics
 
     budget = 16.0
@@ -133,7 +133,7 @@ def test_a_budgeted_run_killed_and_resumed_spends_its_budget_and_sees_each_molec
 
 def test_the_recipe_check_refuses_mixed_lengths_and_knobs():
     from molds.errors import RecipeError
-    from molds.recipe import parse_recipe, validate
+    from molds.recipe.parse import parse_recipe, validate
 
     smoke = os.path.join(os.path.dirname(__file__), "..", "recipes", "smoke", "dense_ddp.json")
     for extra, key in ((["--trainer.max_time", "2h"], "both set"),

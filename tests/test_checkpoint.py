@@ -9,8 +9,8 @@ import os
 import pytest
 
 from molds.checkpoint import resolve, save_checkpoint
-from molds.distributed import DistInfo
 from molds.errors import CheckpointError
+from molds.runtime.distributed import DistInfo
 
 
 class _Engine:

@@ -43,6 +43,32 @@ def test_help_shows_every_option_with_default_and_description(module, needles):
         assert " ".join(needle.split()) in text, (module, needle)
 
 
+def test_train_run_as_a_file_shadows_no_top_level_package():
+    """``deepspeed molds/train.py`` runs the file as a script, and Python puts molds/ first on
+    the path, where ``molds/kernels/`` would stand in for Hugging Face's ``kernels`` (which
+    transformers imports: the encoder family failed to build). The script takes molds/ off
+    the path before anything is imported; the checkout's root comes first instead."""
+    code = """
+import os, runpy, sys, importlib.util
+here = os.path.abspath("molds")
+sys.path.insert(0, here)  # what Python does for `python molds/train.py`
+sys.argv = ["molds/train.py", "--help"]
+try:
+    runpy.run_path("molds/train.py", run_name="__main__")
+except SystemExit:
+    pass
+spec = importlib.util.find_spec("kernels")
+print("ON_PATH", here in [os.path.abspath(p or os.curdir) for p in sys.path], sys.path[0] == os.path.dirname(here),
+      spec.origin if spec else None)
+"""
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ON_PATH"))
+    _, on_path, root_first, origin = line.split(" ", 3)
+    assert on_path == "False" and root_first == "True", line
+    assert not origin.startswith(os.path.join(ROOT, "molds")), line
+
+
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and "Traceback" not in line]
 

@@ -29,7 +29,7 @@ def test_the_site_builds_strictly(tmp_path):
 def test_every_console_script_and_recipe_key_is_in_the_reference():
     import dataclasses
 
-    from molds.recipe import Recipe
+    from molds.recipe.parse import Recipe
 
     sys.path.insert(0, os.path.join(ROOT, "docs"))
     try:

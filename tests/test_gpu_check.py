@@ -202,14 +202,14 @@ def test_a_section_the_budget_cannot_hold_is_skipped_and_said(tmp_path):
 
 
 def test_the_kernel_benchmarks_gpu_only_code_runs(monkeypatch):
-    """benchmarks/kernels.py's code that only a GPU runs (device times, the fused quantization's
+    """benchmarks/kernel_ops.py's code that only a GPU runs (device times, the fused quantization's
     floor, the FP8 linear's parts for both gradient formats, the report of which products
     cuBLAS took, the targets read from them), run here on CPU tensors at toy sizes with the
     synchronized timer standing in for ``do_bench``: so that a GPU window never finds it
     broken. The figures mean nothing."""
     import torch
 
-    kernels = benchmark_script("kernels")
+    kernels = benchmark_script("kernel_ops")
     monkeypatch.setattr(kernels, "device_time", lambda fn, device: min(kernels.time_pass(fn, device, 1)))
     monkeypatch.setattr(kernels, "_torchao", lambda *a: None)  # (torchao's Float8Linear wants FP8 units,
     monkeypatch.setattr(kernels, "_liger", lambda *a: None)  # Liger Kernel a GPU)

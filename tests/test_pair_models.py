@@ -17,8 +17,6 @@ from rdkit import Chem
 
 from molds.eval.pairs import Prediction, topk_accuracy
 
-
-
 #: how each family reads the pair shards: packed prompt + completion rows, or source / target batches
 FAMILIES = {
     "decoder": ({"mode": "packed", "seq_len": 192, "micro_batch_size": 4, "lookahead": 64},
@@ -96,8 +94,8 @@ def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, cap
     assert [r["note"] for r in table if r["row"] in ("5", "6")] == ["parse_error", "not_a_reaction"]
     loaded = open_checkpoint(checkpoint)
     direct = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=3, max_tokens=40)
-    from molds.chem import ChemOptions
-    from molds.pairs import PairCanonicalizer, PairOptions
+    from molds.chemistry.canonical import ChemOptions
+    from molds.chemistry.pairs import PairCanonicalizer, PairOptions
 
     want = read_back(loaded.tokenizer, direct, PairCanonicalizer(ChemOptions.of_manifest(m), PairOptions("retro")))
     for i, preds in enumerate(want, 1):
@@ -134,10 +132,10 @@ def test_augmented_predictions_search_each_spelling_and_vote(trained):
     import numpy as np
 
     from molds.checkpoint import open_checkpoint
+    from molds.chemistry.pairs import rooted_spellings
     from molds.cli.predict import main as predict_cli
     from molds.eval.evaluate import evaluate_checkpoint
     from molds.eval.pairs import predict, predict_augmented, read_back, sides_of, split_pairs, vote
-    from molds.pairs import rooted_spellings
 
     d, data, checkpoint = trained
     loaded = open_checkpoint(checkpoint)
@@ -177,7 +175,6 @@ def test_augmented_predictions_search_each_spelling_and_vote(trained):
 
 def test_sampling_a_pair_model_is_refused(trained):
     from molds.cli.sample import run as sample
-
     from molds.errors import MoldsError
 
     _, _, checkpoint = trained

@@ -1,4 +1,4 @@
-"""molds.pairs: reactions and molecule pairs made canonical, held to RDKit read directly
+"""molds.chemistry.pairs: reactions and molecule pairs made canonical, held to RDKit read directly
 (each molecule canonicalized alone, atom maps cleared by hand) and to the reasons a
 record is refused for."""
 
@@ -8,8 +8,8 @@ import pytest
 from rdkit import Chem
 from rdkit.Chem.Scaffolds import MurckoScaffold
 
-from molds.chem import REJECT_REASONS, ChemOptions
-from molds.pairs import PAIR_REASONS, PairCanonicalizer, PairOptions, split_reaction
+from molds.chemistry.canonical import REJECT_REASONS, ChemOptions
+from molds.chemistry.pairs import PAIR_REASONS, PairCanonicalizer, PairOptions, split_reaction
 
 # real reaction classes, written with atom maps as USPTO writes them, and the same without
 AMIDE = ("[CH3:1][C:2](=[O:3])[OH:4].[NH2:5][CH2:6][c:7]1[cH:8][cH:9][cH:10][cH:11][cH:12]1"
@@ -144,7 +144,7 @@ def test_rooted_spellings_spell_the_side_read_by_rdkit(side):
     another atom or molecule; reagents after a ``>`` untouched."""
     import numpy as np
 
-    from molds.pairs import rooted_spellings
+    from molds.chemistry.pairs import rooted_spellings
 
     head, sep, rest = side.partition(">")
     got = rooted_spellings(side, rng=np.random.default_rng(0), count=6)
@@ -159,7 +159,7 @@ def test_rooted_spellings_spell_the_side_read_by_rdkit(side):
 def test_a_side_with_fewer_spellings_than_asked_gives_those_it_has():
     import numpy as np
 
-    from molds.pairs import rooted_spellings
+    from molds.chemistry.pairs import rooted_spellings
 
     rng = np.random.default_rng(0)
     assert rooted_spellings("c1ccccc1", rng=rng, count=5) == ["c1ccccc1"]  # every atom alike: one string

@@ -1,4 +1,4 @@
-"""The recipe is resolved once per start (molds.plan): train.main checks it and fixes the
+"""The recipe is resolved once per start (molds.recipe.plan): train.main checks it and fixes the
 batching before any process group, completes it for the device (precision, DeepSpeed
 config) and hands it to the engine, which reads it instead of calling back into
 molds.recipe."""
@@ -13,7 +13,7 @@ RESOLVERS = ("validate", "resolve_batching", "deepspeed_config", "data_parallel_
 
 
 def _count_resolutions(rank, world, argv):
-    import molds.recipe as recipe_module
+    import molds.recipe.parse as recipe_module
 
     counts = {name: 0 for name in RESOLVERS}
     for name in RESOLVERS:

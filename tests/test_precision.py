@@ -1,4 +1,4 @@
-"""trainer.precision resolved by measurement (molds.precision): ``auto`` takes bf16 only
+"""trainer.precision resolved by measurement (molds.recipe.precision): ``auto`` takes bf16 only
 where a bf16 matrix product of the model's shape measured faster than fp32; the ranks
 agree; an explicit choice that measured slower runs and is said; the peak a CPU's MFU is
 taken against is that measurement."""
@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from molds.precision import Precision, cpu_description, gemm_shape, matmul_rate, resolve_precision
+from molds.recipe.precision import Precision, gemm_shape, matmul_rate, resolve_precision
+from molds.runtime.lifecycle import cpu_description
 
 CPU = torch.device("cpu")
 SHAPE = (256, 64, 192)
@@ -86,7 +87,7 @@ def test_on_this_machine_the_choice_follows_the_measured_rates():
 def test_without_native_bf16_auto_takes_fp32():
     """oneDNN limited to AVX2 (what a CPU without AVX-512 BF16 or AMX has) emulates bf16
     products: ``auto`` measures that and takes fp32, on either class of machine."""
-    code = ("import torch; from molds.precision import resolve_precision; "
+    code = ("import torch; from molds.recipe.precision import resolve_precision; "
             "p = resolve_precision('auto', torch.device('cpu'), (256, 64, 192)); print(p.name, p.describe())")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2",
                OMP_NUM_THREADS="1")  # as each torchrun rank runs; two threads on a busy 2-core machine wait on each other
@@ -96,7 +97,7 @@ def test_without_native_bf16_auto_takes_fp32():
 
 
 def test_the_measured_shape_is_the_models_and_the_timing_is_short():
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     recipe = parse_recipe(["--recipe", os.path.join(os.path.dirname(__file__), "..", "recipes", "cpu_moses.json")])
     assert gemm_shape(recipe) == (1024, 192, 512)  # 16 x 256 tokens capped at 1,024; 8/3 x 192 -> 512

@@ -81,7 +81,7 @@ def _argv(command: str, where: str | None = None) -> list[str]:
 
 
 def _train(argv: list[str]) -> None:
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     parse_recipe(argv)
 

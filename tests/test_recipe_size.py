@@ -73,10 +73,10 @@ def test_saved_bytes_count_what_autograd_keeps_and_not_weights_or_inputs():
 def test_the_smoke_moe_recipe_sized_against_its_model_and_deepspeeds_cut(dataset, tmp_path):  # noqa: F811
     from deepspeed.runtime.utils import partition_balanced
 
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.manifest import Manifest
     from molds.models import build_model
-    from molds.recipe import parse_recipe
-    from molds.tokens import tokenizer_info
+    from molds.recipe.parse import parse_recipe
 
     recipe_path = os.path.join(ROOT, "recipes", "smoke", "moe_fp8.json")
     env = dict(os.environ, DS_ACCELERATOR="cpu")

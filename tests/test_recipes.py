@@ -12,7 +12,7 @@ import typing
 import pytest
 
 from molds.errors import RecipeError
-from molds.recipe import SECTIONS, Recipe, deepspeed_config, parse_recipe, resolve_batching, validate
+from molds.recipe.parse import SECTIONS, Recipe, deepspeed_config, parse_recipe, resolve_batching, validate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "**", "*.json"), recursive=True))
@@ -218,9 +218,9 @@ def test_the_start_line_gives_a_step_in_the_unit_its_data_mode_batches_by():
 
 
 def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at():
-    from molds.budget import horizon_of
     from molds.engines.optim import lr_lambda
     from molds.metrics.run_report import warmup_warning
+    from molds.recipe.budget import horizon_of
 
     for overrides, warned in ((["--optim.warmup_steps", "100000"], True), ([], False),
                               (["--trainer.max_steps", "5"], True), (["--optim.warmup_steps", "60"], True),

@@ -54,8 +54,8 @@ def _decode(rep: str, text: str):
 def test_decoded_samples_are_written_canonical():
     from rdkit import Chem
 
+    from molds.chemistry.representation import get
     from molds.eval.sampling import texts_to_smiles
-    from molds.representation import get
 
     selfies = get("selfies")
     text, _ = selfies.encode("Oc1ccccc1")
@@ -158,8 +158,8 @@ def test_constrained_sampling_starts_every_sample_with_its_prefix(trained, tmp_p
         texts = open(raw).read().split("\n")[:-1]
         smiles = open(smi).read().split("\n")[:-1]
         # every finished sample begins with a SAFE spelling of the constraint and a '.'
+        from molds.chemistry.representation import get
         from molds.eval.constrained import plan
-        from molds.representation import get
 
         prefixes = plan(name, values, get("safe"), 3, 0).prefixes
         assert all(any(t.startswith(p) for p in prefixes) for t in texts if t)

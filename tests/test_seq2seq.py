@@ -136,8 +136,8 @@ def pairs(tmp_path_factory):
 
 
 def _loader(manifest, **over):
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
 
     options = dict(manifest=manifest, mode="bucketed", max_length=160, max_tokens_per_batch=640, bucket_pool=50,
                    too_long="reject", max_epochs=1, seed=3)
@@ -151,8 +151,8 @@ def test_pair_batches_hold_each_pairs_sides_as_the_shards_do(pairs):
     the split once an epoch."""
     import pyarrow.parquet as pq
 
+    from molds.chemistry.tokens import IGNORE_INDEX
     from molds.data.manifest import Manifest
-    from molds.tokens import IGNORE_INDEX
 
     m = Manifest.load(pairs)
     rows = [r for s in m.shards("train") for r in pq.read_table(s.path).to_pylist()]  # in gid order
@@ -201,7 +201,7 @@ def test_the_loss_is_barts_own_on_the_same_batch(pairs):
 
 def test_a_seq2seq_recipe_is_refused_on_molecules_and_its_misuses_by_key(pairs, tmp_path):
     from molds.errors import RecipeError
-    from molds.recipe import parse_recipe, validate
+    from molds.recipe.parse import parse_recipe, validate
     from molds.train import main
     from tests.data.conftest import _build
 
@@ -263,8 +263,8 @@ def test_denoising_batches_hide_the_share_asked_each_run_one_mask(molecules, pro
     text, a mask standing for one or more tokens, spells the molecule, and undoes to it."""
     import pyarrow.parquet as pq
 
+    from molds.chemistry.tokens import IGNORE_INDEX
     from molds.data.manifest import Manifest
-    from molds.tokens import IGNORE_INDEX
 
     m = Manifest.load(molecules)
     rows = [r["token_ids"] for s in m.shards("train") for r in pq.read_table(s.path, columns=["token_ids"]).to_pylist()]
@@ -311,6 +311,8 @@ def test_denoising_pretraining_forks_into_a_pair_task(tmp_path):
     from its weights (``checkpoint.fork``). A fork at learning rate 0 ends with the
     pretrained weights, so the pair run starts from them; ``molds-eval`` scores the pretrained
     checkpoint's denoising loss, the fork's top-k."""
+    import csv
+    import gzip
     import json
     import os
 
@@ -322,9 +324,6 @@ def test_denoising_pretraining_forks_into_a_pair_task(tmp_path):
     from molds.preprocessing.pipeline import run
     from molds.train import main
     from tests.data.conftest import REACTIONS, _build
-
-    import csv
-    import gzip
 
     with gzip.open(REACTIONS, "rt") as fh:
         body = list(csv.reader(fh))[:301]

@@ -9,6 +9,9 @@ read-only directory, non-finite weights) removes the partial directory, leaves t
 previous checkpoint and ``latest`` as they were, and raises one clear error on every
 rank. Layout and references: ``molds.checkpoint.layout``; canonical files:
 ``molds.checkpoint.state``; what a resume may change: ``molds.checkpoint.resume``.
+
+May import the packages below it in molds' stack: ``errors``, ``runtime``, ``chemistry``,
+``recipe``, ``data``, ``models``, ``kernels``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,19 @@ import shutil
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, MoldsError
-from .layout import (LATEST, LINEAGE, checkpoints_dir, complete_checkpoints, prune, read_lineage, resolve,
-                     resolve_model, step_name, write_complete_marker, write_latest)
+from .layout import (
+    LATEST,
+    LINEAGE,
+    checkpoints_dir,
+    complete_checkpoints,
+    prune,
+    read_lineage,
+    resolve,
+    resolve_model,
+    step_name,
+    write_complete_marker,
+    write_latest,
+)
 from .state import read_json, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
@@ -30,7 +44,7 @@ DATA_STATE = "data_state.json"
 
 
 def _agree(ok: bool, dist) -> bool:
-    from ..distributed import all_have
+    from ..runtime.distributed import all_have
 
     return all_have(ok, dist)
 
@@ -72,7 +86,7 @@ def _explain_os_error(exc: OSError, tmp: str, what: str) -> CheckpointError:
 def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, lineage: dict, *,
                     keep_last: int, needed_bytes: int = 0) -> str:
     """Write checkpoint ``step`` under ``output_dir/checkpoints`` (every rank calls this)."""
-    from ..atomic import publish_directory, write_json
+    from ..runtime.atomic import publish_directory, write_json
 
     root = checkpoints_dir(output_dir)
     name = step_name(step)
@@ -168,7 +182,7 @@ class Loaded:
     recipe: dict
     manifest: object
     tokenizer: object  # transformers tokenizer, loaded from the manifest's files
-    specials: object  # molds.tokens.TokenizerInfo
+    specials: object  # molds.chemistry.tokens.TokenizerInfo
     lineage: dict
     checkpoint: str  # the checkpoint directory (a run directory: its averaged model, else its latest)
 
@@ -178,9 +192,9 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
     """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
     with the single model factory and loaded from the canonical weights (no pickle). A run
     directory means the model the run made (``resolve_model``: RUN/averaged when current)."""
+    from ..chemistry.tokens import tokenizer_info
     from ..data.manifest import Manifest
     from ..models import build_model
-    from ..tokens import tokenizer_info
     from .state import load_canonical, read_model
 
     checkpoint = resolve_model(ref)

@@ -70,7 +70,7 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     the checkpoint directory ``out`` (replaced atomically); returns ``out``."""
     import torch
 
-    from ..atomic import atomic_directory, write_json
+    from ..runtime.atomic import atomic_directory, write_json
     from .state import MODEL_FILE, read_model, write_model
 
     if not refs:

@@ -73,7 +73,7 @@ def write_complete_marker(directory: str, step: int) -> None:
     """Seal ``directory`` as a checkpoint: fsync its files, then list them with their sizes in COMPLETE.
 
     The reader is :func:`incomplete_reason`; a training save and ``molds-average`` both write it here."""
-    from ..atomic import fsync_tree, write_json
+    from ..runtime.atomic import fsync_tree, write_json
 
     files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
              if os.path.isfile(os.path.join(directory, n))}
@@ -90,7 +90,7 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def write_latest(root: str, name: str) -> None:
-    from ..atomic import write_text
+    from ..runtime.atomic import write_text
 
     write_text(os.path.join(root, LATEST), name)
 

@@ -14,7 +14,7 @@ from .layout import checkpoints_dir, complete_checkpoints, resolve
 def prepare_output_dir(recipe, dist, *, resuming: bool) -> None:
     """Refuse to overwrite an earlier run unless told; check the directory is writable
     now, not at the first save."""
-    from ..distributed import all_have
+    from ..runtime.distributed import all_have
 
     out = recipe.run.output_dir
     error = None

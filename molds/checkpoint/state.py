@@ -116,7 +116,7 @@ def load_canonical(module: torch.nn.Module, tensors: dict, where: str, rename=No
 def _save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    from ..atomic import atomic_file
+    from ..runtime.atomic import atomic_file
 
     with atomic_file(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
@@ -152,7 +152,7 @@ def write_optimizer(directory: str, moments: dict, meta: dict) -> None:
     the optimizer step count and the scheduler position."""
     flat = {f"{kind}/{name}": t.float() for kind, per in moments.items() for name, t in per.items()}
     _save_file(flat, os.path.join(directory, OPTIMIZER_FILE))
-    from ..atomic import write_json
+    from ..runtime.atomic import write_json
 
     write_json(os.path.join(directory, TRAIN_STATE_FILE), {"format": FORMAT, **meta}, indent=2)
 

@@ -58,7 +58,7 @@ def build_parser():
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Recipe overrides (``--section.key[=value]``) for --recipe mode, and the rest."""
-    from ..recipe import SECTIONS
+    from ..recipe.parse import SECTIONS
 
     ours, overrides, i = [], [], 0
     while i < len(argv):

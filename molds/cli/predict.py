@@ -63,10 +63,10 @@ def run(argv: list[str]) -> int:
     import io
     import json
 
-    from ..atomic import write_text
     from ..checkpoint import open_checkpoint
     from ..errors import MoldsError
     from ..eval.pairs import encoder_decoder, fits, predict, predict_augmented, read_back, sides_of, target_budget
+    from ..runtime.atomic import write_text
 
     args = parse(build_parser(), argv)
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:

@@ -61,12 +61,12 @@ def _constraint(args):
 def run(argv: list[str]) -> int:
     import json
 
-    from ..atomic import write_text
     from ..checkpoint import open_checkpoint
+    from ..chemistry.representation import of_manifest
     from ..errors import MoldsError
     from ..eval.constrained import keeps, plan, sample_design
     from ..eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
-    from ..representation import of_manifest
+    from ..runtime.atomic import write_text
 
     args = parse(build_parser(), argv)
     if args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.batch_size < 1 or args.max_tokens < 0 \

@@ -81,7 +81,7 @@ def run(argv: list[str]) -> int:
     if args.out == "-":
         sys.stdout.write(buf.getvalue())
     else:
-        from ..atomic import write_text
+        from ..runtime.atomic import write_text
 
         write_text(args.out, buf.getvalue())
     n, valid = len(rows), int(scores.valid.sum())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tokens import IGNORE_INDEX
+from ..chemistry.tokens import IGNORE_INDEX
 from .plan import _rng
 
 

@@ -21,10 +21,10 @@ from dataclasses import asdict
 import numpy as np
 from torch.utils.data import IterableDataset
 
-from ..config import DataConfig
+from ..recipe.sections import DataConfig
 from .bucketing import Bucketer
 from ..errors import ManifestError
-from ..tokens import tokenizer_info
+from ..chemistry.tokens import tokenizer_info
 from .manifest import Manifest
 from .packing import Packer
 from .plan import EpochPlan, Share, resplit

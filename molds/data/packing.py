@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from ..tokens import IGNORE_INDEX
+from ..chemistry.tokens import IGNORE_INDEX
 
 
 class Packer:

@@ -7,6 +7,9 @@ batches under its own autocast, saves and loads the canonical checkpoint state
 (``molds.checkpoint.state``: full fp32 weights and optimizer moments by parameter name,
 whatever the engine or the number of ranks), and says which ranks it runs on
 (``Topology``). The data loader shards by the data-parallel rank the topology gives.
+
+May import the packages below it in molds' stack: ``errors``, ``runtime``, ``chemistry``,
+``recipe``, ``data``, ``models``, ``kernels``, ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ __all__ = ["Engine", "StepResult", "Topology", "build_engine"]
 
 
 def build_engine(recipe, model, loss_fn, dist, plan=None) -> Engine:
-    """The engine the plan (``molds.plan``: the recipe resolved once at start) names; a
+    """The engine the plan (``molds.recipe.plan``: the recipe resolved once at start) names; a
     caller without one (a test, a benchmark) gets it resolved here."""
     if plan is None:
-        from ..plan import plan_for
+        from ..recipe.plan import plan_for
 
         plan = plan_for(recipe, dist)
     name = plan.engine

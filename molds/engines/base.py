@@ -68,7 +68,7 @@ class Engine(Protocol):
 
     def set_lr_schedule(self, optim, horizon, position: int | None = None) -> None:
         """Use this learning-rate schedule from now on (a resume may change it) over
-        ``horizon`` (steps, or a ``molds.budget.Horizon``), at ``position`` optimizer steps
+        ``horizon`` (steps, or a ``molds.recipe.budget.Horizon``), at ``position`` optimizer steps
         (default: where the engine is)."""
 
 

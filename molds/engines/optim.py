@@ -2,7 +2,7 @@
 cosine decay, shared by every engine; and the optimizer state in canonical form.
 
 The schedule is a pure function of the optimizer step (with a time budget, of the
-fraction of it spent: ``molds.budget``), so a checkpoint stores only that; on resume the
+fraction of it spent: ``molds.recipe.budget``), so a checkpoint stores only that; on resume the
 schedule is rebuilt from the (possibly changed) recipe (``set_schedule``). Optimizer moments move to and from the canonical layout by
 parameter name (``moments_of`` / ``load_moments``).
 """
@@ -55,10 +55,10 @@ def warmup_steps(optim, max_steps: int) -> int:
 
 def lr_lambda(optim, horizon):
     """The learning-rate factor at a step: linear warm-up, then cosine decay to
-    ``min_lr_ratio``. ``horizon``: the run's steps (an int, or a ``molds.budget.Horizon``
+    ``min_lr_ratio``. ``horizon``: the run's steps (an int, or a ``molds.recipe.budget.Horizon``
     counting steps), or a Horizon with a time budget, whose spent fraction then drives
     both the warm-up (``warmup_fraction``) and the decay (the step is not used)."""
-    from ..budget import Horizon
+    from ..recipe.budget import Horizon
 
     def decay(progress: float) -> float:
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
@@ -90,7 +90,7 @@ def build_scheduler(optimizer, optim, horizon):
 
 def set_schedule(scheduler, optim, horizon, position: int | None = None) -> None:
     """Make ``scheduler`` follow ``optim``'s schedule over ``horizon`` (steps, or a
-    ``molds.budget.Horizon``), at ``position`` (the number of optimizer steps taken;
+    ``molds.recipe.budget.Horizon``), at ``position`` (the number of optimizer steps taken;
     default: where it is)."""
     n = len(scheduler.optimizer.param_groups)
     scheduler.base_lrs = [optim.lr] * n

@@ -111,8 +111,8 @@ class PipelineEngine(ScheduledEngine):
         import deepspeed
         from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-        from ..distributed import quiet_on_other_ranks
         from ..models.moe import moe_layers, set_aux_loss_scale
+        from ..runtime.distributed import quiet_on_other_ranks
 
         self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         with quiet_on_other_ranks(dist):  # DeepSpeed's communication layer over molds' process group
@@ -247,8 +247,8 @@ class PipelineEngine(ScheduledEngine):
     def extras(self) -> dict:
         """``moe/*`` of every MoE block and ``pipeline/*`` stage times since the last call,
         gathered from all stages (a collective: every rank calls it)."""
-        from ..distributed import gather_objects
         from ..models.moe import collect_stats
+        from ..runtime.distributed import gather_objects
 
         dp_group = self.module._grid.get_data_parallel_group() if self.topology.dp_size > 1 else None
         mine = collect_stats(self.moe_layers, group=dp_group)

@@ -1,7 +1,7 @@
 """``parallel.engine=zero``: DeepSpeed ZeRO stage 0-3, optional CPU offload.
 
 The DeepSpeed config comes from ``parallel.ds_config`` completed from the recipe
-(``molds.recipe.deepspeed_config``). DeepSpeed scales the loss for accumulation and
+(``molds.recipe.parse.deepspeed_config``). DeepSpeed scales the loss for accumulation and
 steps the optimizer at the accumulation boundary itself; a non-finite gradient norm
 makes it skip the step (``skipped_steps``; for bf16 molds turns the check on), which
 is reported as ``StepResult.skipped``.
@@ -65,7 +65,7 @@ class ZeroEngine(WholeModelEngine):
         self.stage = recipe.parallel.zero_stage
         optimizer = build_optimizer(model, recipe.optim)
         scheduler = build_scheduler(optimizer, recipe.optim, plan.horizon)
-        from ..distributed import quiet_on_other_ranks
+        from ..runtime.distributed import quiet_on_other_ranks
 
         with quiet_on_other_ranks(dist):
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

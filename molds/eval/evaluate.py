@@ -104,10 +104,10 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     import numpy as np
 
     from ..checkpoint import open_checkpoint
+    from ..chemistry.representation import of_manifest
     from ..metrics.distribution import histogram, reference_properties
     from ..metrics.property import mean_std
     from ..models.loss import build_loss
-    from ..representation import of_manifest
     from .sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
     from .scoring import model_forward, property_predictions, property_report, split_data_config, split_loss
 
@@ -192,7 +192,7 @@ def _conformer_metrics(texts: list, representation) -> dict:
     if representation.name != "conformer":
         raise MoldsError(f"--conformers: the model spells {representation.name}, not conformer units "
                          f"(molds-preprocess --conformers etkdg or --unit-template)")
-    from ..conformers import conformer_metrics
+    from ..chemistry.conformers import conformer_metrics
 
     return conformer_metrics(texts)
 
@@ -202,10 +202,10 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
     """Generation metrics of a SMILES file (another tool's samples, say) against a manifest;
     with ``conformers``, a file of conformer units (``molds-sample --raw``), scored as
     molecules (their SMILES) and as conformers."""
+    from ..chemistry.representation import of_manifest
     from ..data.manifest import Manifest
     from ..metrics.distribution import reference_properties
     from ..metrics.generation import generation_metrics
-    from ..representation import of_manifest
 
     lines = read_samples_file(path)
     m = Manifest.load(manifest_dir)

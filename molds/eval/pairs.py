@@ -5,7 +5,7 @@ A decoder trained on a manifest of pairs completes the prompt ``BOS source SEP``
 target and ``EOS``; the encoder-decoder (``model.family: seq2seq``) encodes the source and
 writes the target. ``predict`` runs the beam search (``molds.eval.beam``) on each source and
 returns its best ``beams`` hypotheses. A hypothesis is read back as a side the way the ETL
-reads one (``molds.pairs.PairCanonicalizer.molecules``: each molecule canonicalized with the
+reads one (``molds.chemistry.pairs.PairCanonicalizer.molecules``: each molecule canonicalized with the
 manifest's options, the molecules sorted), so a prediction matches its target exactly when
 it spells the same molecules in any order or spelling. One that does not parse is invalid.
 """
@@ -34,8 +34,8 @@ class Prediction:
 def sides_of(manifest):
     """The ``PairCanonicalizer`` that reads a side as the manifest's ETL wrote its pairs (its
     canonicalization options, task and reagent policy)."""
-    from ..chem import ChemOptions
-    from ..pairs import PairCanonicalizer, PairOptions
+    from ..chemistry.canonical import ChemOptions
+    from ..chemistry.pairs import PairCanonicalizer, PairOptions
 
     info = manifest.pairs or {}
     return PairCanonicalizer(ChemOptions.of_manifest(manifest),
@@ -193,14 +193,14 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
                       longest_target: int, max_tokens: int = 0, length_penalty: float = 1.0, batch_size: int = 64,
                       seed: int = 0, sides=None) -> tuple[list[list[Prediction]], list[list[Prediction]], list[int], int]:
     """Test-time augmentation: each canonical source (``sources``, tokenized as ``source_ids``)
-    and up to ``augment`` - 1 other spellings of it (``molds.pairs.rooted_spellings``, drawn
+    and up to ``augment`` - 1 other spellings of it (``molds.chemistry.pairs.rooted_spellings``, drawn
     from ``seed``; a spelling with a token the vocabulary lacks or too long for the model is
     left out) are searched with ``beams`` beams, and each source's predictions are ranked by
     ``vote``. Returns (the voted predictions of each source, every spelling's own predictions,
     the spellings searched per source, the tokens a prediction could take)."""
     import numpy as np
 
-    from ..pairs import rooted_spellings
+    from ..chemistry.pairs import rooted_spellings
 
     sides = sides if sides is not None else sides_of(loaded.manifest)
     tok, sp, model = loaded.tokenizer, loaded.specials, loaded.model

@@ -40,7 +40,7 @@ def markdown(report: dict) -> str:
 
 
 def write_report(out: str, report: dict) -> None:
-    from ..atomic import write_text
+    from ..runtime.atomic import write_text
 
     os.makedirs(out, exist_ok=True)
     write_text(os.path.join(out, "eval.json"), json.dumps(report, indent=2))

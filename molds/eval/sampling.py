@@ -81,7 +81,7 @@ def ids_to_texts(tokenizer, samples: list[list[int] | None]) -> list[str | None]
 
 
 def texts_to_smiles(texts: list[str | None], representation=None, canonical: bool = False) -> list[str | None]:
-    """The SMILES each text decodes to through ``representation`` (``molds.representation``;
+    """The SMILES each text decodes to through ``representation`` (``molds.chemistry.representation``;
     None: the texts are SMILES); None where it decodes to none. With ``canonical`` (samples
     written out for a user) decoded SMILES come out RDKit-canonical, as the ETL wrote the
     training molecules (the ``selfies`` decoder writes Kekulé SMILES, SAFE's joins fragments

@@ -14,14 +14,14 @@ import dataclasses
 
 import torch
 
+from ..chemistry.tokens import IGNORE_INDEX
 from ..models.loss import has_targets
-from ..tokens import IGNORE_INDEX
 
 
 def split_data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
     """The recipe's data section (a dict) set to read ``split`` once, in order, in-process,
     as the manifest wrote it (no randomized SMILES: scores are on canonical molecules)."""
-    from ..config import DataConfig
+    from ..recipe.sections import DataConfig
 
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     cfg = DataConfig(**{k: v for k, v in recipe_data.items() if k in fields})

@@ -55,17 +55,17 @@ class TrainingEvaluator:
         return None
 
     def _agree(self, flag: bool) -> bool:
-        from molds.distributed import all_have
+        from molds.runtime.distributed import all_have
 
         return all_have(flag, self.dist)
 
     def _any(self, flag: bool) -> bool:
-        from molds.distributed import all_have
+        from molds.runtime.distributed import all_have
 
         return not all_have(not flag, self.dist)
 
     def run(self, step: int, kind: str) -> dict:
-        from molds.distributed import all_reduce_sum, gather_objects
+        from molds.runtime.distributed import all_reduce_sum, gather_objects
 
         ev, model, dist = self.recipe.eval, self.engine.model, self.dist
         forward = self.engine.eval_forward
@@ -163,8 +163,8 @@ class TrainingEvaluator:
     def _sample(self, total: int, step: int) -> list:
         """(text, SMILES, hit the length limit) of each sample: what the tokens spell, the
         molecule it decodes to, and whether it never ended."""
+        from molds.chemistry.representation import of_manifest
         from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
-        from molds.representation import of_manifest
 
         if self.tokenizer is None:
             from transformers import AutoTokenizer

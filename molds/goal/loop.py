@@ -74,7 +74,7 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
     world = plan_world or int(os.environ.get("WORLD_SIZE", "1"))
     check_goal(recipe, world)
     scorers = build_scorers(recipe.goal)  # refused before any process group
-    from ..runtime import leave_process_group
+    from ..runtime.lifecycle import leave_process_group
 
     try:
         run = setup_goal(recipe, scorers)
@@ -96,16 +96,16 @@ def setup_goal(recipe, scorers) -> GoalRun:
     from ..checkpoint.resume import resumed_dtype, resumed_fp8_products
     from ..checkpoint.rundir import plan_resume, prepare_output_dir
     from ..checkpoint.state import load_canonical, read_model
-    from ..distributed import init_distributed
+    from ..chemistry.representation import of_manifest
     from ..engines import build_engine
     from ..eval.sampling import default_max_tokens, forbidden_tokens
     from ..kernels import apply_kernels, kernel_summary
     from ..kernels.fp8_select import choose_for_run
     from ..models import build_model, count_parameters
     from ..models.loss import AugmentedLikelihoodLoss
-    from ..plan import resolve_plan
-    from ..representation import of_manifest
-    from ..runtime import code_version, machine, quiet_third_party, seed_rank
+    from ..recipe.plan import resolve_plan
+    from ..runtime.distributed import init_distributed
+    from ..runtime.lifecycle import code_version, machine, quiet_third_party, seed_rank
 
     quiet_third_party()
     dist = init_distributed(recipe.parallel.collective_timeout_s, need_group=recipe.parallel.engine == "zero")
@@ -161,7 +161,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
     elif dist.is_main:
         _write_scored_header(run)
     if dist.is_main:
-        from ..atomic import write_json
+        from ..runtime.atomic import write_json
 
         write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
     from ..metrics.logger import MetricsLogger
@@ -204,7 +204,7 @@ def _resume(run: GoalRun, path: str, saved: dict) -> None:
 
 
 def loop(run: GoalRun) -> None:
-    from ..distributed import collective
+    from ..runtime.distributed import collective
 
     recipe, horizon = run.recipe, run.plan.horizon
     horizon.start(run.step, horizon.elapsed_s)
@@ -254,10 +254,10 @@ def step(run: GoalRun) -> dict:
     import numpy as np
     import torch
 
-    from ..distributed import all_have, all_reduce_sum, gather_objects
     from ..eval.sampling import ids_to_texts, sample_ids, texts_to_smiles
     from ..metrics.generation import parse_samples
     from ..models.loss import sequence_log_likelihood
+    from ..runtime.distributed import all_have, all_reduce_sum, gather_objects
 
     recipe, dist, g, ledger = run.recipe, run.dist, run.recipe.goal, run.ledger
     world, rank = dist.world_size, dist.rank
@@ -377,7 +377,7 @@ def _repeated_in_batch(gathered: list) -> list[bool]:
 def _agreement(run: GoalRun):
     """ZeRO-3 gathers parameters in every forward: its ranks finish a batch together."""
     if run.recipe.parallel.engine == "zero" and run.recipe.parallel.zero_stage == 3 and run.dist.distributed:
-        from ..distributed import all_have
+        from ..runtime.distributed import all_have
 
         return lambda finished: all_have(finished, run.dist)
     return None
@@ -413,7 +413,7 @@ def _batch(run: GoalRun, rows: list, scores: list, weights: list, norm: float) -
     """Rows bos + tokens + eos, padded; document ids 0 on the molecule, -1 on padding."""
     import torch
 
-    from ..tokens import IGNORE_INDEX
+    from ..chemistry.tokens import IGNORE_INDEX
 
     sp = run.prior.specials
     seqs = [[sp.bos, *r, sp.eos] for r in rows]
@@ -454,7 +454,7 @@ def _columns(run: GoalRun) -> list[str]:
 
 
 def _write_scored_header(run: GoalRun) -> None:
-    from ..atomic import write_text
+    from ..runtime.atomic import write_text
 
     buf = io.StringIO()
     csv.writer(buf).writerow(_columns(run))
@@ -477,7 +477,7 @@ def _append_scored(run: GoalRun, call0: int, new: list, results: list, filtered:
 def _cut_scored(run: GoalRun, calls: int) -> int:
     """Keep the header and the first ``calls`` rows of scored.csv (what the checkpoint
     counted); rows a killed run wrote after its checkpoint go, and are scored again."""
-    from ..atomic import write_text
+    from ..runtime.atomic import write_text
 
     path = _scored_path(run)
     if not os.path.exists(path):
@@ -494,7 +494,7 @@ def _cut_scored(run: GoalRun, calls: int) -> int:
 
 def save_goal(run: GoalRun) -> str:
     from ..checkpoint import save_checkpoint
-    from ..distributed import collective
+    from ..runtime.distributed import collective
 
     with collective(f"goal step {run.step}: saving a checkpoint", run.dist):
         lineage = dict(run.lineage, horizon=run.plan.horizon.state(),
@@ -514,7 +514,7 @@ def finish_goal(run: GoalRun) -> dict:
     if g.max_oracle_calls:
         summary["auc_top10"] = pmo_auc(ledger.history, g.max_oracle_calls)
     if run.dist.is_main:
-        from ..atomic import write_text
+        from ..runtime.atomic import write_text
 
         buf = io.StringIO()
         w = csv.writer(buf)

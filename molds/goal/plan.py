@@ -78,7 +78,7 @@ def check_goal(recipe, world_size: int) -> None:
 def goal_recipe(recipe, prior, world_size: int):
     """The recipe the agent trains under: the prior's model and manifest (said when the
     recipe's own differ), one micro-batch of the step's rows per rank."""
-    from ..config import DataConfig, ModelConfig
+    from ..recipe.sections import DataConfig, ModelConfig
 
     notes = []
     model = ModelConfig(**prior.recipe["model"])

@@ -24,6 +24,9 @@ Every op is a ``torch.library`` custom op with a fake implementation (torch.comp
 traces through it) and a PyTorch path that runs where its kernel cannot
 (``launch``); ``kernel_summary`` says, for the start line, which path each op takes on
 the run's device and how many modules each converter swapped.
+
+May import the packages below it in molds' stack: ``errors``, ``runtime``, ``chemistry``,
+``recipe``, ``data``, ``models``.
 """
 
 from __future__ import annotations

@@ -204,11 +204,11 @@ def choose_fp8_products(model: nn.Module, kernels, device, dtype: torch.dtype | 
 
 
 def choose_for_run(recipe, model: nn.Module, dist, dtype: torch.dtype | None, resumed: dict | None) -> Fp8Choice | None:
-    """``choose_fp8_products`` for a run's ranks (``dist``: molds.distributed's): a
+    """``choose_fp8_products`` for a run's ranks (``dist``: molds.runtime.distributed's): a
     micro-batch's tokens, the times averaged over the ranks so that every rank converts the
     same products."""
-    from ..distributed import all_reduce_sum
-    from ..precision import micro_batch_tokens
+    from ..recipe.precision import micro_batch_tokens
+    from ..runtime.distributed import all_reduce_sum
 
     def mean_over_ranks(values):
         return [v / dist.world_size for v in all_reduce_sum(values, dist)]

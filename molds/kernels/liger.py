@@ -1,7 +1,7 @@
 """Liger Kernel's fused RMSNorm, SwiGLU and linear + cross-entropy as backends of the ops
 ``kernels.triton`` swaps in (``kernels.fused_backend``).
 
-Why: measured on an H200 (stop 36, ``benchmarks/kernels.py``), Liger Kernel's versions of
+Why: measured on an H200 (stop 36, ``benchmarks/kernel_ops.py``), Liger Kernel's versions of
 these three ops were faster than molds' own (RMSNorm 1.2x, SwiGLU 1.1x, the LM head with
 the loss 1.75x) and its LM head held a nineteenth of the memory. A well-kept library that
 beats ours is the one to use; molds' kernels stay as the CPU path, the reference every

@@ -43,7 +43,7 @@ MAX_RING = 8
 
 
 def _canonicalizer(manifest):
-    from molds.chem import Canonicalizer, ChemOptions
+    from molds.chemistry.canonical import Canonicalizer, ChemOptions
 
     return Canonicalizer(ChemOptions.of_manifest(manifest))
 
@@ -52,7 +52,7 @@ def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | No
     """Each sample -> None (invalid) or {"mol", "canonical", "scaffold"}."""
     from rdkit import Chem, RDLogger
 
-    from molds.chem import Molecule
+    from molds.chemistry.canonical import Molecule
 
     RDLogger.DisableLog("rdApp.*")
     canon = _canonicalizer(manifest)
@@ -241,7 +241,7 @@ def reference_chemnet_stats(smiles: Sequence[str]) -> dict:
         print(f"[molds] {path}: not a ChemNet statistics file; computing it again", file=sys.stderr)
     stats = chemnet_stats(smiles)
     if stats:
-        from ..atomic import write_bytes
+        from ..runtime.atomic import write_bytes
 
         buf = io.BytesIO()
         np.savez(buf, mu=stats["mu"], sigma=stats["sigma"])

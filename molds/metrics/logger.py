@@ -18,7 +18,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 def device_peak_tflops(device, override: float | None, precision=None) -> tuple[float | None, str]:
     """The peak ``train/mfu`` is taken against, per rank, and where it comes from: the
     recipe's ``logging.peak_tflops``; a known GPU's dense bf16 rate; on a CPU the matrix
-    rate measured at start for the chosen precision (``precision``: molds.precision's)."""
+    rate measured at start for the chosen precision (``precision``: molds.recipe.precision's)."""
     if override:
         return override, f"logging.peak_tflops={override}"
     import torch
@@ -61,7 +61,7 @@ class MetricsLogger:
         self._open(start_step)
 
     def _open(self, start_step: int | None) -> None:
-        from ..atomic import write_text
+        from ..runtime.atomic import write_text
 
         path = os.path.join(self.output_dir, "metrics.jsonl")
         if start_step is None:

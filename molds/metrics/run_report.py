@@ -32,8 +32,8 @@ def count(window: dict, micro: list) -> None:
 def log_window(run, window: dict, result, bar) -> None:
     import torch
 
-    from molds.distributed import all_reduce_mean, all_reduce_sum
     from molds.metrics.logger import device_peak_tflops
+    from molds.runtime.distributed import all_reduce_mean, all_reduce_sum
 
     dist = run.dist
     totals = run.loader.totals()

@@ -5,6 +5,9 @@ the checkpoint opener all build a network from (the recipe's ``model`` section, 
 tokenizer artifact) through it; ``molds.checkpoint.open_checkpoint`` then loads a
 checkpoint's canonical weights into it. Kernel converters (``molds.kernels``) are
 applied by the caller that wants them, after construction.
+
+May import the packages below it in molds' stack: ``errors``, ``runtime``, ``chemistry``,
+``recipe``, ``data``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import dataclasses
 def _as_dict(model) -> dict:
     if dataclasses.is_dataclass(model):
         return dataclasses.asdict(model)
-    from ..config import ModelConfig
+    from ..recipe.sections import ModelConfig
 
     # a recipe stored by an older molds may lack newer keys: their defaults apply
     return {**dataclasses.asdict(ModelConfig()), **model}

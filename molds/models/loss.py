@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..tokens import IGNORE_INDEX
+from ..chemistry.tokens import IGNORE_INDEX
 
 #: batch keys that are targets (the loss reads them), not model inputs
 TARGET_KEYS = ("labels", "mlm_labels", "label_mask", "prior_logp", "score", "weight", "norm")

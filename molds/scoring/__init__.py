@@ -21,6 +21,9 @@ component's raw value goes through its transform (``molds.scoring.transforms``) 
 read scores 0 with its reason. Everything is checked when the definition is built: an
 unknown kind or key, a SMARTS or SMILES RDKit cannot read, impossible transform
 parameters are refused with the key that holds them (``goal.scoring.components[2].smarts``).
+
+May import the packages below it in molds' stack: ``errors``, ``runtime``, ``chemistry``,
+``recipe``, ``data``, ``models``, ``kernels``, ``checkpoint``, ``engines``.
 """
 
 from __future__ import annotations

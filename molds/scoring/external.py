@@ -29,8 +29,8 @@ class PropertyModel(Component):
         import torch
 
         from ..checkpoint import open_checkpoint
-        from ..chem import Canonicalizer, ChemOptions
-        from ..representation import of_manifest
+        from ..chemistry.canonical import Canonicalizer, ChemOptions
+        from ..chemistry.representation import of_manifest
 
         try:
             self.loaded = open_checkpoint(spec["checkpoint"])

@@ -65,8 +65,8 @@ def pair_manifest(d, rows: int, task: str) -> str:
 
 
 def make_loader(dataset: str, rank: int = 0, world: int = 1, **overrides):
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
 
     options = dict(manifest=dataset, seq_len=128, micro_batch_size=4, lookahead=64, shuffle_window=300,
                    max_epochs=1)

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from molds.chemistry.tokens import IGNORE_INDEX
 from molds.data.loader import merge_states
 from molds.data.manifest import Manifest, ManifestError
 from molds.data.packing import block_causal_mask
-from molds.tokens import IGNORE_INDEX
 
 from .conftest import make_loader, train_rows
 
@@ -254,7 +254,7 @@ def _with_token_id(dataset, dst, token_id, statistics=True):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_naming_shard_and_row(dataset, tmp_path):
-    from molds.tokens import tokenizer_info
+    from molds.chemistry.tokens import tokenizer_info
 
     vocab = tokenizer_info(Manifest.load(dataset)).vocab_size
     collect = lambda ld: np.concatenate([b["gids"].numpy() for b in ld])  # noqa: E731

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from molds.config import DataConfig
+from molds.chemistry.tokens import IGNORE_INDEX
 from molds.data.loader import MoleculeLoader
 from molds.errors import RecipeError
-from molds.tokens import IGNORE_INDEX
+from molds.recipe.sections import DataConfig
 
 from .conftest import pair_manifest
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from molds.distributed import free_port  # noqa: F401  (the tests' import)
+from molds.runtime.distributed import free_port  # noqa: F401  (the tests' import)
 
 
 def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict):

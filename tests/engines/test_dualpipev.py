@@ -56,13 +56,13 @@ def _run(rank, world, argv, dataset, reference, fp64=False):
     import torch
 
     from molds.checkpoint.state import canonical_state, slots
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.kernels import apply_kernels
     from molds.models import build_model
     from molds.models.loss import build_loss
     from molds.models.moe import use_reference_forward
-    from molds.recipe import parse_recipe, resolve_batching
+    from molds.recipe.parse import parse_recipe, resolve_batching
+    from molds.runtime.distributed import init_distributed
     from tests.engines.test_equivalence import batches, tokenizer
     from tests.engines.test_pipeline import _grads_by_name
 

@@ -30,13 +30,13 @@ def _train(rank, world, argv):
 
 def _params(rank, world, argv, dataset):
     """Two micro-batches per step: both on one rank, or one per rank."""
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model
     from molds.models.loss import build_loss
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.sections import DataConfig
+    from molds.runtime.distributed import init_distributed
 
     dist = init_distributed()
     recipe = parse_recipe(argv + ["--trainer.grad_accum", str(2 // world)])
@@ -69,10 +69,10 @@ def test_encoder_trains_and_exports(dataset, tmp_path, tasks):
     from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
 
     from molds.checkpoint import open_checkpoint
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.export import export
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.sections import DataConfig
     from molds.train import main
 
     out = str(tmp_path / "run")

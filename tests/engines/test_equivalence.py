@@ -20,8 +20,8 @@ STEPS = 4
 
 
 def _recipe(engine: str, dataset: str, accum: int, stage: int = 2, offload: bool = False):
-    from molds.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
-    from molds.recipe import Recipe
+    from molds.recipe.parse import Recipe
+    from molds.recipe.sections import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 
     r = Recipe()
     r.data = DataConfig(manifest=dataset, seq_len=128, micro_batch_size=2, lookahead=64, shuffle_window=300)
@@ -33,8 +33,8 @@ def _recipe(engine: str, dataset: str, accum: int, stage: int = 2, offload: bool
 
 
 def batches(dataset: str, n: int, seq_len: int = 128, too_long: str = "truncate") -> list[dict]:
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
 
     ld = MoleculeLoader(DataConfig(manifest=dataset, seq_len=seq_len, micro_batch_size=2, lookahead=64,
                                    shuffle_window=300, too_long=too_long))
@@ -48,8 +48,8 @@ def batches(dataset: str, n: int, seq_len: int = 128, too_long: str = "truncate"
 
 
 def tokenizer(dataset):
+    from molds.chemistry.tokens import tokenizer_info
     from molds.data.manifest import Manifest
-    from molds.tokens import tokenizer_info
 
     return tokenizer_info(Manifest.load(dataset))
 
@@ -57,10 +57,10 @@ def tokenizer(dataset):
 def _train(rank, world, engine_name, dataset, stage=2, offload=False, fp64=False):
     import torch
 
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model
     from molds.models.loss import build_loss
+    from molds.runtime.distributed import init_distributed
 
     if fp64:
         torch.set_default_dtype(torch.float64)

@@ -16,11 +16,11 @@ def test_export_logits_match(dataset, tmp_path, engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from molds.checkpoint import open_checkpoint
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.export import export
     from molds.models import build_model
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.sections import DataConfig
 
     out = str(tmp_path / "run")
     # the DDP run also reads half its molecules as marked randomized SMILES (the export must

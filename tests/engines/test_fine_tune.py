@@ -20,12 +20,12 @@ def _restored(rank, world, argv, checkpoint):
     from molds.checkpoint import restore
     from molds.checkpoint.state import canonical_state
     from molds.data.manifest import Manifest
-    from molds.distributed import init_distributed
+    from molds.runtime.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model
     from molds.models.loss import build_loss
-    from molds.recipe import parse_recipe
-    from molds.tokens import tokenizer_info
+    from molds.recipe.parse import parse_recipe
+    from molds.chemistry.tokens import tokenizer_info
     from molds.checkpoint.resume import fine_tune_heads
 
     recipe = parse_recipe(argv)

@@ -86,5 +86,5 @@ def test_deepspeed_cpu_run_leaves_no_shared_memory(dataset, tmp_path):
             seen = seen or all(os.path.exists(s) for s in segments)
             time.sleep(0.05)
     assert proc.returncode == 0, log.read_text()[-3000:]
-    assert seen, "DeepSpeed no longer makes these segments (or names them otherwise): revisit molds.distributed"
+    assert seen, "DeepSpeed no longer makes these segments (or names them otherwise): revisit molds.runtime.distributed"
     assert not [s for s in segments if os.path.exists(s)]

@@ -50,7 +50,7 @@ def _node_commands(launcher, args, tmp_path, restarts=0):
 
 
 #: what a launcher sets for its ranks; a test process that ran a one-process training in
-#: itself holds them (molds.distributed sets them for one process), and a launcher must
+#: itself holds them (molds.runtime.distributed sets them for one process), and a launcher must
 #: not inherit them
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                "ROLE_RANK", "NODE_RANK", "CROSS_RANK")

@@ -60,13 +60,13 @@ def _run(rank, world, argv, dataset, reference, staged=False, whole=False):
     import torch
 
     from molds.checkpoint.state import canonical_state, slots
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.kernels import apply_kernels
     from molds.models import build_model
     from molds.models.loss import build_loss
     from molds.models.moe import use_reference_forward
-    from molds.recipe import parse_recipe, resolve_batching
+    from molds.recipe.parse import parse_recipe, resolve_batching
+    from molds.runtime.distributed import init_distributed
     from tests.engines.test_equivalence import tokenizer
 
     recipe = parse_recipe(argv)
@@ -198,8 +198,13 @@ def test_fp8_and_triton_kernels_on_the_pipeline_match_one_process(dataset):
     one = run_ranks(_run, 1, _argv(dataset, "ddp", accum=2 * ACCUM, extra=KERNELS), dataset, True, True)[0]
     got = run_ranks(_run, 2, _argv(dataset, "pipeline", 2, 1, accum=2 * ACCUM, extra=KERNELS), dataset, False)
     losses = next(r["losses"] for r in got if r["stage"] == 1)
-    for a, b in zip(losses, one["losses"]):
-        assert a == pytest.approx(b, rel=1e-5), (losses, one["losses"])
+    # the first step's loss is the same micro-batches through the same weights (float32 order
+    # apart); later ones follow weights that FP8 rounding flips (below) have moved apart: seen
+    # 1.5e-5 relative at the third step on a 2-core AMD EPYC (AVX2), 1e-7 on others. A lost or
+    # doubled micro-batch moves the first loss itself by percents.
+    assert len(losses) == len(one["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(losses, one["losses"])):
+        assert a == pytest.approx(b, rel=1e-5 if step == 0 else 1e-4), (losses, one["losses"])
     grads, weights = _merge(got)
     assert grads.keys() == one["grads"].keys() and weights.keys() == one["weights"].keys()
     # FP8 rounding is a step function: where the two runs' float32 sums differ in the last bit
@@ -209,17 +214,21 @@ def test_fp8_and_triton_kernels_on_the_pipeline_match_one_process(dataset):
     # it. Seen: most gradients equal to 1e-11; the attention, norm and expert gradients of
     # the first block 1e-3 - 2.3e-3 apart in norm on one run of this machine class and
     # 6e-3 - 7.8e-3 on another (the same code: which elements sit on a boundary follows the
-    # BLAS's summation order); held to 2e-2, inside FP8's own error against float32
-    # (percents) and far below a lost or doubled micro-batch (one of 8: over 10 %) (the
-    # plain float32 paths: 1e-6).
+    # BLAS's summation order), and up to 3.7e-2 on a 2-core AMD EPYC with AVX2 only, where the
+    # same one-process run's FP8 gradients are 13-65 % from its float32 ones (median 17 %,
+    # against 1.5 % between these two runs); held to 5e-2, an order below FP8's own error and
+    # half of a lost or doubled micro-batch (one of 8: over 10 %) (the plain float32 paths: 1e-6).
     rel = {name: float((grads[name] - want).norm() / want.norm()) if float(want.norm()) else float(grads[name].norm())
            for name, want in one["grads"].items()}  # (an expert that got no token: both zero)
     print("worst relative gradient differences:", sorted(rel.items(), key=lambda kv: -kv[1])[:4])
-    assert max(rel.values()) <= 2e-2
-    # Adam turns those into a small fraction of a learning-rate step (3e-3): seen 1.3e-5 and
-    # 3.7e-5 (an element whose gradient is near zero moves most); held to a thirtieth of it
+    assert max(rel.values()) <= 5e-2
+    # Adam turns those into a small fraction of a learning-rate step (3e-3) in each weight
+    # tensor, though an element whose gradient is near zero and flips its sign moves by up to
+    # a step (2e-3 seen on the AVX2 EPYC): so the root mean square of each tensor's difference
+    # is held, to a twentieth of a step (seen at most 0.027 of a step there; one micro-batch of
+    # the 4 left out of each step moves every tensor by 0.11 to 0.82 of one)
     for name, want in one["weights"].items():
-        assert float((weights[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-4, name
+        assert float((weights[name] - want).pow(2).mean().sqrt()) <= 0.05 * 3e-3, name
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -298,19 +307,17 @@ def _materialized(rank, world, argv, dataset, whole):
     construction), else on the meta device as train.py builds it."""
     import gc
 
+    import deepspeed  # noqa: F401  (its import and process groups are not the model's memory)
     import torch
 
+    import molds.engines.pipeline  # noqa: F401
     from molds.checkpoint.state import canonical_state
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model, count_parameters
     from molds.models.loss import build_loss
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.runtime.distributed import init_distributed
     from tests.engines.test_equivalence import tokenizer
-
-    import deepspeed  # noqa: F401  (its import and process groups are not the model's memory)
-
-    import molds.engines.pipeline  # noqa: F401
 
     recipe = parse_recipe(argv)
     dist = init_distributed(need_group=True)
@@ -344,7 +351,7 @@ def test_each_pipeline_rank_materializes_only_its_stages(dataset):
 
     from molds.checkpoint.state import canonical_state
     from molds.models import build_model
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
     from tests.engines.test_equivalence import tokenizer
 
     # wide enough that the parameters (~35M, 135 MB in fp32) dwarf the allocator's noise
@@ -386,7 +393,7 @@ def test_a_dense_stage_on_a_cpu_in_bf16_rounds_its_rows_as_the_decoder_does(data
     from molds.engines.stages import BlockPipe
     from molds.models import build_model
     from molds.models.decoder import PackedLayout, rope_cos_sin
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
     from tests.engines.test_equivalence import tokenizer
 
     recipe = parse_recipe(["--recipe", "recipes/smoke/dense_ddp.json", "--data.manifest", dataset])

@@ -17,10 +17,10 @@ def _check(rank, world, engine_name, stage, dataset, directory):
 
     import torch
 
-    from molds.distributed import init_distributed
     from molds.engines import Engine, StepResult, Topology, build_engine
     from molds.models import build_model
     from molds.models.loss import build_loss
+    from molds.runtime.distributed import init_distributed
 
     recipe = _recipe(engine_name, dataset, 1, stage)
     if engine_name == "pipeline":

@@ -73,9 +73,8 @@ def _reload_and_save(rank, world, argv, source, target):
     """Build the run the recipe describes, load ``source`` into its engine and save it
     again at the same step into ``target``: resharding in and out."""
     from molds.checkpoint import restore, save_checkpoint
+    from molds.recipe.parse import parse_recipe
     from molds.train import setup
-
-    from molds.recipe import parse_recipe
 
     run = setup(parse_recipe(argv))
     step, data_state = restore(source, run.engine, run.dist)
@@ -158,8 +157,8 @@ def test_auto_resumes_in_the_precision_of_the_run_it_continues(dataset, tmp_path
     The first run here takes the precision that ``auto`` does not measure to be faster."""
     import torch
 
-    from molds.precision import gemm_shape, resolve_precision
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.precision import gemm_shape, resolve_precision
     from molds.train import main
 
     full = str(tmp_path / "full")

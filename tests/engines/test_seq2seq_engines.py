@@ -35,10 +35,10 @@ def _argv(manifest, out, engine, stage=2):
 
 def _init(argv):
     """The model's weights before any step (in this process: no engine, no ranks)."""
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.models import build_model
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.sections import DataConfig
 
     recipe = parse_recipe(argv)
     model = build_model(recipe.model, MoleculeLoader(DataConfig(**{**recipe.data.__dict__})).specials,
@@ -48,13 +48,13 @@ def _init(argv):
 
 def _params(rank, world, argv):
     """Two micro-batches per step: both on one rank, or one per rank."""
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader, batch_tensors
-    from molds.distributed import init_distributed
     from molds.engines import build_engine
     from molds.models import build_model
     from molds.models.loss import build_loss
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
+    from molds.recipe.sections import DataConfig
+    from molds.runtime.distributed import init_distributed
 
     recipe = parse_recipe(argv + ["--trainer.grad_accum", str(2 // world)])
     dist = init_distributed(need_group=recipe.parallel.engine == "zero")  # DeepSpeed wants a group, even of one

@@ -116,7 +116,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
     elif fault == "record-gids":  # every molecule this rank trains on, appended to a file
         record_gids(rank, args)
     elif fault == "wide-lr":  # let optim.lr reach absurd values (its declared range refuses them)
-        from molds.config import OptimConfig
+        from molds.recipe.sections import OptimConfig
 
         OptimConfig.RANGES["lr"] = (0.0, 1e12)
     elif fault == "nan":  # the loss of step ``at`` is NaN (on every rank): its gradients are NaN
@@ -177,7 +177,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
                 return result
 
             setattr(module, name, wrapped)
-        import molds.atomic as atomic
+        import molds.runtime.atomic as atomic
 
         original_publish = atomic.publish_directory
 

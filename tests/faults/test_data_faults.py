@@ -77,9 +77,9 @@ def test_a_skipped_shard_is_logged_to_the_metrics_and_tensorboard(dataset, tmp_p
 
 
 def test_shard_changed_on_disk_after_the_start_is_refused(dataset, tmp_path):
-    from molds.config import DataConfig
     from molds.data.loader import MoleculeLoader
     from molds.errors import ManifestError
+    from molds.recipe.sections import DataConfig
 
     data = _copy(dataset, tmp_path)
     loader = MoleculeLoader(DataConfig(manifest=data, seq_len=128, micro_batch_size=2, shuffle=False, max_epochs=1))

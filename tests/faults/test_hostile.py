@@ -155,7 +155,7 @@ def test_tokenizer_path_may_not_escape(dataset, tmp_path):
 ])
 def test_recipes_cannot_name_classes_or_unknown_keys(tmp_path, body, key):
     from molds.errors import RecipeError
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     path = tmp_path / "r.json"
     path.write_text(json.dumps(body))

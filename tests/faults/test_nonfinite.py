@@ -99,7 +99,7 @@ def test_a_real_divergence_stops_and_keeps_the_last_good_checkpoint(dataset, tmp
                                       "--optim.grad_clip", "0"), "wide-lr")
     kept = _finite_checkpoints(out)
     from molds.errors import RecipeError
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     with pytest.raises(RecipeError, match=r"optim.lr=1000000.0 is outside its range"):
         parse_recipe(argv(dataset, out, "ddp", 4, "--optim.lr", "1e6"))

@@ -167,7 +167,7 @@ def test_misused_goal_recipes_are_refused_naming_the_key(prior, tmp_path, extra,
     with pytest.raises(RecipeError, match=message):
         if "--goal.batch_size" in extra:  # 15 is fine on one rank; on 2 it is refused
             from molds.goal.plan import check_goal
-            from molds.recipe import parse_recipe
+            from molds.recipe.parse import parse_recipe
 
             check_goal(parse_recipe(args), 2)
         else:

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from molds.chemistry.tokens import IGNORE_INDEX
 from molds.goal.ledger import INVALID, NEW, OVER_BUDGET, REPEAT, Ledger, pmo_auc
 from molds.models.loss import AugmentedLikelihoodLoss, sequence_log_likelihood
-from molds.tokens import IGNORE_INDEX
 
 
 def _cfg(**kw):
@@ -135,7 +135,7 @@ def test_a_recipe_saved_before_the_goal_section_existed_resumes_unchanged():
     import os
 
     from molds.checkpoint.resume import recipe_changes
-    from molds.recipe import parse_recipe
+    from molds.recipe.parse import parse_recipe
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "smoke", "dense_ddp.json")
     now = parse_recipe(["--recipe", path]).to_dict()

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from molds.config import KernelsConfig
 from molds.errors import RecipeError
 from molds.kernels import apply_kernels, kernel_summary
 from molds.models.loss import CausalLMLoss
+from molds.recipe.sections import KernelsConfig
 from tests.test_decoder import _packed_batch
 from tests.test_moe import moe_model
 
@@ -149,7 +149,7 @@ def test_deferral_leaves_the_fp8_products_alone():
 
 
 def test_recipe_rules_for_the_kernels_section(tmp_path):
-    from molds.recipe import check_machine, parse_recipe, validate
+    from molds.recipe.parse import check_machine, parse_recipe, validate
 
     base = ["--recipe", "recipes/smoke/moe_fp8.json", "--data.manifest", str(tmp_path)]
     validate(parse_recipe(base), 4)

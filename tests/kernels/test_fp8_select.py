@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from molds.checkpoint.resume import resumed_fp8_products
-from molds.config import KernelsConfig
 from molds.errors import RecipeError
 from molds.kernels import apply_kernels, kernel_summary
 from molds.kernels.fp8_linear import Fp8GroupedMM, Fp8Linear
 from molds.kernels.fp8_select import Fp8Choice, choose_fp8_products, model_products, time_product
 from molds.models.loss import CausalLMLoss
 from molds.models.moe import Experts
+from molds.recipe.sections import KernelsConfig
 from tests.kernels.test_converters import _batch
 from tests.test_moe import moe_model
 
@@ -223,7 +223,7 @@ def test_the_measurement_times_torchaos_modules_under_its_recipes(key, monkeypat
 
 
 def test_recipe_rules():
-    from molds.recipe import check_kernels, parse_recipe
+    from molds.recipe.parse import check_kernels, parse_recipe
 
     def recipe(**kernels):
         r = parse_recipe(["--recipe", "recipes/smoke/moe_fp8.json"])

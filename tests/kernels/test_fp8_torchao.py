@@ -15,10 +15,10 @@ import copy
 import pytest
 import torch
 
-from molds.config import KernelsConfig
 from molds.errors import RecipeError
 from molds.kernels import apply_kernels, kernel_summary
 from molds.models.loss import CausalLMLoss
+from molds.recipe.sections import KernelsConfig
 from tests.kernels.test_converters import _batch, _loss_and_grads
 from tests.test_moe import moe_model
 
@@ -177,7 +177,7 @@ def test_a_whole_moe_decoder_stays_close_to_its_plain_numbers(recipe):
 
 
 def test_recipe_rules_for_the_torchao_recipes(tmp_path):
-    from molds.recipe import parse_recipe, validate
+    from molds.recipe.parse import parse_recipe, validate
 
     base = ["--recipe", "recipes/smoke/moe_fp8.json", "--data.manifest", str(tmp_path), "--kernels.triton", "false"]
     validate(parse_recipe(base + ["--kernels.fp8_recipe", "rowwise", "--kernels.fp8_grad_format", "e4m3"]), 4)
@@ -241,8 +241,10 @@ def test_the_gpu_path_is_torchaos_function_as_called_on_a_hopper_gpu(monkeypatch
     import torchao.prototype.moe_training.fp8_grouped_mm as grouped
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
-    from torchao.prototype.moe_training.utils import (torch_to_3d_rowwise_float8_transpose_rhs,
-                                                      torch_to_float8_per_group_colwise)
+    from torchao.prototype.moe_training.utils import (
+        torch_to_3d_rowwise_float8_transpose_rhs,
+        torch_to_float8_per_group_colwise,
+    )
 
     from molds.kernels.fp8_torchao import RowwiseGroupedMM
 

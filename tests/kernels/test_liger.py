@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 
-from molds.config import KernelsConfig
 from molds.errors import RecipeError
 from molds.kernels import apply_kernels, fused_backends, kernel_summary
 from molds.kernels.cross_entropy import linear_cross_entropy_reference
@@ -20,6 +19,7 @@ from molds.kernels.liger import liger_available
 from molds.kernels.rmsnorm import rms_norm_reference
 from molds.kernels.swiglu import swiglu_reference
 from molds.models.loss import CausalLMLoss
+from molds.recipe.sections import KernelsConfig
 from tests.kernels.test_converters import _batch, _loss_and_grads
 from tests.kernels.test_fused import _compare
 from tests.test_moe import moe_model
@@ -41,7 +41,7 @@ def test_auto_takes_molds_kernels_on_a_cpu_and_liger_is_refused_there():
 
 
 def test_recipe_rule_fused_backend_needs_triton(tmp_path):
-    from molds.recipe import parse_recipe, validate
+    from molds.recipe.parse import parse_recipe, validate
 
     base = ["--recipe", "recipes/smoke/dense_zero2.json", "--data.manifest", str(tmp_path)]
     validate(parse_recipe(base + ["--kernels.triton", "true", "--kernels.fused_backend", "molds"]), 2)

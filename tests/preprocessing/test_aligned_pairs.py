@@ -1,4 +1,4 @@
-"""Root-aligned spellings of pairs (R-SMILES): ``molds.pairs.aligned_spellings``, the ETL's
+"""Root-aligned spellings of pairs (R-SMILES): ``molds.chemistry.pairs.aligned_spellings``, the ETL's
 ``--randomized-variants K`` with ``--task``, and the loader reading them for both families."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def test_aligned_spellings_spell_the_same_molecules_and_start_alike():
     """Each spelling is the pair's molecules (RDKit canonicalizes them back); the anchor side
     is rooted at another atom (of another symmetry class) each time; and aligned pairs are closer strings than the same
     pairs spelled at random (R-SMILES's point: the target mostly copies the source's order)."""
+    from molds.chemistry.pairs import aligned_spellings
     from molds.data.randomize import randomized_smiles
-    from molds.pairs import aligned_spellings
 
     rng = np.random.default_rng(0)
     aligned = randomized = 0.0
@@ -66,7 +66,7 @@ def test_aligned_spellings_spell_the_same_molecules_and_start_alike():
 
 
 def test_a_side_rdkit_cannot_read_gives_none():
-    from molds.pairs import aligned_spellings
+    from molds.chemistry.pairs import aligned_spellings
 
     assert aligned_spellings("C1CC", "CCO", rng=np.random.default_rng(0), count=2) is None
 
@@ -125,9 +125,9 @@ def test_the_loader_reads_pairs_in_their_stored_spellings(aligned_manifest, mode
     its row's stored spellings, split at its own sep (the decoder scores only the target and
     EOS; the encoder-decoder encodes the source and writes the target), and over three epochs
     a pair meets more than one of them."""
-    from molds.config import DataConfig
+    from molds.chemistry.tokens import IGNORE_INDEX
     from molds.data.loader import MoleculeLoader
-    from molds.tokens import IGNORE_INDEX
+    from molds.recipe.sections import DataConfig
 
     m_rows = [r for s in sorted(os.listdir(os.path.join(aligned_manifest, "train")))
               for r in pq.read_table(os.path.join(aligned_manifest, "train", s)).to_pylist()]

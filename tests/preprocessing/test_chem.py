@@ -7,7 +7,7 @@ from rdkit import Chem
 from rdkit.Chem.MolStandardize import rdMolStandardize
 from rdkit.Chem.Scaffolds import MurckoScaffold
 
-from molds.chem import Canonicalizer, ChemOptions, Molecule
+from molds.chemistry.canonical import Canonicalizer, ChemOptions, Molecule
 
 from .conftest import sample_smiles
 
@@ -123,8 +123,8 @@ def test_caps_are_bounded_and_checked_before_the_costly_steps(monkeypatch):
 
     import pytest
 
-    import molds.chem
-    from molds.chem import MAX_HEAVY_ATOMS_CAP
+    import molds.chemistry.canonical as canonical
+    from molds.chemistry.canonical import MAX_HEAVY_ATOMS_CAP
 
     with pytest.raises(ValueError, match="max_heavy_atoms=20000 is outside"):
         ChemOptions(max_heavy_atoms=20000)
@@ -140,5 +140,5 @@ def test_caps_are_bounded_and_checked_before_the_costly_steps(monkeypatch):
     canon._steps = [forbidden]  # nor was it standardized
     big = "C1CC(C2CC2)CC1" * 130  # 1,040 heavy atoms (8 per copy)
     assert canon(big) == "too_many_heavy_atoms"  # refused by the estimate, before parsing
-    monkeypatch.setattr(molds.chem, "_HEAVY_ATOM_TOKEN", re.compile(r"(?!)"))  # an estimate that misses them
+    monkeypatch.setattr(canonical, "_HEAVY_ATOM_TOKEN", re.compile(r"(?!)"))  # an estimate that misses them
     assert canon(big) == "too_many_heavy_atoms"  # refused by the exact count right after parsing

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from molds.conformers import parse_unit
+from molds.chemistry.conformers import parse_unit
 from molds.data.manifest import manifest_hash
 
 from .conftest import run_etl, sample_smiles, shard_rows

@@ -13,7 +13,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from molds.conformers import bond_check, conformer_metrics, format_unit, parse_unit
+from molds.chemistry.conformers import bond_check, conformer_metrics, format_unit, parse_unit
 
 from .conftest import run_etl, sample_smiles
 
@@ -114,7 +114,7 @@ def test_the_budget_is_cpu_time_not_the_wall_clock(monkeypatch):
     # the same molecules as an idle one: only the thread's CPU time counts toward the budget
     import itertools
 
-    import molds.conformers as conformers
+    import molds.chemistry.conformers as conformers
 
     clock = itertools.count(0.0, 1000.0)  # every wall-clock read: 1,000 s later
     monkeypatch.setattr(conformers.time, "perf_counter", lambda: next(clock))

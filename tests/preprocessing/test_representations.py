@@ -108,7 +108,7 @@ def test_the_tokenizer_is_the_stated_one_and_loads_with_autotokenizer(sample_run
 def test_reasons_no_sample_row_meets_are_counted_too(rep, reason, tmp_path, monkeypatch):
     """No molecule found so far makes SELFIES decode to another molecule or SAFE's encoder
     raise; the two reasons are counted all the same (the package stubbed to do so on one row)."""
-    from molds import representation
+    from molds.chemistry import representation
 
     if rep == "selfies":
         real = representation.Selfies.decode

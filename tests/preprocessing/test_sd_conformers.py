@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from molds.conformers import format_unit, parse_unit
+from molds.chemistry.conformers import format_unit, parse_unit
 
 from .conftest import placed, run_etl, sample_smiles, shard_rows
 

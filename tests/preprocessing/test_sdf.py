@@ -345,7 +345,7 @@ def test_a_batch_the_supplier_misreads_is_read_again_record_by_record_counting_o
     fewer molecules than records (an empty or three-line record swallows the next) is read
     again one record at a time, and the representation's counts (its notes) made from the
     misread batch are dropped, so every kept row is counted once."""
-    from molds.chem import ChemOptions
+    from molds.chemistry.canonical import ChemOptions
     from molds.preprocessing import map_stage, stages
     from molds.preprocessing.readers import Columns, read_chunks
 

@@ -137,7 +137,7 @@ def test_the_vocabulary_covers_the_other_spellings_of_its_molecules():
 
 
 def test_map_stage_rejects_what_the_regex_cannot_cover(tmp_path):
-    from molds.chem import ChemOptions, Molecule
+    from molds.chemistry.canonical import ChemOptions, Molecule
     from molds.preprocessing.map_stage import MapStage
     from molds.preprocessing.stages import StageOptions
 

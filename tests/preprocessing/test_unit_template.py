@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from molds.conformers import format_unit, parse_unit
+from molds.chemistry.conformers import format_unit, parse_unit
 
 from .conftest import placed, run_etl, sample_smiles, shard_rows
 
@@ -175,7 +175,7 @@ def test_units_load_and_score_as_etkdg_units_do(etl):
     conformer metrics: the input's MMFF conformers pass the bond check."""
     from transformers import AutoTokenizer
 
-    from molds.conformers import conformer_metrics
+    from molds.chemistry.conformers import conformer_metrics
 
     out, m, rows = etl
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "tokenizer"), local_files_only=True)
@@ -244,7 +244,7 @@ def test_a_misspelt_key_or_another_input_format_is_refused_naming_the_file(recor
     ([[0, 0, 0], [1.43, 0, 0], [0.2, 0, 0]], "unit_geometry", "apart"),  # O and the C it is not bonded to
 ])
 def test_what_a_field_may_hold(value, reason, detail):
-    from molds.conformers import UnitTemplate
+    from molds.chemistry.conformers import UnitTemplate
 
     unit, got, example = UnitTemplate(TEMPLATE).build("CCO", {"smiles": "OCC", "xyz": value})
     assert got == reason and (detail is None or detail in example), example
@@ -258,7 +258,7 @@ def test_stereo_the_smiles_specifies_must_be_the_conformers():
     refused; stereo the SMILES leaves open, and E/Z under a mirror, is not."""
     from rdkit import Chem
 
-    from molds.conformers import UnitTemplate
+    from molds.chemistry.conformers import UnitTemplate
 
     template = UnitTemplate(TEMPLATE)
 
@@ -280,7 +280,7 @@ def test_stereo_the_smiles_specifies_must_be_the_conformers():
 
 
 def test_a_unit_smiles_that_does_not_parse_or_is_too_long_is_a_mismatch():
-    from molds.conformers import UnitTemplate
+    from molds.chemistry.conformers import UnitTemplate
 
     template = UnitTemplate("{unit}")
     assert template.build("CCO", {"unit": "[SMILES]C1CC[/SMILES][CONFORMER]0,0,0[/CONFORMER]"})[1] == (

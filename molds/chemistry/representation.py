@@ -12,7 +12,7 @@ it, so every metric is computed on molecules.
   beyond SELFIES' semantic constraints, e.g. hypervalent or charged forms it has no rule
   for, or a SMILES feature it does not take) and ``selfies_roundtrip`` (the string decodes
   to another molecule: SELFIES' constraints change a valence, or stereo is lost).
-- ``conformer``: conformer units (``molds.conformers``), the canonical SMILES and one 3D
+- ``conformer``: conformer units (``molds.chemistry.conformers``), the canonical SMILES and one 3D
   conformer as text, made by ``molds-preprocess --conformers etkdg``, taken from
   JSON-lines fields with ``--unit_template`` (``encode_fields``), or from SD records' own 3D
   coordinates with ``--conformers sd`` (``encode_mol``).
@@ -41,7 +41,7 @@ SELFIES_PATTERN = r"(\[[^\]]+]|\.)"
 CONFORMER_PATTERN = SMILES_PATTERN[:-1] + r"|,|;)"
 
 NAMES = ("smiles", "selfies", "safe", "conformer")
-REASONS = {  # the ETL's rejection reasons of the representations (molds.chem.REJECT_REASONS holds them too)
+REASONS = {  # the ETL's rejection reasons of the representations (molds.chemistry.canonical.REJECT_REASONS holds them too)
     "selfies_encode_error": "the SELFIES encoder refuses the molecule (a valence beyond its semantic "
                             "constraints, or a SMILES feature it has no symbol for)",
     "selfies_roundtrip": "the SELFIES string decodes to another molecule (constraints changed a valence, "
@@ -162,7 +162,7 @@ class Safe(Representation):
             return SAFEConverter(slicer=None).encoder(smiles, canonical=not randomize, randomize=randomize,
                                                       allow_empty=True, seed=seed)
         except Exception as exc:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
-            from .errors import MoldsError
+            from ..errors import MoldsError
 
             raise MoldsError(f"SAFE cannot encode {smiles!r} as a fragment: {exc}") from exc
 
@@ -182,7 +182,7 @@ class Safe(Representation):
 
 class ConformerUnits(Representation):
     """``[SMILES]...[/SMILES][CONFORMER]x,y,z;...[/CONFORMER]``: the molecule and one 3D
-    conformer (``molds.conformers``); decodes to the SMILES part."""
+    conformer (``molds.chemistry.conformers``); decodes to the SMILES part."""
 
     name = "conformer"
     pattern = CONFORMER_PATTERN

@@ -1,6 +1,10 @@
 """molds' kernels (``kernels.fp8``, ``kernels.triton``) against their references and peers.
 
-    python benchmarks/kernels.py [--rounds 5] [--quick]
+    python benchmarks/kernel_ops.py [--rounds 5] [--quick]
+
+(Not ``kernels.py``: a script of that name, with ``benchmarks/`` on the path, shadows Hugging
+Face's ``kernels`` package, which transformers imports, and every script here that imports
+transformers would fail.)
 
 Each op runs forward + backward (quantization: forward only) on the shapes below, and is
 timed against its plain-PyTorch reference in the same run, alternating the two so a
@@ -41,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_name() -> str:
-    from molds.precision import cpu_description
+    from molds.runtime.lifecycle import cpu_description
 
     return cpu_description()
 

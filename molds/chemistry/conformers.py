@@ -62,7 +62,7 @@ def parse_unit(text: str):
     return smiles, [values[i:i + 3] for i in range(0, len(values), 3)]
 
 
-#: ``--unit_template``'s refusals (``molds.representation.REASONS`` says each one in words)
+#: ``--unit_template``'s refusals (``molds.chemistry.representation.REASONS`` says each one in words)
 UNIT_REASONS = ("unit_missing_field", "unit_malformed", "unit_smiles_mismatch", "unit_atom_count", "unit_geometry",
                 "unit_stereo")
 _COORDINATE_MAX = 10_000.0  # Å: no molecule's coordinate frame reaches this; beyond it, not Å or not a number

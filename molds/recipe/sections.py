@@ -2,7 +2,7 @@
 
 Each field's docstring is its ``--help`` text. Each numeric field has a declared range
 in its section's ``RANGES`` (inclusive bounds; ``None``: unbounded on that side),
-checked when the recipe is parsed (``molds.recipe.check_ranges``): a value outside it
+checked when the recipe is parsed (``molds.recipe.parse.check_ranges``): a value outside it
 is refused with the key and the range.
 """
 
@@ -156,7 +156,7 @@ class RunConfig:
 
     expect: Dict[Literal["bf16-native", "fp32-only"], str] = field(default_factory=dict)
     """What the recipe reaches on each class of CPU (``bf16-native``: bf16 products measured faster, AMX or AVX-512 BF16;
-    ``fp32-only``: AVX2 and the like; see ``molds.precision``), measured: said on the start line of a CPU run."""
+    ``fp32-only``: AVX2 and the like; see ``molds.recipe.precision``), measured: said on the start line of a CPU run."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``trainer.precision`` resolved by measurement, and the machine named in every figure.
+"""``trainer.precision`` resolved by measurement.
 
 Whether bf16 pays depends on the chip, not on a flag list: a CPU with AMX or AVX-512 BF16
 runs bf16 matrix products several times faster than fp32, one with only AVX2 emulates
@@ -13,30 +13,13 @@ sheet, ``molds.metrics.logger.device_peak_tflops``).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
-def cpu_description() -> str:
-    """The CPU model, the flags that decide its matrix speed, and the core count."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            info = fh.read()
-    except OSError:
-        import platform
-
-        return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-    lines = info.splitlines()
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
-    units = [f for f in CPU_FLAGS if f in flags] or [f for f in ("bf16", "sve", "asimd") if f in flags]
-    return f"{name} ({', '.join(units) or 'no listed vector flags'}; {os.cpu_count()} cores)"
+from ..runtime.lifecycle import cpu_description
 
 
 def matmul_rate(dtype: torch.dtype, shape: tuple[int, int, int], device: torch.device, seconds: float = 0.05) -> float:

@@ -15,10 +15,20 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .config import (CheckpointConfig, DataConfig, EvalConfig, KernelsConfig, LoggingConfig, ModelConfig,
-                     OptimConfig, ParallelConfig, RunConfig, TrainerConfig)
-from .errors import RecipeError
-from .goal.config import GoalConfig
+from ..errors import RecipeError
+from .goal import GoalConfig
+from .sections import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    KernelsConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainerConfig,
+)
 
 SECTIONS = ("run", "data", "model", "parallel", "kernels", "optim", "trainer", "eval", "checkpoint", "logging",
             "goal")
@@ -426,7 +436,7 @@ def _put(cfg: dict, dotted: str, value) -> None:
 def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool, batching: Batching | None = None) -> dict:
     """The DeepSpeed JSON the recipe names, completed from the recipe: a key the file
     leaves out is filled in; a key it sets to another value than the recipe's is refused,
-    naming both sources. ``batching``: the step's, when already resolved (molds.plan)."""
+    naming both sources. ``batching``: the step's, when already resolved (molds.recipe.plan)."""
     path = recipe.parallel.ds_config
     cfg: dict = {}
     if path:

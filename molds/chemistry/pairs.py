@@ -20,7 +20,7 @@ or another SMILES spelling is the same pair:
 - the pair's split group is the scaffold of its product side (the target of ``forward`` and
   ``mol2mol``, the source of ``retro``), so a scaffold split holds out product scaffolds.
 
-Every refusal is a named reason: the molecule reasons of ``molds.chem.REJECT_REASONS`` for
+Every refusal is a named reason: the molecule reasons of ``molds.chemistry.canonical.REJECT_REASONS`` for
 a molecule of either side, and ``PAIR_REASONS`` for the pair itself.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .chem import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
+from .canonical import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
 
 TASKS = ("forward", "retro", "mol2mol")
 REAGENT_POLICIES = ("auto", "mix", "separate", "drop")

@@ -36,7 +36,7 @@ class TokenizerInfo:
 
 def tokenizer_info(manifest) -> TokenizerInfo:
     """The manifest's tokenizer, its files checked against the manifest's vocab hash."""
-    from .errors import ManifestError
+    from ..errors import ManifestError
 
     vocab = manifest.check_tokenizer()
     block = manifest.data["tokenizer"]

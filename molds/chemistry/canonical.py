@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .representation import REASONS as REPRESENTATION_REASONS
 
-# the refusals of a pair record as a whole (``molds.pairs``); a molecule of either side is
+# the refusals of a pair record as a whole (``molds.chemistry.pairs``); a molecule of either side is
 # refused for the molecule reasons below
 PAIR_REASONS = {
     "not_a_reaction": "the reaction SMILES is not reactants>reagents>products (exactly two '>'), or text other "
@@ -192,7 +192,7 @@ class Canonicalizer:
     def parse(self, raw: str):
         """One raw SMILES (or CXSMILES) to an RDKit molecule, or the reason it is refused;
         the length checks that come before parsing included. ``__call__`` is ``parse`` then
-        ``from_mol``; a caller that changes the molecule in between (``molds.pairs`` clears
+        ``from_mol``; a caller that changes the molecule in between (``molds.chemistry.pairs`` clears
         atom maps) calls the two itself."""
         opts = self.options
         smiles = raw.strip()

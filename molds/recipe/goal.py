@@ -1,12 +1,13 @@
-"""The recipe's ``goal`` section: goal-directed fine-tuning (molds.goal). Kept beside the
-goal run rather than in molds.config, which holds the training sections."""
+"""The recipe's ``goal`` section: goal-directed fine-tuning, defined with the other sections
+(``sections``) so that the recipe depends on no package that runs a job; the goal run
+(``molds.goal``) reads it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
-from ..config import _BIG
+from .sections import _BIG
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What every kind of run does at its start and end, whatever it trains: the process's
-seeds per rank, library chatter filtered, the code version and machine for the lineage,
-and leaving the process group cleanly (``molds/train.py`` and ``molds.goal`` share them)."""
+seeds per rank, library chatter filtered, the code version and machine for the lineage
+(``cpu_description``: the CPU named in every figure), and leaving the process group cleanly
+(``molds/train.py`` and ``molds.goal`` share them)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,24 @@ def machine(device) -> str:
     cannot be re-run)."""
     import torch
 
-    from molds.precision import cpu_description
-
     gpu = f"{torch.cuda.get_device_name(device)}; " if device.type == "cuda" else ""
     return f"{gpu}{cpu_description()}; torch {torch.__version__}"
+
+
+CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_description() -> str:
+    """The CPU model, the flags that decide its matrix speed, and the core count."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            info = fh.read()
+    except OSError:
+        import platform
+
+        return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    lines = info.splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
+    units = [f for f in CPU_FLAGS if f in flags] or [f for f in ("bf16", "sve", "asimd") if f in flags]
+    return f"{name} ({', '.join(units) or 'no listed vector flags'}; {os.cpu_count()} cores)"

@@ -1,7 +1,7 @@
 """The recipe resolved once, at the start of a run, into what the engine reads.
 
 ``resolve_plan(recipe, world_size)`` runs before any process group starts: it is the
-recipe's last check (``molds.recipe.validate``) and fixes the step's batching, the
+recipe's last check (``molds.recipe.parse.validate``) and fixes the step's batching, the
 layout sizes and the schedule. ``Plan.on_device`` adds what needs the device: the
 precision ``trainer.precision`` comes to there, and with it the DeepSpeed config
 (ds_configs/ completed from the recipe). ``train.py`` hands the plan to the engine, and
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .recipe import Batching
+from .parse import Batching
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ class Plan:
     ep_size: int
     device: str | None = None  # set by on_device
     dtype: torch.dtype | None = None  # what the run computes in (None: float32)
-    precision: object = None  # molds.precision.Precision: the measurement behind dtype
-    horizon: object = None  # molds.budget.Horizon: steps or a time budget, and where the run is
+    precision: object = None  # molds.recipe.precision.Precision: the measurement behind dtype
+    horizon: object = None  # molds.recipe.budget.Horizon: steps or a time budget, and where the run is
     ds_config: dict | None = None  # the DeepSpeed config (engines zero and pipeline)
 
     @property
@@ -39,13 +39,13 @@ class Plan:
         return self.batching.grad_accum
 
     def on_device(self, recipe, dist, resumed_dtype: str | None = None) -> "Plan":
-        """The plan completed for this rank's device (``dist``: molds.distributed's, whose
+        """The plan completed for this rank's device (``dist``: molds.runtime.distributed's, whose
         ranks agree on the measurement): its precision and DeepSpeed config.
         ``resumed_dtype``: what the checkpoint a resume continues computed in (its lineage's
         ``plan.dtype``), which ``trainer.precision=auto`` keeps."""
-        from .distributed import all_reduce_sum
+        from ..runtime.distributed import all_reduce_sum
+        from .parse import deepspeed_config
         from .precision import gemm_shape, resolve_precision
-        from .recipe import deepspeed_config
 
         def mean_over_ranks(values):
             return [v / dist.world_size for v in all_reduce_sum(values, dist)]
@@ -70,9 +70,8 @@ class Plan:
 
 def resolve_plan(recipe, world_size: int) -> Plan:
     """Check the recipe for ``world_size`` ranks (no process group needed) and resolve it."""
-    from .recipe import validate
-
     from .budget import horizon_of
+    from .parse import validate
 
     batching = validate(recipe, world_size)
     p = recipe.parallel
@@ -81,6 +80,6 @@ def resolve_plan(recipe, world_size: int) -> Plan:
 
 
 def plan_for(recipe, dist) -> Plan:
-    """The plan for ranks that already exist (``dist``: molds.distributed's): what a
+    """The plan for ranks that already exist (``dist``: molds.runtime.distributed's): what a
     benchmark or a test that builds an engine itself hands it."""
     return resolve_plan(recipe, dist.world_size).on_device(recipe, dist)

@@ -5,7 +5,7 @@ Without CUDA it picks gloo and DeepSpeed's CPU accelerator by itself. One timeou
 creates (the default group, DeepSpeed's data/expert/pipeline groups: they are created
 with torch's default timeout, which is set here), so a hung or dead peer ends the job
 instead of hanging it; ``collective(op)`` turns such a failure into a one-line error
-naming the rank, the operation and the rank that was lost (``molds.heartbeat``). A single ``python`` process that needs a process
+naming the rank, the operation and the rank that was lost (``molds.runtime.heartbeat``). A single ``python`` process that needs a process
 group (DeepSpeed engines) gets a one-rank gloo group on a free local port.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CollectiveTimeout
+from ..errors import CollectiveTimeout
 
 
 @dataclass
@@ -32,7 +32,7 @@ class DistInfo:
     device: torch.device
     backend: str | None
     timeout_s: float = 600.0
-    heartbeat: object = None  # molds.heartbeat.Heartbeat: names a lost rank when a collective fails
+    heartbeat: object = None  # molds.runtime.heartbeat.Heartbeat: names a lost rank when a collective fails
 
     @property
     def is_main(self) -> bool:
