@@ -141,7 +141,8 @@ def hf_dots1(model, specials):
 
 
 def hf_encoder(model):
-    """RobertaForSequenceClassification when the model has property heads, else
+    """RobertaForSequenceClassification when the model has property heads (a regression's
+    label scale folded into its last layer, so the logits are in the labels' units), else
     RobertaForMaskedLM."""
     from transformers import RobertaForMaskedLM, RobertaForSequenceClassification
 
@@ -150,6 +151,10 @@ def hf_encoder(model):
     if cfg.num_tasks:
         wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.roberta.")}
         wanted.update({k: v for k, v in state.items() if k.startswith("classifier.")})
+        if "label_std" in state:  # a regression head: its scale folded into the last layer, logits in label units
+            std, mean = state["label_std"], state["label_mean"]
+            wanted["classifier.out_proj.weight"] = wanted["classifier.out_proj.weight"] * std[:, None]
+            wanted["classifier.out_proj.bias"] = wanted["classifier.out_proj.bias"] * std + mean
         return _strict(RobertaForSequenceClassification(cfg.hf_config()), wanted)
     wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.")}
     return _strict(RobertaForMaskedLM(cfg.hf_config()), wanted, ("lm_head.decoder.bias",))

@@ -59,6 +59,7 @@ class Run:
     resumed_from: str | None = None
     last_checkpoint: str | None = None
     fresh_heads: tuple | None = None  # a fine-tuning fork: (prefixes, tensors, what changed)
+    resized: tuple | None = None  # a fork onto a vocabulary that begins as its: (old size, new size, tensors)
     counters: dict = field(default_factory=lambda: {"nonfinite_steps": 0, "rollbacks": 0})
 
 
@@ -275,7 +276,7 @@ def setup(recipe, plan=None) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
     the recipe resolved for this world size (``molds.recipe.plan``; resolved here when not given)."""
     from molds.checkpoint import read_lineage
-    from molds.checkpoint.resume import fine_tune_heads, resumed_dtype, resumed_fp8_products
+    from molds.checkpoint.resume import fine_tune_heads, resized_vocabulary, resumed_dtype, resumed_fp8_products
     from molds.checkpoint.rundir import plan_resume, prepare_output_dir
     from molds.chemistry.tokens import tokenizer_info
     from molds.data.loader import MoleculeLoader
@@ -314,7 +315,10 @@ def setup(recipe, plan=None) -> Run:
     # the same on every rank; for the pipeline only its structure (each rank materializes its own stages)
     model = build_model(recipe.model, tokenizer, seed=recipe.run.seed,
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
+    if getattr(model, "regression", False) and (saved is None or recipe.checkpoint.fork):
+        _standardize_labels(model, manifest, dist)  # a resume keeps the checkpoint's scale
     fresh_heads = fine_tune_heads(recipe, saved, model)  # the bare model's own, before any engine
+    resized = resized_vocabulary(recipe, saved, resume_from, manifest, model)
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
     loss = build_loss(recipe.model)
@@ -328,7 +332,10 @@ def setup(recipe, plan=None) -> Run:
                             world_size=topo.dp_size)
     lineage = {
         "recipe": recipe.to_dict(), "manifest_hash": manifest.hash, "manifest": manifest.path,
-        "vocab_hash": tokenizer.vocab_hash, "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
+        "vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
+        **({"vocab_extends": {k: manifest.data["tokenizer"]["extends"][k] for k in ("vocab_hash", "vocab_size")}}
+           if "extends" in manifest.data["tokenizer"] else {}),
+        "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
@@ -338,9 +345,11 @@ def setup(recipe, plan=None) -> Run:
     if fp8_choice is not None:
         lineage["fp8_products"] = fp8_choice.as_dict()
     run = Run(recipe, dist, manifest, tokenizer, batching, loader, engine, lineage, None, None, flops, plan,
-              fresh_heads=fresh_heads)
+              fresh_heads=fresh_heads, resized=resized)
     if resume_from is not None:
         _resume(run, resume_from, saved)
+    if getattr(model, "regression", False):  # what the predictions are scaled by, after any restore
+        lineage["label_scale"] = {"mean": model.label_mean.float().tolist(), "std": model.label_std.float().tolist()}
     if dist.is_main:
         from molds.runtime.atomic import write_json
 
@@ -356,6 +365,25 @@ def setup(recipe, plan=None) -> Run:
     return run
 
 
+def _standardize_labels(model, manifest, dist) -> None:
+    """A regression head learns labels standardized by the training split's mean and
+    standard deviation per task; its predictions come back in the labels' units."""
+    from molds.data.manifest import label_moments
+
+    mean, std, count = label_moments(manifest, "train")
+    if len(mean) != model.config.num_tasks:
+        from molds.errors import RecipeError
+
+        raise RecipeError(f"model.num_tasks={model.config.num_tasks}, but the train split of {manifest.path} has "
+                          f"{len(mean)} label columns")
+    model.set_label_scale(mean, std)
+    if dist.is_main:
+        names = (manifest.data.get("labels") or {}).get("columns") or [f"task{i}" for i in range(len(mean))]
+        print("[molds] regression labels standardized by the train split's mean and standard deviation: "
+              + ", ".join(f"{n} {m:.4g} +- {s:.4g} ({c:,} labels)" for n, m, s, c in zip(names, mean, std, count)),
+              file=sys.stderr)
+
+
 def _resume(run: Run, path: str, saved: dict) -> None:
     """Continue or fork ``path``, whose lineage is ``saved``."""
     from molds.checkpoint import restore
@@ -363,19 +391,32 @@ def _resume(run: Run, path: str, saved: dict) -> None:
 
     recipe, dist = run.recipe, run.dist
     fork = recipe.checkpoint.fork
-    changes = check_resume(path, saved, run.lineage, fork)
+    changes = check_resume(path, saved, run.lineage, fork, resized=run.resized is not None)
     if fork:
-        fresh = run.fresh_heads
+        fresh, resized = run.fresh_heads, run.resized
+        replaced = (tuple(fresh[0]) if fresh else ()) + (tuple(resized[2]) if resized else ())
+        tensors = {**(fresh[1] if fresh else {}), **(resized[2] if resized else {})}
         step, _ = restore(path, run.engine, dist, optimizer=recipe.checkpoint.fork_optimizer, seed=recipe.run.seed,
-                          keep_schedule=False, fresh=fresh[:2] if fresh else None)
+                          keep_schedule=False, fresh=(replaced, tensors) if replaced else None)
         if fresh:
             run.lineage["fresh_heads"] = {"prefixes": list(fresh[0]), "changes": fresh[2]}
+        if resized:
+            run.lineage["vocabulary_resized"] = {"from": resized[0], "to": resized[1], "tensors": sorted(resized[2])}
         run.lineage["parent"] = {"checkpoint": os.path.abspath(path), "step": step,
                                  "manifest_hash": saved.get("manifest_hash"), "run": saved.get("recipe", {}).get("run")}
         if dist.is_main:
             print(f"[molds] forked from {path} (its step {step}): weights"
                   f"{' and optimizer moments' if recipe.checkpoint.fork_optimizer else ''} kept, step 0, fresh data "
                   f"cursor on {run.manifest.path}", file=sys.stderr)
+            if resized and resized[1] > resized[0]:
+                print(f"[molds] the vocabulary grows from {resized[0]} to {resized[1]} tokens (the manifest's "
+                      f"tokenizer adds {resized[1] - resized[0]} to the checkpoint's, whose ids stay): "
+                      f"{', '.join(sorted(resized[2]))} take their new rows at the mean of the checkpoint's",
+                      file=sys.stderr)
+            elif resized:
+                print(f"[molds] the vocabulary shrinks from {resized[0]} to {resized[1]} tokens (the checkpoint's was "
+                      f"grown from the manifest's): {', '.join(sorted(resized[2]))} drop the rows of the "
+                      f"{resized[0] - resized[1]} tokens this manifest lacks", file=sys.stderr)
             if fresh:
                 print(f"[molds] fine-tuning fork: the property heads ({', '.join(p + '*' for p in fresh[0])}) start "
                       f"afresh, seeded by run.seed, because "

@@ -189,6 +189,15 @@ class PreprocessConfig:
     direction, the other tetrahedral tag of a bracket atom, ring numbers up to 9), so the
     stored randomized and root-aligned spellings fit it."""
 
+    grow_vocab: bool = True
+    """With ``--tokenizer DIR`` naming a regex tokenizer that molds wrote (a pretraining
+    manifest's ``tokenizer/``): the tokens of this input that the vocabulary lacks (a salt, a
+    metal, a charge) are added after its own tokens, whose ids stay as they were, so no molecule
+    is refused for them; the manifest says what was added, and a model forked from a checkpoint
+    of the given vocabulary grows its embedding rows to match (``--checkpoint.fork true``).
+    ``false``: the vocabulary as given, a molecule with a token outside it refused
+    (``tokenizer_roundtrip``). Any other tokenizer is used as given."""
+
     vocab_from: Literal["all", "train"] = "all"
     """Build the vocabulary from all kept molecules or from the train split only
     (then rows of valid/test with unknown tokens are kept and counted)."""

@@ -11,14 +11,15 @@ from collections import Counter
 import numpy as np
 
 from molds.chemistry.canonical import ChemOptions
+from molds.data.manifest import vocab_hash
 from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
                      partition_targets, partition_token_counts, reduce_partition, targets_in_two_splits, write_shard)
-from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, respelling_tokens,
-                        save_tokenizer, train_bpe_tokenizer, vocab_from_counts)
+from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, regex_vocabulary,
+                        respelling_tokens, save_tokenizer, train_bpe_tokenizer, vocab_from_counts)
 
 
 class Progress:
@@ -239,13 +240,32 @@ def _make_engine(cfg: PreprocessConfig):
     return LocalEngine(cfg.workers)
 
 
+def grown_vocabulary(cfg) -> dict[str, int] | None:
+    """The vocabulary of ``--tokenizer DIR`` when this run extends it (``--grow_vocab`` and a
+    regex tokenizer molds wrote for this representation); None when the tokenizer is used as
+    given."""
+    if cfg.tokenizer in ("regex", "bpe") or not cfg.grow_vocab:
+        return None
+    found = regex_vocabulary(cfg.tokenizer)
+    if found is None:
+        return None
+    vocab, pattern = found
+    spelled = representation_spec(cfg)[0]
+    if pattern != GRAMMARS[spelled].pattern:
+        raise InputError(f"--tokenizer {cfg.tokenizer} splits another representation's strings than "
+                         f"--representation {spelled}'s")
+    return vocab
+
+
 def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
     """Returns (encoder spec, tokenizer manifest block)."""
     method = cfg.split
     spelled = representation_spec(cfg)[0]
-    splits = {0} if cfg.vocab_from == "train" else {0, 1, 2}
-    if cfg.tokenizer == "regex":
-        if cfg.vocab_from == "all":
+    base = grown_vocabulary(cfg)
+    # a vocabulary that is extended takes every kept molecule's tokens, so none is refused
+    splits = {0} if cfg.vocab_from == "train" and base is None else {0, 1, 2}
+    if cfg.tokenizer == "regex" or base is not None:
+        if splits == {0, 1, 2}:
             counts = map_tokens or Counter()
         else:
             counts = sum(engine.run_tasks(partition_token_counts, [(p["staged"], p["groups"], method, thresholds,
@@ -254,10 +274,16 @@ def _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir):
         # the stored rooted or randomized spellings may need a bond direction, tetrahedral tag or
         # ring number the canonical forms never wrote
         respelled = spelled == "smiles" and cfg.randomized_variants > 0
-        vocab = vocab_from_counts(counts, respelling_tokens(counts) if respelled else ())
+        vocab = vocab_from_counts(counts, respelling_tokens(counts) if respelled else (), base)
         save_tokenizer(build_regex_tokenizer(vocab, GRAMMARS[spelled]), tok_dir)
         info = {"kind": "regex"} if spelled == "smiles" else {"kind": "regex", "grammar": spelled}
-        return ("regex", vocab, spelled), info
+        if base is None:
+            return ("regex", vocab, spelled), info
+        info["source"] = cfg.tokenizer
+        added = sorted((t for t in vocab if t not in base), key=vocab.get)
+        if added:
+            info["extends"] = {"vocab_hash": vocab_hash(base), "vocab_size": len(base), "added_tokens": added}
+        return ("regex", vocab, spelled, len(base)), info
     fast_file = os.path.join(tok_dir, "tokenizer.json")
     if cfg.tokenizer == "bpe":
         def corpus():
@@ -323,7 +349,7 @@ def run(cfg: PreprocessConfig) -> str:
     roles = (((cfg.target_column, "target"),) if cfg.target_column is not None else ()) + \
         (((cfg.split_column, "split"),) if cfg.split_column is not None else ())
     options = StageOptions(chem=chem, split=cfg.split, seed=cfg.seed, num_labels=len(cfg.label_columns),
-                           check_regex=cfg.tokenizer == "regex",
+                           check_regex=cfg.tokenizer == "regex" or grown_vocabulary(cfg) is not None,
                            two_stage=cfg.dedupe_key == "inchikey" and cfg.split not in ("random", "given"),
                            columns=Columns(cfg.smiles_column, cfg.id_column,
                                            tuple(cfg.label_columns) + tuple(name for name, _ in roles),
@@ -345,13 +371,17 @@ def run(cfg: PreprocessConfig) -> str:
 
         t = time.time()
         progress.stage("deduplicate")
-        duplicates = 0
+        duplicates = conflicts = 0
         if options.two_stage:
             first = _reduce(engine, spills, options, work_dir, cfg, "regroup")
             duplicates += sum(r["duplicates"] for r in first)
+            conflicts += sum(r["label_conflicts"] for r in first)
             spills = [r["spill"] for r in first if "spill" in r]
         parts = _reduce(engine, spills, options, work_dir, cfg, "final")
         duplicates += sum(r["duplicates"] for r in parts)
+        conflicts += sum(r["label_conflicts"] for r in parts)
+        if cfg.label_columns:
+            stats.label_conflicts = conflicts
         parts = [p for p in parts if p["rows"]]
         kept = sum(p["rows"] for p in parts)
         if kept == 0:

@@ -50,6 +50,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "tokens": sum(s["token_count"] for s in splits[name]),
             "groups": sum(f["groups"][i] for f in finals),
             "rows_with_unknown_tokens": sum(f["unknown_rows"][i] for f in finals),
+            **({"rows_with_added_tokens": sum(f["added_rows"][i] for f in finals)}
+               if "extends" in tok_info else {}),
         }
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -64,7 +66,9 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
                    f"the lowest {cfg.conformer_rank_by} first, ties in input order",
                    **({"conformers_per_molecule": cfg.conformers_per_molecule}  # 0: all; identical units once
                       if cfg.conformers_per_molecule != 1 else {}),
-                   **({"conformers_ranked_by": cfg.conformer_rank_by} if cfg.conformer_rank_by is not None else {})},
+                   **({"conformers_ranked_by": cfg.conformer_rank_by} if cfg.conformer_rank_by is not None else {}),
+                   **({"labels": "a duplicate's labels go with it, also where they differ from the kept row's "
+                                 "(counted: stats.duplicates_with_other_labels)"} if cfg.label_columns else {})},
         "scaffold": {"kind": cfg.scaffold, "include_chirality": False},
         "split": _split_block(cfg),
         "tokenizer": {
@@ -87,6 +91,8 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "rows_in": stats.rows_in,
             "rows_out": rows_out,
             "duplicates": int(duplicates),
+            **({"duplicates_with_other_labels": int(stats.label_conflicts)}
+               if stats.label_conflicts is not None else {}),
             "rejected": rejected,
             "splits": split_stats,
         },
@@ -163,16 +169,25 @@ def _split_block(cfg) -> dict:
 
 def _report(m, stats, finals, timings, cfg) -> str:
     s = m["stats"]
+    grown = "extends" in m["tokenizer"]
     lines = [
         "# molds-preprocess report", "",
         f"- created: {m['created']} by molds {m['generator']['version']}",
         f"- inputs: {', '.join(m['inputs']['paths'])}",
         f"- rows in: {s['rows_in']:,}; written: {s['rows_out']:,}; duplicates: {s['duplicates']:,}; "
         f"rejected: {sum(s['rejected'].values()):,}",
+        *([f"- duplicates whose labels differ from the kept row's (the first in input order is kept, its labels "
+           f"with it): {s['duplicates_with_other_labels']:,}"] if "duplicates_with_other_labels" in s else []),
         f"- canonicalization: RDKit {m['canonicalization']['rdkit_version']}, options hash "
         f"`{m['canonicalization']['hash'][:16]}`",
         f"- tokenizer: {m['tokenizer']['kind']}, {m['tokenizer']['vocab_size']} tokens "
         f"(from {m['tokenizer']['vocab_from']}), vocab hash `{m['tokenizer']['vocab_hash'][:16]}`",
+        *([f"- vocabulary grown: the {m['tokenizer']['extends']['vocab_size']} tokens of `{m['tokenizer']['source']}` "
+           f"(vocab hash `{m['tokenizer']['extends']['vocab_hash'][:16]}`, ids unchanged) and "
+           f"{len(m['tokenizer']['extends']['added_tokens'])} added after them: "
+           + " ".join(f"`{t}`" for t in m["tokenizer"]["extends"]["added_tokens"][:50])
+           + (" ..." if len(m["tokenizer"]["extends"]["added_tokens"]) > 50 else "")]
+          if "extends" in m["tokenizer"] else []),
         f"- split: {m['split']['method']} {m['split'].get('fractions', m['split'].get('from'))} seed "
         f"{m['split']['seed']}",
         *([f"- pairs: task {m['pairs']['task']}, read from {m['pairs']['read_from']}"
@@ -187,12 +202,14 @@ def _report(m, stats, finals, timings, cfg) -> str:
         *([f"- SMILES read with their CXSMILES extension (`SMILES |...|`; canonical SMILES keep what SMILES "
            f"spell, not its labels, enhanced-stereo groups or coordinates): {s['cxsmiles_rows']:,}"]
           if s.get("cxsmiles_rows") else []), "",
-        "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |", "|---|---|---|---|---|---|",
+        "## Splits", "", "| split | rows | tokens | groups | shards | rows with unknown tokens |"
+        + (" rows with added tokens |" if grown else ""), "|---|---|---|---|---|---|" + ("---|" if grown else ""),
     ]
     for name in SPLITS:
         st = s["splits"][name]
         lines.append(f"| {name} | {st['rows']:,} | {st['tokens']:,} | {st['groups']:,} | {len(m['splits'][name])} | "
-                     f"{st['rows_with_unknown_tokens']:,} |")
+                     f"{st['rows_with_unknown_tokens']:,} |"
+                     + (f" {st['rows_with_added_tokens']:,} |" if grown else ""))
     lines += ["", "## Rejected rows", ""]
     if not s["rejected"]:
         lines.append("None.")

@@ -71,6 +71,7 @@ class Stats:
     notes: Counter = field(default_factory=Counter)  # counts that are no rejection (safe: single_fragment)
     sd_repaired: int = 0  # SD records read after dropping blank lines before their header
     cxsmiles: int = 0  # rows read from CXSMILES (``SMILES |extension|``): the extension applied by RDKit
+    label_conflicts: int | None = None  # labelled input: duplicates dropped whose labels differ from the kept row's
 
     def reject(self, reason: str, source: str, raw):
         self.rejected[reason] += 1
@@ -171,6 +172,24 @@ def _first_of_each(table: pa.Table, key: str, per_key: int = 1, unit: str | None
     return kept, rows - len(kept)
 
 
+def _label_conflicts(table: pa.Table, key: str) -> int:
+    """How many rows of ``table`` share ``key`` with an earlier row (by ``order``) whose labels
+    differ from theirs (a missing label equals only a missing one): the duplicates whose
+    labels the ETL drops with them, though they are not the kept row's."""
+    if "labels" not in table.column_names or len(table) < 2:
+        return 0
+    table = table.select([key, "order", "labels"]).sort_by([(key, "ascending"), ("order", "ascending")])
+    keys = table.column(key).combine_chunks()
+    starts = np.ones(len(keys), dtype=bool)
+    starts[1:] = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
+    if starts.all():
+        return 0
+    y = np.asarray(table.column("labels").to_pylist(), dtype=float).reshape(len(keys), -1)
+    first = y[np.maximum.accumulate(np.where(starts, np.arange(len(keys)), 0))]
+    same = ((y == first) | (np.isnan(y) & np.isnan(first))).all(axis=1)
+    return int(np.count_nonzero(~same & ~starts))
+
+
 def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, stage: str):
     """``stage`` is ``regroup`` (InChIKey dedupe, re-spill by group) or ``final``.
 
@@ -179,11 +198,13 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
     """
     table = read_pieces(pieces)
     if table is None:
-        return {"index": index, "rows": 0, "duplicates": 0}
-    duplicates = 0
+        return {"index": index, "rows": 0, "duplicates": 0, "label_conflicts": 0}
+    duplicates = conflicts = 0
     dedupe_here = stage == "regroup" or not options.two_stage
     if dedupe_here:
         key = "dedupe_key" if options.chem.dedupe_key != "canonical" else "canonical_smiles"
+        if options.per_molecule == 1:
+            conflicts = _label_conflicts(table, key)
         table, duplicates = _first_of_each(table, key, options.per_molecule,
                                            "text" if options.per_molecule != 1 else None,
                                            "rank" if "rank" in table.column_names else None)
@@ -191,14 +212,16 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
         buckets = (table.column("group_hash").to_numpy() >> BUCKET_SHIFT).astype(np.uint16)
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))
         spill = spill_sorted(table, os.path.join(work_dir, f"regroup-{index}.arrow"))
-        return {"index": index, "rows": len(table), "duplicates": duplicates, "spill": spill}
+        return {"index": index, "rows": len(table), "duplicates": duplicates, "label_conflicts": conflicts,
+                "spill": spill}
     table = table.sort_by([("bucket", "ascending"), ("row_hash", "ascending")])
     staged = os.path.join(work_dir, f"partition-{index}.arrow")
     _write_ipc(table, staged)
     hashes, sizes = np.unique(table.column("group_hash").to_numpy(), return_counts=True)
     groups = os.path.join(work_dir, f"groups-{index}.npz")
     np.savez(groups, hash=hashes, size=sizes.astype(np.int64))
-    return {"index": index, "rows": len(table), "duplicates": duplicates, "staged": staged, "groups": groups}
+    return {"index": index, "rows": len(table), "duplicates": duplicates, "label_conflicts": conflicts,
+            "staged": staged, "groups": groups}
 
 
 def load_group_table(path: str, method: str):
@@ -385,6 +408,18 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
                  "target_token_ids": target_ids, "target_length": pa.array(target_lengths, pa.int32())}
     else:
         token_ids, lengths, ok, unk = _encode(encoder, token_texts(table).to_pylist())
+    # a grown vocabulary (encoder_spec[3]: the given vocabulary's size): the rows that use a token it added
+    added_from = encoder_spec[3] if encoder_spec[0] == "regex" and len(encoder_spec) > 3 else None
+    if added_from is None:
+        added = np.zeros(n, dtype=bool)
+    else:
+        id_lists = [token_ids] if not pairs else [source_ids, target_ids]
+        added = np.zeros(n, dtype=bool)
+        for ids in id_lists:
+            flat = ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
+            cum = np.concatenate([[0], np.cumsum(flat >= added_from)])
+            offsets = ids.offsets.to_numpy()
+            added |= (cum[offsets[1:]] - cum[offsets[:-1]]) > 0
     # unknown tokens are expected outside the vocabulary's own split: kept, counted
     expected_unk = unk & (split != 0) if vocab_from == "train" else np.zeros(n, dtype=bool)
     ok = (ok & ~unk) | expected_unk
@@ -430,6 +465,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "_split": pa.array(split),
         "_lbucket": pa.array(lbucket),
         "_unk": pa.array(unk),
+        "_added": pa.array(added),
         "_bucket": table.column("bucket"),
         "_row_hash": table.column("row_hash"),
         "_group_hash": table.column("group_hash"),
@@ -467,6 +503,8 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         "unknown_rows": {k: int(np.count_nonzero(out.column("_unk").to_numpy(zero_copy_only=False) & (s == k)))
                          for k in range(3)},
         "groups": {k: int(len(np.unique(out.column("_group_hash").to_numpy()[s == k]))) for k in range(3)},
+        "added_rows": {k: int(np.count_nonzero(out.column("_added").to_numpy(zero_copy_only=False) & (s == k)))
+                       for k in range(3)},
     }
 
 

@@ -158,19 +158,39 @@ def count_tokens(smiles_list: list[str], grammar: Grammar = SMILES) -> Counter:
     return counts_of_codes(token_codes(smiles_list, grammar))
 
 
-def vocab_from_counts(counts: Counter, extra=()) -> dict[str, int]:
-    """Specials first, then tokens by falling frequency, ties by the token text, then the
-    ``extra`` tokens not counted, in text order."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
-    for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+def vocab_from_counts(counts: Counter, extra=(), base: dict[str, int] | None = None) -> dict[str, int]:
+    """Specials first (or the ``base`` vocabulary, its ids unchanged), then the tokens not yet
+    in it by falling frequency, ties by the token text, then the ``extra`` tokens not counted,
+    in text order."""
+    vocab = dict(base) if base is not None else {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
+    following = max(vocab.values(), default=-1) + 1
+    for tok in [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))] + sorted(extra):
         if tok not in vocab:
-            vocab[tok] = len(vocab)
-    for tok in sorted(extra):
-        if tok not in vocab:
-            vocab[tok] = len(vocab)
-    if len(vocab) > MAX_VOCAB:
-        raise ValueError(f"vocabulary of {len(vocab)} tokens does not fit uint16 ids")
+            vocab[tok] = following
+            following += 1
+    if following > MAX_VOCAB:
+        raise ValueError(f"vocabulary of {following} tokens does not fit uint16 ids")
     return vocab
+
+
+def regex_vocabulary(path: str) -> tuple[dict[str, int], str] | None:
+    """(token -> id, the splitting pattern) of the tokenizer directory ``path`` when molds' ETL
+    wrote it with the regex kind (a word-level vocabulary split by one of ``GRAMMARS``'
+    patterns, every special token at its usual id), which a new corpus can extend; None for
+    any other tokenizer (BPE, a Hugging Face model's)."""
+    try:
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as fh:
+            spec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    pattern = (pre.get("pattern") or {}).get("Regex") if pre.get("type") == "Split" else None
+    vocab = model.get("vocab")
+    if model.get("type") != "WordLevel" or not isinstance(vocab, dict) or pattern is None:
+        return None
+    if any(vocab.get(tok) != i for i, tok in enumerate(SPECIAL_TOKENS.values())):
+        return None
+    return (vocab, pattern) if any(g.pattern == pattern for g in GRAMMARS.values()) else None
 
 
 _TETRAHEDRAL = re.compile(r"@@?(?!@|TH|AL|SP|TB|OH)")  # @ and @@, not @TH1, @SP2, ...

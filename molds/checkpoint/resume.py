@@ -10,7 +10,9 @@ recipe given now is compared with the one the checkpoint recorded:
 - any other changed key is refused, naming it, unless the run is forked
   (``--checkpoint.fork true``). So is another manifest (content hash) or tokenizer, and
   another global batch (sequences per optimizer step, whatever keys produce it). A fork too
-  refuses another tokenizer vocabulary.
+  refuses another tokenizer vocabulary, unless one of the two was grown from the other (the
+  same tokens with the same ids, then new ones): the rows of the new tokens are added, or
+  the rows of tokens this vocabulary lacks dropped.
 
 A fork starts a new run from a checkpoint's weights (and its optimizer state with
 ``checkpoint.fork_optimizer``): step 0, a fresh data cursor on the recipe's (possibly
@@ -21,6 +23,8 @@ new) manifest, a new schedule, and ``parent`` in its lineage. It writes into its
 from __future__ import annotations
 
 import fnmatch
+
+import torch
 
 from ..errors import CheckpointError, RecipeError
 
@@ -60,16 +64,19 @@ def recipe_changes(saved: dict, current: dict) -> dict:
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
-def check_resume(path: str, saved: dict, lineage: dict, fork: bool) -> dict:
+def check_resume(path: str, saved: dict, lineage: dict, fork: bool, resized: bool = False) -> dict:
     """Refuse what a resume may not change, and a fork onto another tokenizer vocabulary (the
     embedding and output rows are its tokens: another vocabulary's ids name other tokens,
-    whether or not the shapes fit); returns the applied changes (key -> [old, new])."""
-    if fork and saved.get("vocab_hash") and lineage.get("vocab_hash") and saved["vocab_hash"] != lineage["vocab_hash"]:
+    whether or not the shapes fit) unless the two begin alike (``resized``: see
+    ``resized_vocabulary``); returns the applied changes (key -> [old, new])."""
+    if (fork and not resized and saved.get("vocab_hash") and lineage.get("vocab_hash")
+            and saved["vocab_hash"] != lineage["vocab_hash"]):
         parent = saved.get("manifest") or "the parent run's manifest"
         raise CheckpointError(
             f"cannot fork {path} onto {lineage.get('manifest') or 'this manifest'}: its tokenizer vocabulary "
-            f"({lineage['vocab_hash'][:12]}) is not the checkpoint's ({saved['vocab_hash'][:12]}), whose token ids "
-            f"the embeddings are rows of. Make the manifest with the checkpoint's tokenizer: molds-preprocess ... "
+            f"({lineage['vocab_hash'][:12]}) is not the checkpoint's ({saved['vocab_hash'][:12]}), nor one grown "
+            f"from it or it from, and the embeddings are rows of the checkpoint's token ids. Make the manifest with the "
+            f"checkpoint's tokenizer (tokens it lacks are added after its own): molds-preprocess ... "
             f"--tokenizer {parent}/tokenizer")
     problems = []
     for key, what in (("manifest_hash", "manifest (content hash)"), ("vocab_hash", "tokenizer vocabulary")):
@@ -115,6 +122,63 @@ def fine_tune_heads(recipe, saved: dict | None, model) -> tuple | None:
                           "(--checkpoint.fork_optimizer false)")
     tensors = {k: v.clone() for k, v in canonical_state(model).items() if k.startswith(heads)}
     return heads, tensors, changed
+
+
+def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manifest, model) -> tuple | None:
+    """A fork onto a manifest whose tokenizer vocabulary and the checkpoint's begin alike, one
+    the other's first tokens with the same ids: this one grown from the checkpoint's
+    (``molds-preprocess --tokenizer`` with the checkpoint's tokenizer added the tokens it
+    lacked, after its own), or the checkpoint's grown from this one (a model pretrained on
+    molecules whose vocabulary was grown from the pairs it is forked onto). Returns (the
+    checkpoint's vocabulary size, this one's, {canonical name: tensor}) where each tensor with
+    one row per token (embeddings, output layer, its bias; along whichever axis has one entry
+    per token) holds the checkpoint's rows, cut to this vocabulary or followed by new rows at
+    the mean of the checkpoint's. None when the
+    vocabulary is the checkpoint's, for a resume or a fresh start, or when the two do not
+    begin alike (``check_resume`` refuses that fork)."""
+    if saved is None or not recipe.checkpoint.fork or not saved.get("vocab_hash"):
+        return None
+    block = manifest.data["tokenizer"]
+    if saved["vocab_hash"] == block.get("vocab_hash"):
+        return None
+    from ..data.manifest import vocab_hash
+    from .state import canonical_state, read_model
+
+    vocab = manifest.check_tokenizer()
+    old = None
+    # grown: the checkpoint's size is its lineage's (written since), else the one the manifest says it grew
+    for n in sorted({saved.get("vocab_size"), (block.get("extends") or {}).get("vocab_size")} - {None}):
+        if 0 < n < len(vocab) and vocab_hash({t: i for t, i in vocab.items() if i < n}) == saved["vocab_hash"]:
+            old = n
+    # cut: the checkpoint's vocabulary was grown from this one
+    parent = saved.get("vocab_extends") or {}
+    if old is None and parent.get("vocab_hash") == block.get("vocab_hash") and saved.get("vocab_size"):
+        old = int(saved["vocab_size"])
+    if old is None:
+        return None
+    if recipe.checkpoint.fork_optimizer:
+        raise RecipeError(f"checkpoint.fork_optimizer: the vocabulary changes ({old} -> {len(vocab)} tokens), so "
+                          f"its rows' optimizer moments do not fit: fork the weights alone "
+                          f"(--checkpoint.fork_optimizer false)")
+    weights, own = read_model(checkpoint), canonical_state(model)
+    resized = {}
+    for name, was in weights.items():
+        now = own.get(name)
+        if now is None or was.dim() != now.dim():
+            continue
+        # the axis of one entry per token (dim 0 of an embedding; the last of BART's logits bias)
+        axes = [d for d in range(was.dim()) if was.shape[d] == old and now.shape[d] == len(vocab)
+                and all(was.shape[e] == now.shape[e] for e in range(was.dim()) if e != d)]
+        if len(axes) == 1:
+            d = axes[0]
+            kept = was.float().narrow(d, 0, min(old, len(vocab)))
+            shape = list(was.shape)
+            shape[d] = max(0, len(vocab) - old)
+            resized[name] = torch.cat([kept, was.float().mean(d, keepdim=True).expand(shape)], d).to(was.dtype)
+    if not resized:
+        raise CheckpointError(f"{checkpoint}: the vocabulary changes from {old} to {len(vocab)} tokens, but no "
+                              f"weight of the checkpoint has one row per token")
+    return old, len(vocab), resized
 
 
 def resumed_dtype(recipe, saved: dict | None) -> str | None:

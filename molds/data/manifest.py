@@ -203,6 +203,33 @@ class Manifest:
                 check_token_ids(pf, f"shard {shard.uri} of {self.path}", vocab_size)
 
 
+def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float], list[float], list[int]]:
+    """(mean, standard deviation, count) of each label over a split's rows where it is
+    present (a missing label is NaN); a task with fewer than two labels, or all equal, has
+    standard deviation 1, a task with none mean 0. What a regression model standardizes its
+    labels by (``molds.models.encoder``)."""
+    import fsspec
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    blocks = []
+    for shard in manifest.shards(split):
+        with fsspec.open(shard.path, "rb") as fh:
+            table = pq.read_table(fh, columns=["labels"])
+        values = table.column("labels").combine_chunks()
+        if len(values):
+            blocks.append(np.asarray(values.to_pylist(), dtype=float).reshape(len(values), -1))
+    if not blocks:
+        return [], [], []
+    y = np.concatenate(blocks)
+    count = (~np.isnan(y)).sum(axis=0)
+    with np.errstate(invalid="ignore"):
+        mean = np.where(count > 0, np.nansum(y, axis=0) / np.maximum(count, 1), 0.0)
+        std = np.sqrt(np.nansum((y - mean) ** 2, axis=0) / np.maximum(count - 1, 1))
+    std = np.where((count > 1) & (std > 0), std, 1.0)
+    return mean.tolist(), std.tolist(), count.astype(int).tolist()
+
+
 def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
     """(row, id) of the first token id outside [0, vocab_size) in ``ids`` (a pyarrow list
     array of ints, one list per row), or None."""

@@ -5,7 +5,10 @@ Heads: the MLM head of ``RobertaForMaskedLM`` and, with ``num_tasks > 0``, a
 ``RobertaClassificationHead`` on the <bos> token. The forward returns the MLM logits
 and the head's predictions; ``molds.models.loss.EncoderLoss`` scores them (masked
 binary cross-entropy for sparse multi-task classification or masked MSE for
-regression, missing labels carrying no loss). The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
+regression, missing labels carrying no loss). A regression head predicts labels
+standardized by the training split's mean and standard deviation (``label_mean``,
+``label_std``: buffers, so the checkpoint keeps them); its predictions are in the labels'
+own units and the loss divides their error by ``label_std``. The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
 so ``molds-export`` writes either without renaming.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -46,8 +50,8 @@ class EncoderConfig:
 
 class MoleculeEncoder(nn.Module):
     #: what a fine-tuning fork (another ``model.num_tasks`` or ``task_type``) starts afresh:
-    #: the property heads, by canonical name prefix
-    TASK_HEADS = ("classifier.",)
+    #: the property heads and a regression's label scale, by canonical name prefix
+    TASK_HEADS = ("classifier.", "label_")
     #: the recipe keys that define the heads
     TASK_KEYS = ("model.num_tasks", "model.task_type")
 
@@ -60,12 +64,26 @@ class MoleculeEncoder(nn.Module):
         hf = cfg.hf_config()
         self.mlm = RobertaForMaskedLM(hf)
         self.classifier = RobertaClassificationHead(hf) if cfg.num_tasks else None
+        self.regression = bool(cfg.num_tasks) and cfg.task_type == "regression"
+        if self.regression:  # the training split's label mean and standard deviation per task
+            self.register_buffer("label_mean", torch.zeros(cfg.num_tasks))
+            self.register_buffer("label_std", torch.ones(cfg.num_tasks))
+
+    def set_label_scale(self, mean, std) -> None:
+        """A regression head predicts standardized labels, ``(y - mean) / std`` per task; its
+        predictions come out in the labels' own units (so do the metrics, ``molds-predict`` and
+        the exported model's logits)."""
+        self.label_mean.copy_(torch.as_tensor(mean, dtype=self.label_mean.dtype))
+        self.label_std.copy_(torch.as_tensor(std, dtype=self.label_std.dtype))
 
     def forward(self, input_ids, attention_mask=None, **_):
         hidden = self.mlm.roberta(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         out = {"logits": self.mlm.lm_head(hidden)}
         if self.classifier is not None:
             out["predictions"] = self.classifier(hidden)
+            if self.regression:  # the loss divides the error by the same scale: standardized MSE
+                out["predictions"] = out["predictions"] * self.label_std + self.label_mean
+                out["prediction_scale"] = self.label_std
         return out
 
     def flops_coefficients(self) -> tuple[float, float]:

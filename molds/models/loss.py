@@ -42,15 +42,18 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, document_ids: tor
                            ignore_index=IGNORE_INDEX)
 
 
-def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, task_type: str):
-    """Mean over the labels that are present (``mask``): BCE with logits, or MSE."""
+def masked_task_loss(pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, task_type: str,
+                     scale: torch.Tensor | None = None):
+    """Mean over the labels that are present (``mask``): BCE with logits, or MSE (of the error
+    divided by ``scale`` per task: the MSE of standardized labels)."""
     if mask is None:
         mask = torch.ones_like(labels, dtype=torch.bool)
     mask = mask.bool()
     if task_type == "classification":
         per = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
     else:
-        per = (pred - labels) ** 2
+        error = (pred - labels) if scale is None else (pred - labels) / scale.to(pred.dtype)
+        per = torch.where(mask, error, torch.zeros_like(error)) ** 2  # a missing label may be NaN
     per = per * mask
     return per.sum() / mask.sum().clamp(min=1)
 
@@ -113,7 +116,8 @@ class EncoderLoss:
                                           batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX))
         if batch.get("labels") is not None and "predictions" in outputs:
             losses.append(masked_task_loss(upcast(outputs["predictions"]), batch["labels"].to(
-                upcast(outputs["predictions"]).dtype), batch.get("label_mask"), self.task_type))
+                upcast(outputs["predictions"]).dtype), batch.get("label_mask"), self.task_type,
+                outputs.get("prediction_scale")))
         if not losses:
             raise ValueError("the batch has no target this model can be trained on")
         return sum(losses)

@@ -208,7 +208,9 @@ class ModelConfig:
     """Encoder property heads: number of label columns (0: MLM only)."""
 
     task_type: Literal["classification", "regression"] = "classification"
-    """Encoder property heads: masked BCE (classification) or masked MSE (regression)."""
+    """Encoder property heads: masked BCE (classification) or masked MSE (regression, of labels
+    standardized by the train split's mean and standard deviation per task; predictions,
+    metrics and the exported model in the labels' own units)."""
 
     tie_embeddings: bool = True
     """Decoder: the LM head shares the token embedding matrix."""

@@ -89,7 +89,7 @@ def test_fine_tuning_trains_says_so_and_refuses_forked_moments(pretrained, datas
     result = main(_argv(dataset, fine, "ddp", 3, tasks=2,
                         extra=["--checkpoint.resume", pre, "--checkpoint.fork", "true"]))
     err = capfd.readouterr().err
-    assert "fine-tuning fork: the property heads (classifier.*) start afresh" in err
+    assert "fine-tuning fork: the property heads (classifier.*, label_*) start afresh" in err
     assert "model.num_tasks 0 -> 2" in err
     import json
 

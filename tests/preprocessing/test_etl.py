@@ -196,3 +196,34 @@ def test_the_command_runs_with_glibcs_larger_malloc_cache_unless_the_user_set_on
         assert proc.stdout.strip().endswith("manifest.json"), proc.stdout  # printed once: one run, not two
         assert proc.stdout.count("manifest.json") == 1, proc.stdout
         assert json.load(open(out / "report.json"))["glibc_tunables"] == want
+
+
+@pytest.mark.parametrize("dedupe_key", ["canonical", "inchikey"])
+def test_duplicates_with_other_labels_are_counted(tmp_path, dedupe_key):
+    """The rule for a molecule that comes twice: the first row in input order is kept with its
+    labels, the later ones go with theirs; those whose labels differ (a missing label equals
+    only a missing one) are counted, as an independent count over RDKit's canonical SMILES
+    and the raw cells finds them."""
+    import csv
+
+    from rdkit import Chem
+
+    rows = [("CCO", "1", "0.5"), ("OCC", "1", "0.5"), ("C(O)C", "0", "0.5"),  # one conflict
+            ("c1ccccc1", "1", ""), ("C1=CC=CC=C1", "1", ""), ("c1ccccc1", "1", "2"),  # one conflict (missing vs 2)
+            ("CC(=O)O", "", "3"), ("OC(C)=O", "", "3.0"), ("CCN", "0", "1"), ("NCC", "0", "1.5")]  # 3.0 == 3; one
+    path = tmp_path / "dups.csv"
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh).writerows([("smiles", "a", "b"), *rows])
+    m = run_etl(str(tmp_path / "out"), [str(path)], label_columns=["a", "b"], dedupe_key=dedupe_key, split="random")
+    first, conflicts = {}, 0
+    for smiles, a, b in rows:
+        key = Chem.MolToSmiles(Chem.MolFromSmiles(smiles))
+        cells = tuple(float(v) if v else None for v in (a, b))
+        if key in first:
+            conflicts += first[key] != cells
+        else:
+            first[key] = cells
+    assert conflicts == 3
+    assert m["stats"]["duplicates"] == len(rows) - len(first)
+    assert m["stats"]["duplicates_with_other_labels"] == conflicts
+    assert "other_labels" not in json.dumps(run_etl(str(tmp_path / "plain"), [str(path)])["stats"])

@@ -1,0 +1,163 @@
+"""A property model's figures, checked from outside molds: ``molds-eval``'s ROC-AUC and RMSE
+equal scikit-learn's on the predictions of the exported transformers model for the test
+molecules and labels read from the shards; a regression head learns labels standardized by
+the training split (its mean and standard deviation, computed here with numpy, kept in the
+checkpoint) and its predictions, metrics and exported logits come back in the labels' own
+units; the standardized loss is the one written out by hand."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.preprocessing.conftest import sample_smiles
+
+
+def _labelled(d, columns, n=360):
+    """Molecules with two regression labels in large units (500 + 100 x Crippen logP; 10 x
+    TPSA, missing for every fifth molecule) and two classes (logP > 2.5, missing for every
+    seventh; TPSA > 60), preprocessed with the label ``columns`` named."""
+    from rdkit import Chem
+    from rdkit.Chem import Crippen, rdMolDescriptors
+
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    path = d / "labelled.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["smiles", "logp", "tpsa", "lipophilic", "polar"])
+        for i, s in enumerate(sample_smiles(n, offset=12000)):
+            mol = Chem.MolFromSmiles(s)
+            logp, tpsa = Crippen.MolLogP(mol), rdMolDescriptors.CalcTPSA(mol)
+            w.writerow([s, 500 + 100 * logp, "" if i % 5 == 0 else 10 * tpsa, "" if i % 7 == 0 else int(logp > 2.5),
+                        int(tpsa > 60)])
+    out = str(d / "_".join(columns))
+    run(PreprocessConfig(input=[str(path)], output=out, label_columns=list(columns), workers=1, progress=False,
+                         split="scaffold"))
+    return out
+
+
+def _split(manifest_dir, split):
+    """(token ids of each row, labels [N, T] with NaN) of a split, read from its shards."""
+    import json
+
+    m = json.load(open(os.path.join(manifest_dir, "manifest.json")))
+    ids, labels = [], []
+    for s in m["splits"][split]:
+        t = pq.read_table(os.path.join(manifest_dir, s["uri"]))
+        ids += t.column("token_ids").to_pylist()
+        labels += [[np.nan if v is None else v for v in row] for row in t.column("labels").to_pylist()]
+    return ids, np.asarray(labels, dtype=float)
+
+
+def _argv(manifest, out, tasks, task_type, label_columns=None):
+    return ["--data.manifest", manifest, "--data.mode", "bucketed", "--data.max_tokens_per_batch", "2048",
+            "--data.bucket_pool", "200", "--data.max_length", "128", "--data.mlm_probability", "0.15",
+            "--data.with_labels", "true", "--model.family", "encoder", "--model.hidden_size", "32",
+            "--model.num_layers", "1", "--model.num_heads", "4", "--model.max_position_embeddings", "160",
+            "--model.dropout", "0.0", "--model.num_tasks", str(tasks), "--model.task_type", task_type,
+            "--parallel.engine", "ddp", "--optim.lr", "2e-3", "--optim.warmup_steps", "2",
+            "--trainer.max_steps", "25", "--trainer.precision", "fp32", "--logging.progress", "false",
+            "--eval.interval_steps", "0", "--checkpoint.average_last", "0", "--run.output_dir", out]
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """(a regression set, a classification set) of the same molecules."""
+    d = tmp_path_factory.mktemp("props")
+    return _labelled(d, ("logp", "tpsa")), _labelled(d, ("lipophilic", "polar"))
+
+
+def _hf_predictions(export_dir, ids, specials):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(export_dir).eval()
+    out = []
+    with torch.no_grad():
+        for row in ids:
+            x = torch.tensor([[specials.bos, *row, specials.eos]])
+            out.append(model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].numpy())
+    return np.asarray(out)
+
+
+def test_regression_learns_standardized_labels_and_answers_in_their_units(labelled, tmp_path, capfd):
+    from sklearn.metrics import mean_squared_error
+
+    from molds.checkpoint import open_checkpoint
+    from molds.data.manifest import Manifest, label_moments
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.export import export
+    from molds.train import main
+
+    labelled = labelled[0]
+    _, train_labels = _split(labelled, "train")
+    mean, std, count = label_moments(Manifest.load(labelled), "train")
+    want_mean = np.nanmean(train_labels, axis=0)
+    want_std = np.nanstd(train_labels, axis=0, ddof=1)
+    assert np.allclose(mean, want_mean) and np.allclose(std, want_std)
+    assert count == list((~np.isnan(train_labels)).sum(axis=0))
+
+    run = str(tmp_path / "reg")
+    result = main(_argv(labelled, run, 2, "regression"))
+    assert "regression labels standardized by the train split's mean and standard deviation: logp" in \
+        capfd.readouterr().err
+    import json
+
+    lineage = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
+    assert np.allclose(lineage["label_scale"]["mean"], want_mean) and np.allclose(lineage["label_scale"]["std"],
+                                                                                    want_std)
+    loaded = open_checkpoint(run)
+    assert np.allclose(loaded.model.label_std.numpy(), want_std)  # kept in the checkpoint's weights
+    report = evaluate_checkpoint(run, split="test")
+    out = str(tmp_path / "hf")
+    export(run, out)
+    ids, y = _split(labelled, "test")
+    pred = _hf_predictions(out, ids, loaded.specials)
+    for t, name in enumerate(["logp", "tpsa"]):
+        seen = ~np.isnan(y[:, t])
+        rmse = float(np.sqrt(mean_squared_error(y[seen, t], pred[seen, t])))
+        assert report["property"]["per_task"][name]["rmse"] == pytest.approx(rmse, rel=1e-4), name
+        # in the labels' units: within a few standard deviations of labels centred near 700 and 600
+        assert rmse < 3 * want_std[t] and abs(pred[seen, t].mean() - y[seen, t].mean()) < 2 * want_std[t], name
+
+
+def test_classification_roc_auc_is_scikit_learns_on_the_exported_model(labelled, tmp_path):
+    from sklearn.metrics import roc_auc_score
+
+    from molds.checkpoint import open_checkpoint
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.export import export
+    from molds.train import main
+
+    labelled = labelled[1]
+    run = str(tmp_path / "cls")
+    main(_argv(labelled, run, 2, "classification"))
+    report = evaluate_checkpoint(run, split="test")
+    out = str(tmp_path / "hf")
+    export(run, out)
+    ids, y = _split(labelled, "test")
+    pred = _hf_predictions(out, ids, open_checkpoint(run).specials)
+    for t, name in enumerate(["lipophilic", "polar"]):
+        seen = ~np.isnan(y[:, t])
+        assert 0 < y[seen, t].sum() < seen.sum()
+        want = roc_auc_score(y[seen, t], pred[seen, t])
+        assert report["property"]["per_task"][name]["auroc"] == pytest.approx(want, abs=1e-6), name
+
+
+def test_the_standardized_loss_is_the_one_written_by_hand():
+    from molds.models.loss import masked_task_loss
+
+    g = torch.Generator().manual_seed(0)
+    pred, labels = torch.randn(7, 3, generator=g) * 50, torch.randn(7, 3, generator=g) * 50
+    mask = torch.rand(7, 3, generator=g) > 0.3
+    scale = torch.tensor([10.0, 0.5, 3.0])
+    want = np.mean([((pred[i, t] - labels[i, t]) / scale[t]).item() ** 2
+                    for i in range(7) for t in range(3) if mask[i, t]])
+    got = masked_task_loss(pred, labels, mask, "regression", scale)
+    assert got.item() == pytest.approx(want, rel=1e-6)
