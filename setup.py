@@ -45,6 +45,8 @@ setup(
         "scikit-learn>=1.3",
         "scipy>=1.10",
         "pillow>=9",
+        # a property model's ROC curves and parity plots (molds-eval's report, TensorBoard)
+        "matplotlib>=3.7",
         "fcd_torch>=1.0.7",
         # the kernels (molds/kernels): compiled on a GPU, in Triton's interpreter on a CPU for
         # tests; no wheel outside Linux, where every op takes its PyTorch path

@@ -11,6 +11,14 @@ when the beam is no molecule), ``score`` (log-probability / length ** length_pen
 ``--augment K``, the prediction's vote over K spellings of the source),
 ``text`` (what the tokens spell) and ``note`` (why an input has no predictions: a molecule
 RDKit refuses, a token the vocabulary lacks, too long for the model).
+
+For a property model (an encoder with property heads, ``molds-train`` with labels), one row
+per input: ``row``, ``input``, ``canonical``, one column per task (the label columns the
+model was trained on: a probability for classification, a value in the label's units for
+regression) and ``note`` (why an input has no prediction; or that it was cut to the model's
+length). ``--augment K``: the mean over the canonical spelling and K - 1 randomized ones.
+
+    molds-predict runs/assay --input molecules.csv --column smiles --augment 8 --out scores.csv
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from . import CHECKPOINT_HELP, new_parser, parse
 
 
 def build_parser():
-    p = new_parser("molds-predict", "The top-k predictions (beam search) of a pair model for each source of a file.")
+    p = new_parser("molds-predict", "The top-k predictions (beam search) of a pair model for each source of a file, "
+                                    "or a property model's predictions for each molecule.")
     p.add_argument("checkpoint", type=str, help=CHECKPOINT_HELP)
     p.add_argument("--input", type=str, required=True,
                    help="sources, one a line (.smi/.txt: the first field), or a CSV with --column")
@@ -72,6 +81,8 @@ def run(argv: list[str]) -> int:
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
         raise MoldsError("--beams, --batch_size and --augment must be >= 1, --max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
+    if loaded.family == "encoder":
+        return _properties(args, loaded)
     info = loaded.manifest.pairs
     if info is None or loaded.family not in ("decoder", "seq2seq"):
         raise MoldsError(f"{loaded.checkpoint} is no pair model (its manifest {loaded.manifest.path} holds molecules"
@@ -127,6 +138,43 @@ def run(argv: list[str]) -> int:
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
                "beams": args.beams, "augment": args.augment, "out": args.out}
+    print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
+    return 0
+
+
+def _properties(args, loaded) -> int:
+    """An encoder's property predictions, one row per input."""
+    import csv
+    import io
+    import json
+
+    from ..errors import MoldsError
+    from ..eval.properties import predict_properties
+    from ..runtime.atomic import write_text
+
+    if not int(loaded.recipe["model"].get("num_tasks") or 0):
+        raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
+                         f"no property; fork it with labels first (docs/tutorials/fine-tune.md)")
+    sources = read_sources(args.input, args.column)
+    found = predict_properties(loaded, [text for _, text in sources], augment=args.augment, seed=args.seed)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["row", "input", "canonical", *found.tasks, "note"])
+    for i, (row, text) in enumerate(sources):
+        values = found.values.get(i)
+        w.writerow([row, text, found.canonical.get(i, ""),
+                    *([f"{v:.9g}" for v in values] if values is not None else [""] * len(found.tasks)),
+                    found.notes.get(i, "")])
+    if args.out == "-":
+        sys.stdout.write(buf.getvalue())
+    else:
+        write_text(args.out, buf.getvalue())
+    refused = [found.notes[i] for i in range(len(sources)) if i not in found.values]
+    summary = {"checkpoint": loaded.checkpoint, "tasks": found.tasks, "task_type": loaded.recipe["model"]["task_type"],
+               "inputs": len(sources), "predicted": len(found.values),
+               "refused": dict(sorted({r: refused.count(r) for r in set(refused)}.items())),
+               "truncated": found.truncated, "augment": args.augment, "spellings": found.spellings,
+               "spellings_skipped": found.spellings_skipped, "out": args.out}
     print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
     return 0
 

@@ -178,6 +178,12 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                                 mlm_probability=0.0)
         y, p = property_predictions(forward, cfg)
         report["property"] = property_report(y, p, model_cfg, m)
+        from .plots import property_figure, roc_points
+
+        names = list(report["property"]["per_task"])
+        if model_cfg["task_type"] == "classification":
+            report["property"]["roc"] = roc_points(y, p, names)
+        report["_figure"] = property_figure(y, p, names, model_cfg["task_type"])
         report["metrics"] = {k: v for k, v in report["property"]["macro"].items() if not k.endswith("_tasks")}
     else:
         prob = loaded.recipe["data"].get("mlm_probability") or 0.15

@@ -34,15 +34,30 @@ def markdown(report: dict) -> str:
             cells = [("n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v))
                      for k, v in vals.items() if k != "n"]
             lines.append(f"| {task} | {vals['n']} | " + " | ".join(cells) + " |")
+    for picture in report.get("figures") or []:
+        lines += ["", f"![{picture[:-4]}]({picture})"]
     if report.get("examples"):
         lines += ["", "First samples (valid or not): " + ", ".join(f"`{s}`" for s in report["examples"][:10])]
     return "\n".join(lines) + "\n"
 
 
 def write_report(out: str, report: dict) -> None:
-    from ..runtime.atomic import write_text
+    """``eval.json``, ``eval.md`` and a property model's picture (``roc.png`` or
+    ``parity.png``, linked from ``eval.md``); the picture leaves the report (and a per-seed
+    report's, which is not drawn)."""
+    from ..runtime.atomic import write_bytes, write_text
 
     os.makedirs(out, exist_ok=True)
+    figure = report.pop("_figure", None)
+    for each in report.get("per_seed") or []:
+        if isinstance(each, dict):
+            each.pop("_figure", None)
+    if figure is not None:
+        from .plots import figure_png
+
+        name, fig = figure
+        write_bytes(os.path.join(out, f"{name}.png"), figure_png(fig))
+        report["figures"] = [f"{name}.png"]
     write_text(os.path.join(out, "eval.json"), json.dumps(report, indent=2))
     write_text(os.path.join(out, "eval.md"), markdown(report))
 

@@ -110,7 +110,7 @@ class TrainingEvaluator:
         if dist.is_main and beams is not None:
             values.update(self._score_pairs(beams, kind, step))
         if dist.is_main and predictions is not None:
-            values.update(self._score_properties(predictions))
+            values.update(self._score_properties(predictions, step))
         self.log.scalars(step, values)
         if kind == "full":
             self.final = values
@@ -150,14 +150,20 @@ class TrainingEvaluator:
         self.log.text("eval/predictions", shown, step)
         return {f"eval/{k}": v for k, v in acc.items() if k != "inputs"}
 
-    def _score_properties(self, parts: list) -> dict:
+    def _score_properties(self, parts: list, step: int) -> dict:
         import numpy as np
+
+        from molds.eval.plots import figure_rgb, property_figure
 
         parts = [(y, p) for y, p in parts if len(y)]
         if not parts:
             return {}
         labels, preds = np.concatenate([y for y, _ in parts]), np.concatenate([p for _, p in parts])
-        macro = property_report(labels, preds, dataclasses.asdict(self.recipe.model), self.manifest)["macro"]
+        report = property_report(labels, preds, dataclasses.asdict(self.recipe.model), self.manifest)
+        macro = report["macro"]
+        figure = property_figure(labels, preds, list(report["per_task"]), self.recipe.model.task_type)
+        if figure is not None:
+            self.log.image("eval/roc" if figure[0] == "roc" else "eval/parity", figure_rgb(figure[1]), step)
         return {f"eval/{k}": v for k, v in macro.items() if not k.endswith("_tasks") and v is not None}
 
     def _sample(self, total: int, step: int) -> list:

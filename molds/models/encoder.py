@@ -76,9 +76,11 @@ class MoleculeEncoder(nn.Module):
         self.label_mean.copy_(torch.as_tensor(mean, dtype=self.label_mean.dtype))
         self.label_std.copy_(torch.as_tensor(std, dtype=self.label_std.dtype))
 
-    def forward(self, input_ids, attention_mask=None, **_):
+    def forward(self, input_ids, attention_mask=None, mlm_labels=None, **_):
         hidden = self.mlm.roberta(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        out = {"logits": self.mlm.lm_head(hidden)}
+        # a model with property heads reads its tokens' logits only where a batch is masked: a
+        # fine-tune without masking leaves the MLM head out of the graph on every step alike
+        out = {"logits": self.mlm.lm_head(hidden)} if self.classifier is None or mlm_labels is not None else {}
         if self.classifier is not None:
             out["predictions"] = self.classifier(hidden)
             if self.regression:  # the loss divides the error by the same scale: standardized MSE

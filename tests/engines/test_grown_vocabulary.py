@@ -187,3 +187,32 @@ def test_a_fork_grows_its_rows_trains_and_scores_every_test_molecule(sets, tmp_p
     _etl(d / "labelled.csv", other, label_columns=["y"])
     with pytest.raises(CheckpointError, match="nor one grown from it or it from"):
         main(_argv(str(other), str(tmp_path / "ft3"), 1, 1, fork))
+
+
+def _fine_tuned(rank, world, argv):
+    from molds.checkpoint import resolve
+    from molds.checkpoint.state import read_model
+    from molds.train import main
+
+    main(argv)
+    return read_model(resolve(argv[argv.index("--run.output_dir") + 1]))
+
+
+def test_a_fine_tune_without_masking_trains_on_two_ddp_ranks(sets, tmp_path):
+    """Labels alone (``data.mlm_probability 0``) under DDP on two ranks, its static graph on:
+    the MLM head is out of the graph on every step, so it trains (DDP refused it when the head's
+    logits were computed and never used) and the head keeps the pretrained weights."""
+    from molds.checkpoint import resolve
+    from molds.checkpoint.state import read_model
+    from molds.train import main
+
+    pre, grown, _, _ = sets
+    main(_argv(pre, str(tmp_path / "pre"), 2, 0))
+    parent = read_model(resolve(str(tmp_path / "pre")))
+    argv = _argv(grown, str(tmp_path / "ft"), 4, 1, ["--checkpoint.resume", str(tmp_path / "pre"),
+                                                    "--checkpoint.fork", "true"])
+    argv[argv.index("--data.mlm_probability") + 1] = "0.0"
+    tuned = run_ranks(_fine_tuned, 2, argv)[0]
+    assert torch.equal(tuned["mlm.lm_head.dense.weight"], parent["mlm.lm_head.dense.weight"])
+    moved = tuned["mlm.roberta.encoder.layer.0.attention.self.query.weight"]
+    assert not torch.equal(moved, parent["mlm.roberta.encoder.layer.0.attention.self.query.weight"])

@@ -161,3 +161,112 @@ def test_the_standardized_loss_is_the_one_written_by_hand():
                     for i in range(7) for t in range(3) if mask[i, t]])
     got = masked_task_loss(pred, labels, mask, "regression", scale)
     assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("which,task_type", [(0, "regression"), (1, "classification")])
+def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled, tmp_path, which, task_type):
+    """``molds-predict`` on raw SMILES: per molecule, the exported transformers model's output
+    on the tokens the ETL stored for it (a regression's in label units, a classification's as
+    the sigmoid of its logit); with ``--augment 3`` the mean of the exported model's outputs over
+    the canonical and two randomized spellings; a row RDKit refuses and one with a token the
+    vocabulary lacks are named, not dropped."""
+    from molds.checkpoint import open_checkpoint
+    from molds.cli.predict import main as predict
+    from molds.data.randomize import restricted_variants
+    from molds.export import export
+    from molds.train import main
+
+    manifest = labelled[which]
+    run, hf = str(tmp_path / "run"), str(tmp_path / "hf")
+    main(_argv(manifest, run, 2, task_type))
+    export(run, hf)
+    specials = open_checkpoint(run).specials
+    ids, _ = _split(manifest, "test")
+    import json
+
+    m = json.load(open(os.path.join(manifest, "manifest.json")))
+    raws, canon = [], []
+    for s in m["splits"]["test"]:
+        t = pq.read_table(os.path.join(manifest, s["uri"]))
+        raws += t.column("raw_smiles").to_pylist()
+        canon += t.column("canonical_smiles").to_pylist()
+    src = tmp_path / "in.csv"
+    with open(src, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["id", "smiles"])
+        w.writerows([i, s] for i, s in enumerate(raws + ["C1CC(", "CC[U]C"]))
+
+    def read(path):
+        with open(path, newline="") as fh:
+            return list(csv.DictReader(fh))
+
+    def expected(rows_of_ids):
+        out = _hf_predictions(hf, rows_of_ids, specials)
+        return out if task_type == "regression" else 1 / (1 + np.exp(-out))
+
+    tasks = ["logp", "tpsa"] if which == 0 else ["lipophilic", "polar"]
+    assert predict([run, "--input", str(src), "--column", "smiles", "--out", str(tmp_path / "p.csv")]) == 0
+    rows = read(tmp_path / "p.csv")
+    assert len(rows) == len(raws) + 2
+    got = np.asarray([[float(r[t]) for t in tasks] for r in rows[:len(raws)]])
+    assert [r["canonical"] for r in rows[:len(raws)]] == canon
+    assert np.allclose(got, expected(ids), rtol=2e-6, atol=2e-6)
+    assert rows[-2]["note"] == "parse_error" and rows[-2]["logp" if which == 0 else "polar"] == ""
+    assert rows[-1]["note"] == "unknown_token"
+
+    assert predict([run, "--input", str(src), "--column", "smiles", "--augment", "3",
+                    "--out", str(tmp_path / "a.csv")]) == 0
+    aug = np.asarray([[float(r[t]) for t in tasks] for r in read(tmp_path / "a.csv")[:len(raws)]])
+    tok = open_checkpoint(run).tokenizer
+    want = []
+    for c, row_ids in zip(canon, ids):
+        spellings = [row_ids] + [tok(v, add_special_tokens=False)["input_ids"]
+                                 for v in restricted_variants(c, [1, 2])]
+        want.append(expected(spellings).mean(axis=0))
+    assert np.allclose(aug, np.asarray(want), rtol=2e-6, atol=2e-6)
+    assert (~np.isclose(aug, got, rtol=2e-5, atol=2e-5)).any()  # the other spellings were read
+
+
+def test_pictures_of_the_predictions_in_the_report_and_tensorboard(labelled, tmp_path):
+    """A classification model's ROC curves: ``eval.json``'s points are scikit-learn's
+    ``roc_curve`` on the exported model's test predictions, ``roc.png`` is linked from
+    ``eval.md``, and the training's final evaluation put the picture in TensorBoard; a
+    regression model gets ``parity.png``."""
+    from sklearn.metrics import roc_curve
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from molds.checkpoint import open_checkpoint
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.eval.report import write_report
+    from molds.export import export
+    from molds.train import main
+
+    run, hf = str(tmp_path / "cls"), str(tmp_path / "hf")
+    main(_argv(labelled[1], run, 2, "classification") + ["--eval.interval_steps", "25", "--eval.split", "valid",
+                                                         "--logging.tensorboard", "true"])
+    report = evaluate_checkpoint(run, split="test")
+    out = str(tmp_path / "report")
+    write_report(out, report)
+    with open(os.path.join(out, "roc.png"), "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "![roc](roc.png)" in open(os.path.join(out, "eval.md")).read()
+    export(run, hf)
+    ids, y = _split(labelled[1], "test")
+    pred = _hf_predictions(hf, ids, open_checkpoint(run).specials)
+    import json
+
+    points = json.load(open(os.path.join(out, "eval.json")))["property"]["roc"]
+    for t, name in enumerate(["lipophilic", "polar"]):
+        seen = ~np.isnan(y[:, t])
+        fpr, tpr, _ = roc_curve(y[seen, t], pred[seen, t])
+        assert len(points[name]["fpr"]) == len(fpr)
+        assert np.allclose(points[name]["fpr"], fpr, atol=1e-6) and np.allclose(points[name]["tpr"], tpr, atol=1e-6)
+    events = EventAccumulator(os.path.join(run, "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert "eval/roc" in events.Tags()["images"]
+
+    reg = str(tmp_path / "reg")
+    main(_argv(labelled[0], reg, 2, "regression"))
+    out = str(tmp_path / "reg-report")
+    write_report(out, evaluate_checkpoint(reg, split="test"))
+    assert os.path.getsize(os.path.join(out, "parity.png")) > 1000
+    assert "roc" not in json.load(open(os.path.join(out, "eval.json")))["property"]

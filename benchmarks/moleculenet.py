@@ -1,0 +1,625 @@
+"""Property prediction on MoleculeNet-style sets: molds' encoder beside Chemprop's D-MPNN and a
+fingerprint random forest, on the very same splits, molecules and labels.
+
+    python benchmarks/moleculenet.py --data-dir DIR [--sets bbbp bace tox21 esol lipo]
+        | --input FILE [--smiles-column C] [--label-columns A,B] [--task-type T] [--name N]
+        [--splits scaffold scaffold_random] [--seeds 0 1 2] [--models molds chemprop rf]
+        [--corpus moses_train.csv.gz --corpus-every 4 --pretrain-time 50m | --pretrained RUN]
+        [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--augment 1] [--nproc 2]
+        [--output-dir runs/moleculenet]
+
+Any CSV of the kind works: a SMILES column and label columns (by default every other column;
+an empty cell is a missing label). The task type is ``classification`` when every label is
+0 or 1, else ``regression``, unless ``--task-type`` says. ``--data-dir`` takes MoleculeNet's
+files as Chemprop's repository ships them (``SETS``: the file, its SMILES column; nothing
+else differs between sets).
+
+1. **Pretraining, once.** The molecules of ``--corpus`` (MOSES: every ``--corpus-every``-th),
+   less every molecule of the benchmark's files (compared as RDKit's non-isomeric canonical
+   SMILES, of the whole molecule and of its largest fragment), are preprocessed
+   (``molds-preprocess``, regex tokenizer) and ``recipes/cpu_property.json`` pretrains an
+   encoder on them by masked-token loss alone (``--model.num_tasks 0``, 15 % masking, lr
+   1e-3) for ``--pretrain-time``. ``--pretrained RUN`` takes a run made so instead.
+2. **Splits.** For each set and each split (``scaffold``: deterministic, the largest scaffold
+   groups to train; ``scaffold_random``: scaffold groups in a seeded random order, one split
+   per seed), ``molds-preprocess --label-columns ... --tokenizer PRETRAINED/tokenizer
+   --split-fractions 0.8,0.1,0.1``: canonical molecules, duplicates dropped (the first row's
+   labels kept, conflicts counted), the pretraining vocabulary grown by what the set needs.
+   A molecule RDKit cannot read is refused and named in the set's ``report.md``; it is in
+   no split, so in no model's test set. ``peers.csv`` is then written from molds' shards: the
+   canonical SMILES, the labels and the split of every kept molecule, the one file every
+   model reads.
+3. **Models**, for each split and seed (``scaffold``: one split, ``--seeds`` model seeds;
+   ``scaffold_random``: split seed = model seed):
+   - ``rf``: scikit-learn's random forest, 500 trees, on 2048-bit Morgan radius-2 fingerprints
+     (RDKit), one forest per task on its labelled training molecules;
+   - ``chemprop``: Chemprop's CLI at its defaults (``chemprop train --splits-column split``,
+     then ``chemprop predict`` on the test molecules) in its own Python (``--chemprop-python``,
+     or a virtual environment made from ``requirements-chemprop.txt``: Chemprop 2.3.1 pins
+     another RDKit than molds'), on the CPU, with ``--nproc`` threads;
+   - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads
+     (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, 10
+     checkpoints); the checkpoint with the best validation score is kept (early stopping on
+     the validation split) and ``molds-predict`` scores the test molecules, the mean over
+     ``--augment`` spellings.
+4. **Scores**, by ``molds.metrics.property`` for every model alike, on the test molecules of
+   ``peers.csv``: ROC-AUC (the mean over tasks whose test labels hold both classes) and
+   PRC-AUC for classification, RMSE in the label's own units for regression; the mean and
+   standard deviation over seeds; each model's train and predict seconds.
+
+One JSON line: per set the rows kept and refused, per split its sizes, per model the score of
+every seed, mean and standard deviation and the seconds; and the pretraining's cost. Every
+stage's output stays under ``--output-dir`` and a rerun reuses what is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import gzip
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RECIPE = os.path.join(ROOT, "recipes", "cpu_property.json")
+SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
+#: MoleculeNet's files as Chemprop's repository ships them: (file, SMILES column); the labels
+#: are every other column and the task type follows from them, as for any other file
+SETS = {"bbbp": ("bbbp.csv.gz", "smiles"), "bace": ("bace.csv.gz", "mol"), "tox21": ("tox21.csv.gz", "smiles"),
+        "hiv": ("hiv.csv.gz", "smiles"), "esol": ("delaney.csv.gz", "smiles"), "lipo": ("lipo.csv.gz", "smiles")}
+SPLIT_NAMES = ("train", "valid", "test")
+MISSING = {"", "na", "nan", "none", "null"}
+
+
+def _open(path: str):
+    return gzip.open(path, "rt", encoding="utf-8", newline="") if path.endswith(".gz") else \
+        open(path, encoding="utf-8", newline="")
+
+
+def describe_set(name: str, path: str, smiles_column: str, label_columns: list[str] | None,
+                 task_type: str | None) -> dict:
+    """A set as the benchmark runs it: its columns and task type, read from the file's header
+    and labels where not given."""
+    with _open(path) as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if not header or smiles_column not in header:
+            raise SystemExit(f"{path}: no column {smiles_column!r}; the header is {header}")
+        labels = label_columns or [c for c in header if c != smiles_column]
+        missing = [c for c in labels if c not in header]
+        if missing or not labels:
+            raise SystemExit(f"{path}: label columns {missing or labels} are not in the header {header}")
+        at = [header.index(c) for c in labels]
+        values = set()
+        for row in reader:
+            values.update(v for v in (row[i].strip() if i < len(row) else "" for i in at) if v.lower() not in MISSING)
+            if len(values) > 2:  # more than two values: no binary labels
+                break
+    if task_type is None:
+        try:
+            task_type = "classification" if values and {float(v) for v in values} <= {0.0, 1.0} else "regression"
+        except ValueError:
+            raise SystemExit(f"{path}: a label that is no number in {labels}: {sorted(values)[:3]}")
+    return {"name": name, "path": os.path.abspath(path), "smiles_column": smiles_column, "labels": labels,
+            "task_type": task_type}
+
+
+# --- the pretraining corpus, less the benchmark's molecules ---------------------------------
+
+def exclusion_keys(smiles: str) -> tuple[str, ...]:
+    """What a molecule is compared by: RDKit's non-isomeric canonical SMILES of it and of its
+    largest fragment (by heavy atoms); () when RDKit cannot read it."""
+    from rdkit import Chem, RDLogger
+
+    RDLogger.DisableLog("rdApp.*")
+    mol = Chem.MolFromSmiles(smiles) if smiles else None
+    if mol is None or mol.GetNumAtoms() == 0:
+        return ()
+    whole = Chem.MolToSmiles(mol, isomericSmiles=False)
+    frags = Chem.GetMolFrags(mol, asMols=True, sanitizeFrags=False)
+    largest = max(frags, key=lambda m: m.GetNumHeavyAtoms())
+    return (whole, Chem.MolToSmiles(largest, isomericSmiles=False))
+
+
+def _keys_of_chunk(smiles: list[str]) -> list[tuple[str, ...]]:
+    return [exclusion_keys(s) for s in smiles]
+
+
+def _map_chunks(smiles: list[str], workers: int) -> list[tuple[str, ...]]:
+    chunks = [smiles[i:i + 5000] for i in range(0, len(smiles), 5000)]
+    if workers <= 1 or len(chunks) <= 1:
+        return [k for c in chunks for k in _keys_of_chunk(c)]
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return [k for part in pool.map(_keys_of_chunk, chunks) for k in part]
+
+
+def read_column(path: str, column: str) -> list[str]:
+    with _open(path) as fh:
+        reader = csv.DictReader(fh)
+        if column not in (reader.fieldnames or []):
+            raise SystemExit(f"{path}: no column {column!r}; the header is {reader.fieldnames}")
+        return [(r[column] or "").strip() for r in reader]
+
+
+def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
+    """The corpus's molecules (every ``--corpus-every``-th) not in any benchmark file, written
+    to ``out`` (a CSV with a SMILES column); what was left out."""
+    done = out + ".json"
+    if os.path.exists(done):
+        return json.load(open(done))
+    exclude = set()
+    for s in sets:  # every set of --data-dir, not only those run: the model is reused for them
+        for keys in _map_chunks(read_column(s["path"], s["smiles_column"]), args.nproc):
+            exclude.update(keys)
+    smiles = read_column(args.corpus, args.corpus_column)[::args.corpus_every]
+    keys = _map_chunks(smiles, args.nproc)
+    kept = [s for s, k in zip(smiles, keys) if not (set(k) & exclude)]
+    tmp = out + ".tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["SMILES"])
+        w.writerows([s] for s in kept)
+    os.replace(tmp, out)
+    info = {"corpus": os.path.basename(args.corpus), "every": args.corpus_every, "read": len(smiles),
+            "left_out_as_benchmark_molecules": len(smiles) - len(kept), "kept": len(kept),
+            "benchmark_keys": len(exclude)}
+    with open(done, "w") as fh:
+        json.dump(info, fh)
+    return info
+
+
+def _launcher(nproc: int) -> list[str]:
+    train = os.path.join(ROOT, "molds", "train.py")
+    if nproc == 1:
+        return [sys.executable, train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), train]
+
+
+def _quiet_run(cmd: list[str], log: str, threads: int = 1) -> None:
+    """Run ``cmd`` with ``threads`` threads a process, its output into ``log``; on failure, the
+    log's tail and the command."""
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(threads)).returncode
+    if rc:
+        tail = open(log).read()[-3000:]
+        raise SystemExit(f"{' '.join(cmd)} failed ({rc}); {log} ends:\n{tail}")
+
+
+def _env(threads: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+
+def preprocess(argv: list[str], out: str, workers: int) -> dict:
+    """``molds-preprocess ... --output out`` once (a complete manifest is reused)."""
+    from molds.data.manifest import Manifest
+
+    if not os.path.exists(os.path.join(out, "manifest.json")):
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        _quiet_run([sys.executable, "-m", "molds.preprocessing.cli", *argv, "--workers", str(workers),
+                    "--progress", "false", "--output", out], out + ".log")
+    return Manifest.load(out).data
+
+
+def pretrain(args, sets: list[dict]) -> tuple[str, dict]:
+    """The pretrained encoder's run directory and what making it cost."""
+    if args.pretrained:
+        return os.path.abspath(args.pretrained), {"pretrained": os.path.abspath(args.pretrained)}
+    base = os.path.join(args.output_dir, "pretrain")
+    os.makedirs(base, exist_ok=True)
+    t0 = time.perf_counter()
+    corpus = pretraining_corpus(args, sets, os.path.join(base, "corpus.csv.gz"))
+    manifest = os.path.join(base, "data")
+    data = preprocess(["--input", os.path.join(base, "corpus.csv.gz"), "--smiles-column", "SMILES",
+                       "--split", "random", "--split-fractions", "0.98,0.01,0.01", "--tokenizer", "regex"],
+                      manifest, args.nproc)
+    prep_s = time.perf_counter() - t0
+    run = os.path.join(base, "run")
+    done = os.path.join(run, "pretrained.json")
+    if not os.path.exists(done):
+        t0 = time.perf_counter()
+        _quiet_run(_launcher(args.nproc) + [
+            "--recipe", RECIPE, "--data.manifest", manifest, "--data.with_labels", "false",
+            "--data.mlm_probability", "0.15", "--data.max_tokens_per_batch", "4096", "--model.num_tasks", "0",
+            "--optim.lr", "1e-3", "--optim.warmup_fraction", "0.02", "--trainer.max_steps", "null",
+            "--trainer.max_time", args.pretrain_time, "--checkpoint.interval_fraction", "0.25",
+            "--checkpoint.keep_last", "1", "--logging.interval_steps", "100", "--run.output_dir", run,
+            "--run.overwrite", "true"], os.path.join(base, "pretrain.log"))
+        from molds.checkpoint import read_lineage, resolve
+
+        lineage = read_lineage(resolve(run, quiet=True))
+        with open(done, "w") as fh:
+            json.dump({"steps": lineage["step"], "train_s": round(time.perf_counter() - t0, 1)}, fh)
+    info = json.load(open(done))
+    return run, {**corpus, "rows": {s: v["rows"] for s, v in data["stats"]["splits"].items()},
+                 "prep_s": round(prep_s, 1), "time_budget": args.pretrain_time, **info}
+
+
+# --- splits, and the one file every model reads ----------------------------------------------
+
+def split_rows(manifest_dir: str) -> dict[str, list[tuple[str, list[float]]]]:
+    """(canonical SMILES, labels) of every molecule of each split, as molds' shards hold them."""
+    import pyarrow.parquet as pq
+
+    from molds.data.manifest import Manifest
+
+    m = Manifest.load(manifest_dir)
+    out = {}
+    for split in SPLIT_NAMES:
+        rows = []
+        for shard in m.shards(split):
+            t = pq.read_table(shard.path, columns=["canonical_smiles", "labels"])
+            rows.extend(zip(t.column("canonical_smiles").to_pylist(), t.column("labels").to_pylist()))
+        out[split] = rows
+    return out
+
+
+def write_peers(manifest_dir: str, labels: list[str], path: str) -> dict:
+    """``peers.csv``: smiles, the labels (empty when missing), split; its counts per split."""
+    rows = split_rows(manifest_dir)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["smiles", *labels, "split"])
+        for split in SPLIT_NAMES:
+            for smi, ys in rows[split]:
+                w.writerow([smi, *("" if y is None or math.isnan(y) else repr(float(y)) for y in ys),
+                            "val" if split == "valid" else split])
+    os.replace(tmp, path)
+    return {s: len(rows[s]) for s in SPLIT_NAMES}
+
+
+def read_peers(path: str, labels: list[str]) -> dict[str, tuple[list[str], "np.ndarray"]]:
+    """Each split of ``peers.csv``: (SMILES, labels [N, T] with NaN where missing)."""
+    import numpy as np
+
+    smiles = {s: [] for s in SPLIT_NAMES}
+    ys = {s: [] for s in SPLIT_NAMES}
+    with open(path, encoding="utf-8", newline="") as fh:
+        for r in csv.DictReader(fh):
+            split = "valid" if r["split"] == "val" else r["split"]
+            smiles[split].append(r["smiles"])
+            ys[split].append([float(r[c]) if r[c] != "" else math.nan for c in labels])
+    return {s: (smiles[s], np.asarray(ys[s], float).reshape(len(ys[s]), len(labels))) for s in SPLIT_NAMES}
+
+
+def write_smiles(smiles: list[str], path: str) -> None:
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["smiles"])
+        w.writerows([s] for s in smiles)
+
+
+# --- the models ----------------------------------------------------------------------------
+
+def morgan(smiles: list[str]):
+    import numpy as np
+    from rdkit import Chem
+    from rdkit.Chem import rdFingerprintGenerator
+
+    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
+    out = np.zeros((len(smiles), 2048), dtype=np.uint8)
+    for i, s in enumerate(smiles):
+        mol = Chem.MolFromSmiles(s)
+        if mol is None:
+            raise SystemExit(f"RDKit cannot read {s!r}, which molds' ETL kept")
+        out[i] = gen.GetFingerprintAsNumPy(mol)
+    return out
+
+
+def random_forest(data: dict, task_type: str, seed: int, workers: int) -> tuple:
+    """(test predictions [N, T], train seconds, predict seconds): one forest per task."""
+    import numpy as np
+    from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
+
+    t0 = time.perf_counter()
+    x_train, x_test = morgan(data["train"][0]), morgan(data["test"][0])
+    y = data["train"][1]
+    forests = []
+    for t in range(y.shape[1]):
+        seen = ~np.isnan(y[:, t])
+        kind = RandomForestClassifier if task_type == "classification" else RandomForestRegressor
+        forest = kind(n_estimators=500, n_jobs=workers, random_state=seed)
+        forests.append(forest.fit(x_train[seen], y[seen, t]) if seen.any() else None)
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pred = np.full((len(x_test), y.shape[1]), np.nan)
+    for t, forest in enumerate(forests):
+        if forest is None:
+            continue
+        if task_type == "regression":
+            pred[:, t] = forest.predict(x_test)
+        else:  # a task with one class in training: that class's probability is 1
+            p = forest.predict_proba(x_test)
+            pred[:, t] = p[:, list(forest.classes_).index(1.0)] if 1.0 in forest.classes_ else 0.0
+    return pred, train_s, time.perf_counter() - t0
+
+
+def chemprop_venv(path: str) -> str:
+    """The Python of a virtual environment holding ``requirements-chemprop.txt``, made when missing."""
+    python = os.path.join(path, "bin", "python")
+    if not os.path.exists(os.path.join(path, "chemprop-installed")):
+        print(f"[moleculenet] making {path} for chemprop (benchmarks/requirements-chemprop.txt)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", path], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "-r", os.path.join(HERE, "requirements-chemprop.txt")],
+                       check=True)
+        open(os.path.join(path, "chemprop-installed"), "w").close()
+    return python
+
+
+def chemprop(args, peers: str, data: dict, labels: list[str], task_type: str, seed: int, out: str) -> tuple:
+    """(test predictions, train seconds, predict seconds) of Chemprop's CLI at its defaults."""
+    import numpy as np
+
+    cli = [args.chemprop_python, "-c", "import sys; from chemprop.cli.main import main; sys.exit(main())"]
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    _quiet_run(cli + ["train", "--data-path", peers, "--smiles-columns", "smiles", "--target-columns", *labels,
+                      "--splits-column", "split", "--task-type", task_type, "--output-dir", out,
+                      "--pytorch-seed", str(seed), "--data-seed", str(seed), "--accelerator", "cpu", "--devices", "1",
+                      "--num-workers", "0"], os.path.join(out, "train.log"), threads=args.nproc)
+    train_s = time.perf_counter() - t0
+    models = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f == "best.pt"]
+    if len(models) != 1:
+        raise SystemExit(f"chemprop left {len(models)} best.pt files under {out}: {models}")
+    test_in, preds = os.path.join(out, "test.csv"), os.path.join(out, "test_predictions.csv")
+    write_smiles(data["test"][0], test_in)
+    t0 = time.perf_counter()
+    _quiet_run(cli + ["predict", "--test-path", test_in, "--smiles-columns", "smiles", "--model-paths", models[0],
+                      "--preds-path", preds, "--accelerator", "cpu", "--devices", "1", "--num-workers", "0"],
+               os.path.join(out, "predict.log"), threads=args.nproc)
+    predict_s = time.perf_counter() - t0
+    with open(preds, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    if [r["smiles"] for r in rows] != data["test"][0]:
+        raise SystemExit(f"{preds}: chemprop's predictions are not one per test molecule, in order")
+    return np.asarray([[float(r[c]) for c in labels] for r in rows], float), train_s, predict_s
+
+
+def steps_per_epoch(manifest: str, nproc: int, recipe: str = RECIPE) -> int:
+    """Optimizer steps in one pass over the training split, as the recipe batches it."""
+    from molds.data.loader import MoleculeLoader
+    from molds.eval.scoring import split_data_config
+
+    data = json.load(open(recipe))["data"]
+    cfg = dataclasses.replace(split_data_config(data, manifest, "train", mode="bucketed", with_labels=True),
+                              shuffle=bool(data.get("shuffle", True)))
+    return max(1, len(list(iter(MoleculeLoader(cfg, rank=0, world_size=nproc)))))
+
+
+def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed: int, out: str) -> tuple:
+    """(test predictions, train seconds, predict seconds, what was chosen): the pretrained
+    encoder forked with property heads, the checkpoint best on the validation split."""
+    import numpy as np
+
+    from molds.checkpoint import checkpoints_dir, complete_checkpoints
+    from molds.metrics.property import classification_metrics, regression_metrics
+
+    steps = steps_per_epoch(manifest, args.nproc) * args.epochs
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(out, "finished.json")):
+        _quiet_run(_launcher(args.nproc) + [
+            "--recipe", RECIPE, "--data.manifest", manifest, "--checkpoint.resume", pretrained,
+            "--checkpoint.fork", "true", "--model.num_tasks", str(len(s["labels"])),
+            "--model.task_type", s["task_type"], "--run.seed", str(seed), "--data.seed", str(seed),
+            "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true"],
+            out + ".log")
+        with open(os.path.join(out, "finished.json"), "w") as fh:
+            json.dump({"steps": steps}, fh)
+    train_s = time.perf_counter() - t0
+    # early stopping: the checkpoint whose validation score is best
+    from molds.checkpoint import open_checkpoint
+    from molds.eval.properties import predict_properties
+
+    best, best_score, scored = None, None, {}
+    checkpoints = complete_checkpoints(checkpoints_dir(out))
+    for ckpt in checkpoints:  # in this process (molds-predict's function), not a command per checkpoint
+        found = predict_properties(open_checkpoint(ckpt), data["valid"][0], augment=args.augment, seed=seed)
+        if len(found.values) != len(data["valid"][0]):
+            raise SystemExit(f"{ckpt}: {len(data['valid'][0]) - len(found.values)} validation molecules have no "
+                             f"prediction: {sorted(set(found.notes.values()))}")
+        pred = np.asarray([found.values[i] for i in range(len(data["valid"][0]))])
+        if s["task_type"] == "classification":
+            score = classification_metrics(data["valid"][1], pred, s["labels"])["macro"]["auroc"]
+        else:
+            score = regression_metrics(data["valid"][1], pred, s["labels"])["macro"]["rmse"]
+            score = None if score is None else -score
+        scored[os.path.basename(ckpt)] = score
+        if score is not None and (best_score is None or score > best_score):
+            best, best_score = ckpt, score
+    best = best or checkpoints[-1]
+    test_in = os.path.join(out, "test.csv")
+    write_smiles(data["test"][0], test_in)
+    t0 = time.perf_counter()
+    pred = predict(best, test_in, os.path.join(out, "test_predictions.csv"), s["labels"], args.augment, seed,
+                   args.nproc)
+    predict_s = time.perf_counter() - t0
+    return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs,
+                                                   "chosen": os.path.basename(best), "valid_scores": scored}
+
+
+def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augment: int, seed: int,
+            threads: int = 1):
+    """``molds-predict`` on a SMILES file: predictions [N, T], every molecule predicted."""
+    import numpy as np
+
+    _quiet_run([sys.executable, "-m", "molds.cli.predict", checkpoint, "--input", smiles_csv, "--column", "smiles",
+                "--augment", str(augment), "--seed", str(seed), "--out", out], out + ".log", threads)
+    with open(out, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    unscored = [r for r in rows if r.get("note")]
+    if unscored:
+        raise SystemExit(f"{out}: {len(unscored)} molecules have no prediction, first {unscored[0]}")
+    return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
+
+
+# --- scores --------------------------------------------------------------------------------
+
+def score(y, pred, labels: list[str], task_type: str) -> dict:
+    from molds.metrics.property import classification_metrics, regression_metrics
+
+    if task_type == "classification":
+        macro = classification_metrics(y, pred, labels)["macro"]
+        return {"roc_auc": macro["auroc"], "prc_auc": macro["auprc"], "tasks_scored": macro["auroc_tasks"]}
+    macro = regression_metrics(y, pred, labels)["macro"]
+    return {"rmse": macro["rmse"], "mae": macro["mae"]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    import numpy as np
+
+    out = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and r[key] is not None]
+        if vals and key not in ("seed", "tasks_scored"):
+            out[key] = {"mean": round(float(np.mean(vals)), 4), "std": round(float(np.std(vals)), 4)}
+    return out
+
+
+def run_set(args, s: dict, pretrained: str) -> dict:
+    base = os.path.join(args.output_dir, s["name"])
+    entry = {"file": os.path.basename(s["path"]), "labels": s["labels"], "task_type": s["task_type"], "splits": {}}
+    for method in args.splits:
+        split_seeds = [0] if method == "scaffold" else args.seeds
+        runs = {m: [] for m in args.models}
+        sizes = {}
+        for split_seed in split_seeds:
+            where = os.path.join(base, f"{method}-{split_seed}")
+            manifest = os.path.join(where, "data")
+            m = preprocess(["--input", s["path"], "--smiles-column", s["smiles_column"], "--label-columns",
+                            ",".join(s["labels"]), "--tokenizer", tokenizer_of(pretrained),
+                            "--split", method, "--split-fractions", "0.8,0.1,0.1", "--seed", str(split_seed)],
+                           manifest, args.nproc)
+            stats = m["stats"]
+            entry.setdefault("rows", {"in": stats["rows_in"], "kept": stats["rows_out"],
+                                      "duplicates": stats["duplicates"], "refused": stats.get("rejected", {}),
+                                      "duplicates_with_other_labels": stats.get("duplicates_with_other_labels", 0),
+                                      "tokens_added": len((m["tokenizer"].get("extends") or {}).get("added_tokens",
+                                                                                                     []))})
+            peers = os.path.join(where, "peers.csv")
+            sizes[split_seed] = write_peers(manifest, s["labels"], peers)
+            data = read_peers(peers, s["labels"])
+            model_seeds = args.seeds if method == "scaffold" else [split_seed]
+            for seed in model_seeds:
+                for model in args.models:
+                    if model == "rf":
+                        pred, train_s, predict_s = random_forest(data, s["task_type"], seed, args.nproc)
+                        extra = {}
+                    elif model == "chemprop":
+                        pred, train_s, predict_s = chemprop(args, peers, data, s["labels"], s["task_type"], seed,
+                                                            os.path.join(where, f"chemprop-{seed}"))
+                        extra = {}
+                    else:
+                        pred, train_s, predict_s, extra = molds_model(args, pretrained, manifest, s, data, seed,
+                                                                      os.path.join(where, f"molds-{seed}"))
+                    result = {"seed": seed, **score(data["test"][1], pred, s["labels"], s["task_type"]),
+                              "train_s": round(train_s, 1), "predict_s": round(predict_s, 1)}
+                    if extra:
+                        result["chosen"] = extra["chosen"]
+                    runs[model].append(result)
+                    print(f"[moleculenet] {s['name']} {method}-{split_seed} {model} seed {seed}: "
+                          f"{json.dumps(result)}", file=sys.stderr, flush=True)
+        entry["splits"][method] = {"sizes": sizes, **{m: {"runs": r, **summarize(r)} for m, r in runs.items()}}
+    return entry
+
+
+def tokenizer_of(run: str) -> str:
+    """The tokenizer directory of the manifest a run trained on (its lineage's)."""
+    from molds.checkpoint import read_lineage, resolve
+    from molds.data.manifest import Manifest
+
+    return Manifest.load(read_lineage(resolve(run, quiet=True))["manifest"]).tokenizer_path
+
+
+def headline(result: dict, method: str = "scaffold") -> dict:
+    """The mean test ROC-AUC over the classification sets and the mean RMSE over the
+    regression sets, per model, on ``method``'s split."""
+    out = {}
+    for metric in ("roc_auc", "rmse"):
+        per_model = {}
+        for s in result["sets"].values():
+            split = s["splits"].get(method, {})
+            for model, v in split.items():
+                if model != "sizes" and metric in v:
+                    per_model.setdefault(model, []).append(v[metric]["mean"])
+        out[metric] = {m: round(sum(v) / len(v), 4) for m, v in per_model.items()
+                       if len(v) == max(len(x) for x in per_model.values())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", help="a folder of MoleculeNet's files as Chemprop ships them (SETS)")
+    ap.add_argument("--sets", nargs="+", default=["bbbp", "bace", "tox21", "esol", "lipo"], choices=sorted(SETS))
+    ap.add_argument("--input", help="one CSV instead of --data-dir")
+    ap.add_argument("--name", help="--input's name in the results (default: the file's)")
+    ap.add_argument("--smiles-column", default="smiles")
+    ap.add_argument("--label-columns", help="comma-separated (default: every column but the SMILES)")
+    ap.add_argument("--task-type", choices=["classification", "regression"],
+                    help="default: classification when every label is 0 or 1")
+    ap.add_argument("--splits", nargs="+", default=["scaffold", "scaffold_random"],
+                    choices=["scaffold", "scaffold_random"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--models", nargs="+", default=["molds", "chemprop", "rf"], choices=["molds", "chemprop", "rf"])
+    ap.add_argument("--corpus", default=SAMPLE, help="the pretraining molecules (a CSV; MOSES's train file)")
+    ap.add_argument("--corpus-column", default="SMILES")
+    ap.add_argument("--corpus-every", type=int, default=1, help="take every N-th molecule of --corpus")
+    ap.add_argument("--pretrain-time", default="50m", help="the pretraining's time budget")
+    ap.add_argument("--pretrained", help="a run pretrained so already (skips step 1)")
+    ap.add_argument("--pretrain-only", action="store_true", help="stop after step 1")
+    ap.add_argument("--epochs", type=int, default=20, help="passes over a set's training split in fine-tuning")
+    ap.add_argument("--augment", type=int, default=1, help="molds: predict the mean over this many spellings")
+    ap.add_argument("--chemprop-python", help="a Python with chemprop 2.3.1 (its own virtual environment)")
+    ap.add_argument("--chemprop-venv", help="else: a virtual environment for chemprop, made here (python -m venv, "
+                                            "pip install -r benchmarks/requirements-chemprop.txt) when missing")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "moleculenet"))
+    args = ap.parse_args(argv)
+    if args.input:
+        sets = [describe_set(args.name or os.path.basename(args.input).split(".")[0], args.input, args.smiles_column,
+                             args.label_columns.split(",") if args.label_columns else None, args.task_type)]
+    elif args.data_dir:
+        sets = [describe_set(n, os.path.join(args.data_dir, SETS[n][0]), SETS[n][1], None, None) for n in args.sets]
+    else:
+        ap.error("give --data-dir or --input")
+    os.makedirs(args.output_dir, exist_ok=True)
+    if "chemprop" in args.models and not args.chemprop_python:
+        args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
+    result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
+              "augment": args.augment, "nproc": args.nproc}
+    t0 = time.perf_counter()
+    everything = sets if args.input else [describe_set(n, os.path.join(args.data_dir, f), c, None, None)
+                                          for n, (f, c) in SETS.items() if os.path.exists(os.path.join(args.data_dir, f))]
+    pretrained, result["pretraining"] = pretrain(args, everything)
+    if args.pretrain_only:
+        print(json.dumps(result["pretraining"]))
+        return 0
+    for s in sets:
+        t1 = time.perf_counter()
+        result["sets"][s["name"]] = run_set(args, s, pretrained)
+        result["sets"][s["name"]]["wall_s"] = round(time.perf_counter() - t1, 1)
+    result["headline"] = {m: headline(result, m) for m in args.splits}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if "chemprop" in args.models:
+        result["chemprop_version"] = subprocess.run(
+            [args.chemprop_python, "-c", "import chemprop, rdkit; print(chemprop.__version__, rdkit.__version__)"],
+            capture_output=True, text=True).stdout.strip()
+    from molds.runtime.lifecycle import cpu_description
+
+    result["cpu"] = cpu_description()
+    result["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                      text=True).stdout.strip()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""``benchmarks/moleculenet.py``: the peers read exactly molds' split (the file they are given,
+read back with the csv module, against the shards read with pyarrow), and the whole procedure
+scores every test molecule of a set whose salts and metals the pretraining vocabulary lacks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.benchmark_scripts import benchmark_script
+from tests.dist.spawn import free_port
+from tests.preprocessing.conftest import sample_smiles
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: molecules whose tokens (ions, metals) no MOSES molecule has
+SALTS = ["[Na+].O=C([O-])c1ccccc1", "[K+].CC(=O)[O-]", "Cl[Pt](Cl)(N)N", "[Li+].[Cl-]", "CC[Hg]Cl",
+         "[Na+].[Na+].O=S(=O)([O-])c1ccc(N)cc1.[O-]S(=O)(=O)c1ccccc1", "OB(O)c1ccccc1[N+](=O)[O-]",
+         "[Cl-].C[N+](C)(C)Cc1ccccc1"]
+
+
+def _write_set(path, n: int = 240) -> dict:
+    """A labelled CSV: two labels (logP > 2.5; TPSA > 60, missing for every fifth row), the
+    salts, a duplicate with other labels and one row RDKit refuses. Returns what it holds."""
+    from rdkit import Chem
+    from rdkit.Chem import Crippen, rdMolDescriptors
+
+    smiles = sample_smiles(n, offset=3000) + SALTS
+    rows = []
+    for i, s in enumerate(smiles):
+        mol = Chem.MolFromSmiles(s)
+        logp, tpsa = Crippen.MolLogP(mol), rdMolDescriptors.CalcTPSA(mol)
+        rows.append([s, int(logp > 2.5), "" if i % 5 == 0 else int(tpsa > 60)])
+    rows.append([rows[3][0], 1 - rows[3][1], rows[3][2]])  # the same molecule, the other class
+    rows.append(["C1CC(N", 1, 0])  # RDKit refuses it
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["SMILES", "lipophilic", "polar"])
+        w.writerows(rows)
+    return {"rows": len(rows), "smiles": smiles}
+
+
+def _shard_rows(manifest_dir: str) -> dict:
+    """Each split's (canonical SMILES, labels with None for missing) straight from its shards."""
+    m = json.load(open(os.path.join(manifest_dir, "manifest.json")))
+    out = {}
+    for split, shards in m["splits"].items():
+        rows = []
+        for s in shards:
+            t = pq.read_table(os.path.join(manifest_dir, s["uri"]))
+            rows += [(c, [None if v is None or math.isnan(v) else v for v in ls])
+                     for c, ls in zip(t.column("canonical_smiles").to_pylist(), t.column("labels").to_pylist())]
+        out[split] = rows
+    return out
+
+
+@pytest.mark.parametrize("split,seed", [("scaffold", 0), ("scaffold_random", 1)])
+def test_the_peers_read_exactly_molds_split(tmp_path, split, seed):
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    bench = benchmark_script("moleculenet")
+    src = tmp_path / "set.csv"
+    held = _write_set(src)
+    s = bench.describe_set("set", str(src), "SMILES", None, None)
+    assert s["labels"] == ["lipophilic", "polar"] and s["task_type"] == "classification"
+    manifest = str(tmp_path / "data")
+    run(PreprocessConfig(input=[str(src)], output=manifest, smiles_column="SMILES", label_columns=s["labels"],
+                         split=split, seed=seed, workers=1, progress=False))
+    peers = str(tmp_path / "peers.csv")
+    sizes = bench.write_peers(manifest, s["labels"], peers)
+
+    shards = _shard_rows(manifest)
+    with open(peers, newline="") as fh:
+        read = list(csv.DictReader(fh))
+    assert set(read[0]) == {"smiles", "lipophilic", "polar", "split"}
+    names = {"train": "train", "valid": "val", "test": "test"}  # Chemprop's --splits-column values
+    for name in ("train", "valid", "test"):
+        mine = [(r["smiles"], [None if r[c] == "" else float(r[c]) for c in s["labels"]])
+                for r in read if r["split"] == names[name]]
+        assert mine == shards[name], name
+        assert sizes[name] == len(shards[name]) > 0
+    # every input row is in one split, a duplicate or refused; the refused one is in no split
+    m = json.load(open(os.path.join(manifest, "manifest.json")))
+    assert m["stats"]["rows_in"] == held["rows"]
+    assert m["stats"]["rows_out"] == len(read) == held["rows"] - 2
+    assert all("C1CC(N" != r["smiles"] for r in read)
+    assert "C1CC(N" in open(os.path.join(manifest, "report.md")).read()
+    assert m["stats"]["duplicates_with_other_labels"] == 1
+    # what the random forest and the scores read is the same file
+    data = bench.read_peers(peers, s["labels"])
+    for name in ("train", "valid", "test"):
+        assert data[name][0] == [c for c, _ in shards[name]]
+        got = [[None if math.isnan(v) else v for v in row] for row in data[name][1].tolist()]
+        assert got == [ls for _, ls in shards[name]]
+
+
+@pytest.mark.slow
+def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary_lacks(tmp_path):
+    """Pretrained for seconds on 500 MOSES molecules, forked onto a set with ions and metals:
+    the vocabulary grows, and the encoder and the forest both score every test molecule (the
+    benchmark stops if a model leaves one out)."""
+    src = tmp_path / "set.csv"
+    held = _write_set(src)
+    out = tmp_path / "bench"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "moleculenet.py"), "--input", str(src),
+                           "--smiles-column", "SMILES", "--splits", "scaffold_random", "--seeds", "0",
+                           "--models", "molds", "rf", "--corpus-every", "40", "--pretrain-time", "8s", "--epochs", "2",
+                           "--augment", "2", "--nproc", "1", "--output-dir", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    entry = result["sets"]["set"]
+    assert entry["rows"]["in"] == held["rows"] and entry["rows"]["kept"] == held["rows"] - 2
+    assert entry["rows"]["tokens_added"] > 0
+    assert result["pretraining"]["read"] == 500 and result["pretraining"]["steps"] > 0
+    split = entry["splits"]["scaffold_random"]
+    test_rows = split["sizes"]["0"]["test"] if "0" in split["sizes"] else split["sizes"][0]["test"]
+    for model in ("molds", "rf"):
+        roc = split[model]["runs"][0]["roc_auc"]
+        assert 0.0 <= roc <= 1.0, (model, split[model])
+    with open(out / "set" / "scaffold_random-0" / "molds-0" / "test_predictions.csv", newline="") as fh:
+        preds = list(csv.DictReader(fh))
+    assert len(preds) == test_rows and all(r["note"] == "" or r["note"].startswith("truncated") for r in preds)
+    salts_in_test = [r for r in preds if any(t in r["canonical"] for t in ("Na+", "K+", "Pt", "Li+", "Hg", "B"))]
+    assert all(r["lipophilic"] != "" for r in salts_in_test)
+    assert set(result["headline"]["scaffold_random"]["roc_auc"]) == {"molds", "rf"}
