@@ -48,7 +48,9 @@ else differs between sets).
    standard deviation over seeds; each model's train and predict seconds.
 
 One JSON line: per set the rows kept and refused, per split its sizes, per model the score of
-every seed, mean and standard deviation and the seconds; and the pretraining's cost. Every
+every seed, mean and standard deviation and the seconds (``train_s``: training; for molds the
+fine-tuning, with ``select_s`` the scoring of its checkpoints on the validation split;
+``predict_s``: the test molecules); and the pretraining's cost. Every
 stage's output stays under ``--output-dir`` and a rerun reuses what is complete.
 """
 
@@ -404,17 +406,19 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.metrics.property import classification_metrics, regression_metrics
 
     steps = steps_per_epoch(manifest, args.nproc) * args.epochs
-    t0 = time.perf_counter()
-    if not os.path.exists(os.path.join(out, "finished.json")):
+    finished = os.path.join(out, "finished.json")
+    if not os.path.exists(finished):
+        t0 = time.perf_counter()
         _quiet_run(_launcher(args.nproc) + [
             "--recipe", RECIPE, "--data.manifest", manifest, "--checkpoint.resume", pretrained,
             "--checkpoint.fork", "true", "--model.num_tasks", str(len(s["labels"])),
             "--model.task_type", s["task_type"], "--run.seed", str(seed), "--data.seed", str(seed),
             "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true"],
             out + ".log")
-        with open(os.path.join(out, "finished.json"), "w") as fh:
-            json.dump({"steps": steps}, fh)
-    train_s = time.perf_counter() - t0
+        with open(finished, "w") as fh:
+            json.dump({"steps": steps, "train_s": time.perf_counter() - t0}, fh)
+    train_s = json.load(open(finished)).get("train_s")  # a rerun reuses the fine-tuned run and its time
+    t0 = time.perf_counter()
     # early stopping: the checkpoint whose validation score is best
     from molds.checkpoint import open_checkpoint
     from molds.eval.properties import predict_properties
@@ -436,13 +440,14 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
         if score is not None and (best_score is None or score > best_score):
             best, best_score = ckpt, score
     best = best or checkpoints[-1]
+    select_s = time.perf_counter() - t0
     test_in = os.path.join(out, "test.csv")
     write_smiles(data["test"][0], test_in)
     t0 = time.perf_counter()
     pred = predict(best, test_in, os.path.join(out, "test_predictions.csv"), s["labels"], args.augment, seed,
                    args.nproc)
     predict_s = time.perf_counter() - t0
-    return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs,
+    return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs, "select_s": select_s,
                                                    "chosen": os.path.basename(best), "valid_scores": scored}
 
 
@@ -455,7 +460,7 @@ def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augme
                 "--augment", str(augment), "--seed", str(seed), "--out", out], out + ".log", threads)
     with open(out, encoding="utf-8", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    unscored = [r for r in rows if r.get("note")]
+    unscored = [r for r in rows if any(r[c] == "" for c in labels)]  # a note alone may say it was cut
     if unscored:
         raise SystemExit(f"{out}: {len(unscored)} molecules have no prediction, first {unscored[0]}")
     return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
@@ -521,9 +526,10 @@ def run_set(args, s: dict, pretrained: str) -> dict:
                         pred, train_s, predict_s, extra = molds_model(args, pretrained, manifest, s, data, seed,
                                                                       os.path.join(where, f"molds-{seed}"))
                     result = {"seed": seed, **score(data["test"][1], pred, s["labels"], s["task_type"]),
-                              "train_s": round(train_s, 1), "predict_s": round(predict_s, 1)}
+                              "train_s": None if train_s is None else round(train_s, 1),
+                              "predict_s": round(predict_s, 1)}
                     if extra:
-                        result["chosen"] = extra["chosen"]
+                        result.update(chosen=extra["chosen"], select_s=round(extra["select_s"], 1))
                     runs[model].append(result)
                     print(f"[moleculenet] {s['name']} {method}-{split_seed} {model} seed {seed}: "
                           f"{json.dumps(result)}", file=sys.stderr, flush=True)

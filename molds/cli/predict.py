@@ -51,12 +51,26 @@ def build_parser():
 
 
 def read_sources(path: str, column: str | None) -> list[tuple[int, str]]:
-    """(line or row, text) of each source of the input; blank lines are no sources."""
+    """(line or row, text) of each source of the input (gzipped or not); blank lines are no
+    sources."""
+    import gzip
+
+    from ..errors import MoldsError
+
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        return _read_sources(opener, path, column)
+    except (UnicodeDecodeError, OSError) as exc:
+        raise MoldsError(f"{path}: cannot read it as UTF-8 text{' (gzip)' if path.endswith('.gz') else ''}: "
+                         f"{exc}") from None
+
+
+def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]]:
     import csv
 
     from ..errors import MoldsError
 
-    with open(path, encoding="utf-8", newline="") as fh:
+    with opener(path, "rt", encoding="utf-8", newline="") as fh:
         if column is None:
             return [(n, line.split()[0]) for n, line in enumerate(fh, 1) if line.strip()]
         reader = csv.reader(fh)

@@ -213,6 +213,12 @@ def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled
     assert np.allclose(got, expected(ids), rtol=2e-6, atol=2e-6)
     assert rows[-2]["note"] == "parse_error" and rows[-2]["logp" if which == 0 else "polar"] == ""
     assert rows[-1]["note"] == "unknown_token"
+    import gzip  # the same input gzipped reads the same
+
+    with open(src, "rb") as fh, gzip.open(str(src) + ".gz", "wb") as gz:
+        gz.write(fh.read())
+    assert predict([run, "--input", str(src) + ".gz", "--column", "smiles", "--out", str(tmp_path / "z.csv")]) == 0
+    assert read(tmp_path / "z.csv") == rows
 
     assert predict([run, "--input", str(src), "--column", "smiles", "--augment", "3",
                     "--out", str(tmp_path / "a.csv")]) == 0
