@@ -26,7 +26,9 @@ import fnmatch
 
 import torch
 
+from ..data.manifest import vocab_hash
 from ..errors import CheckpointError, RecipeError
+from .state import canonical_state, read_model
 
 RESUME_MUTABLE = (
     # the learning-rate schedule and the length of the run
@@ -109,8 +111,6 @@ def fine_tune_heads(recipe, saved: dict | None, model) -> tuple | None:
     heads = getattr(model, "TASK_HEADS", None)
     if saved is None or not recipe.checkpoint.fork or not heads:
         return None
-    from .state import canonical_state
-
     changes = recipe_changes(saved.get("recipe", {}), recipe.to_dict())
     changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
     if not changed:
@@ -141,9 +141,6 @@ def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manif
     block = manifest.data["tokenizer"]
     if saved["vocab_hash"] == block.get("vocab_hash"):
         return None
-    from ..data.manifest import vocab_hash
-    from .state import canonical_state, read_model
-
     vocab = manifest.check_tokenizer()
     old = None
     # grown: the checkpoint's size is its lineage's (written since), else the one the manifest says it grew

@@ -23,8 +23,14 @@ length). ``--augment K``: the mean over the canonical spelling and K - 1 randomi
 
 from __future__ import annotations
 
+import csv
+import gzip
+import io
+import json
 import sys
 
+from ..errors import MoldsError
+from ..runtime.atomic import write_text
 from . import CHECKPOINT_HELP, new_parser, parse
 
 
@@ -53,10 +59,6 @@ def build_parser():
 def read_sources(path: str, column: str | None) -> list[tuple[int, str]]:
     """(line or row, text) of each source of the input (gzipped or not); blank lines are no
     sources."""
-    import gzip
-
-    from ..errors import MoldsError
-
     opener = gzip.open if path.endswith(".gz") else open
     try:
         return _read_sources(opener, path, column)
@@ -66,10 +68,6 @@ def read_sources(path: str, column: str | None) -> list[tuple[int, str]]:
 
 
 def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]]:
-    import csv
-
-    from ..errors import MoldsError
-
     with opener(path, "rt", encoding="utf-8", newline="") as fh:
         if column is None:
             return [(n, line.split()[0]) for n, line in enumerate(fh, 1) if line.strip()]
@@ -82,14 +80,8 @@ def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]
 
 
 def run(argv: list[str]) -> int:
-    import csv
-    import io
-    import json
-
     from ..checkpoint import open_checkpoint
-    from ..errors import MoldsError
     from ..eval.pairs import encoder_decoder, fits, predict, predict_augmented, read_back, sides_of, target_budget
-    from ..runtime.atomic import write_text
 
     args = parse(build_parser(), argv)
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
@@ -144,10 +136,7 @@ def run(argv: list[str]) -> int:
         for rank, p in enumerate(found[row], 1):
             w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text,
                         "" if p.side else ("unfinished" if not p.ended else "invalid")])
-    if args.out == "-":
-        sys.stdout.write(buf.getvalue())
-    else:
-        write_text(args.out, buf.getvalue())
+    _write_out(args.out, buf.getvalue())
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "inputs": len(sources),
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
@@ -156,15 +145,17 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _write_out(out: str, text: str) -> None:
+    """The CSV to ``out``, atomically, or to standard output for ``-``."""
+    if out == "-":
+        sys.stdout.write(text)
+    else:
+        write_text(out, text)
+
+
 def _properties(args, loaded) -> int:
     """An encoder's property predictions, one row per input."""
-    import csv
-    import io
-    import json
-
-    from ..errors import MoldsError
-    from ..eval.properties import predict_properties
-    from ..runtime.atomic import write_text
+    from ..eval.properties import predict_properties  # torch and transformers: loaded only to predict
 
     if not int(loaded.recipe["model"].get("num_tasks") or 0):
         raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
@@ -179,10 +170,7 @@ def _properties(args, loaded) -> int:
         w.writerow([row, text, found.canonical.get(i, ""),
                     *([f"{v:.9g}" for v in values] if values is not None else [""] * len(found.tasks)),
                     found.notes.get(i, "")])
-    if args.out == "-":
-        sys.stdout.write(buf.getvalue())
-    else:
-        write_text(args.out, buf.getvalue())
+    _write_out(args.out, buf.getvalue())
     refused = [found.notes[i] for i in range(len(sources)) if i not in found.values]
     summary = {"checkpoint": loaded.checkpoint, "tasks": found.tasks, "task_type": loaded.recipe["model"]["task_type"],
                "inputs": len(sources), "predicted": len(found.values),

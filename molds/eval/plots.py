@@ -29,7 +29,7 @@ def roc_points(labels, scores, names) -> dict:
 
 
 def _figure(panels: int):
-    import matplotlib
+    import matplotlib  # loaded only when a picture is drawn (it is not needed to train or score)
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure

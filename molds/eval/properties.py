@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..chemistry.canonical import Canonicalizer, ChemOptions, Molecule
+from ..data.randomize import restricted_variants
+
 
 @dataclass
 class PropertyPredictions:
@@ -47,9 +50,6 @@ def _rows(loaded, texts: list[str]) -> list[list[int] | None]:
 @torch.no_grad()
 def predict_properties(loaded, smiles: list[str], *, augment: int = 1, seed: int = 0,
                        max_tokens_per_batch: int = 8192) -> PropertyPredictions:
-    from ..chemistry.canonical import Canonicalizer, ChemOptions, Molecule
-    from ..data.randomize import restricted_variants
-
     data = loaded.recipe.get("data") or {}
     limit = int(data.get("max_length") or loaded.model.config.max_position_embeddings)
     limit = min(limit, loaded.model.config.max_position_embeddings)
