@@ -63,6 +63,25 @@ def test_classification_matches_sklearn_with_missing_labels_masked():
     assert got["macro"]["auroc"] == pytest.approx((got["per_task"]["a"]["auroc"] + got["per_task"]["b"]["auroc"]) / 2)
 
 
+def test_roc_curves_only_where_the_metrics_have_an_auroc():
+    """A classification model given labels that are not 0/1 (a recipe misused on descriptors)
+    gets no curve for that task, as the metrics give it no AUROC, instead of a crash."""
+    from sklearn.metrics import roc_curve
+
+    from molds.eval.plots import property_figure, roc_points
+
+    rng = np.random.default_rng(2)
+    y = np.c_[(rng.random(60) < 0.4).astype(float), rng.random(60), np.zeros(60)]
+    s = rng.normal(size=(60, 3))
+    got = roc_points(y, s, ["binary", "continuous", "one_class"])
+    assert list(got) == ["binary"]
+    fpr, tpr, _ = roc_curve(y[:, 0], s[:, 0])
+    assert got["binary"]["fpr"] == pytest.approx(fpr, abs=1e-6) and got["binary"]["tpr"] == pytest.approx(tpr, abs=1e-6)
+    assert set(got) == {k for k, v in classification_metrics(y, s, ["binary", "continuous", "one_class"])["per_task"].items()
+                        if v["auroc"] is not None}
+    assert property_figure(y[:, 1:], s[:, 1:], ["continuous", "one_class"], "classification") is None
+
+
 def test_regression_by_hand():
     y = np.array([[1.0, np.nan], [2.0, 5.0], [3.0, 7.0], [np.nan, 9.0]])
     p = np.array([[1.5, 0.0], [2.0, 6.0], [2.5, 6.0], [0.0, 10.0]])

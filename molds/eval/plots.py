@@ -12,15 +12,16 @@ import numpy as np
 
 
 def roc_points(labels, scores, names) -> dict:
-    """{task: {"fpr": [...], "tpr": [...], "auroc": float}} for every task whose labels hold
-    both classes (scikit-learn's ``roc_curve``, intermediate points dropped)."""
+    """{task: {"fpr": [...], "tpr": [...], "auroc": float}} for every task whose labels are 0/1
+    and hold both classes (scikit-learn's ``roc_curve``, intermediate points dropped); a task
+    with other labels has no curve, as it has no AUROC in the metrics."""
     from sklearn.metrics import roc_auc_score, roc_curve
 
     out = {}
     y, s = np.asarray(labels, float), np.asarray(scores, float)
     for t, name in enumerate(names):
         seen = ~np.isnan(y[:, t])
-        if len(np.unique(y[seen, t])) < 2:
+        if not np.isin(y[seen, t], (0.0, 1.0)).all() or len(np.unique(y[seen, t])) < 2:
             continue
         fpr, tpr, _ = roc_curve(y[seen, t], s[seen, t])
         out[name] = {"fpr": [round(float(v), 6) for v in fpr], "tpr": [round(float(v), 6) for v in tpr],
