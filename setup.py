@@ -10,6 +10,8 @@ from setuptools import find_packages, setup
 # molds/ and its subpackages, and preprocessing/ installed as molds.preprocessing (a
 # top-level "preprocessing" would shadow the PyPI package of that name)
 PACKAGES = find_packages(include=["molds", "molds.*"]) + ["molds.preprocessing"]
+#: the gpu extra (no wheels outside Linux, where every op takes its PyTorch path)
+GPU = ["triton>=3.2; sys_platform == 'linux'", "liger-kernel>=0.5; sys_platform == 'linux'"]
 
 setup(
     name="molds",
@@ -48,15 +50,14 @@ setup(
         # a property model's ROC curves and parity plots (molds-eval's report, TensorBoard)
         "matplotlib>=3.7",
         "fcd_torch>=1.0.7",
-        # the kernels (molds/kernels): compiled on a GPU, in Triton's interpreter on a CPU for
-        # tests; no wheel outside Linux, where every op takes its PyTorch path
-        "triton>=3.2; sys_platform == 'linux'",
         # kernels.fp8_recipe rowwise / tensorwise: torchao's Float8Linear (emulated on a CPU)
         "torchao>=0.10; sys_platform == 'linux'",
-        # kernels.fused_backend: Liger Kernel's RMSNorm, SwiGLU and LM head + loss on a GPU
-        "liger-kernel>=0.5; sys_platform == 'linux'",
     ],
     extras_require={
+        # what only a GPU runs (1 GB of Triton a CPU install does without; .ci/install adds it where
+        # it finds an NVIDIA GPU): Triton compiles molds' kernels (molds/kernels; on a CPU every op
+        # takes its PyTorch path), Liger Kernel is kernels.fused_backend's faster choice there
+        "gpu": GPU,
         "ray": ["ray[data]>=2.9"],
         # molecular representations beside SMILES (molds-preprocess --representation; asked for by name)
         "selfies": ["selfies>=2.1"],
@@ -65,9 +66,10 @@ setup(
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
         # pytest-xdist: .ci/run runs test files on two workers (a launch spends most of its start-up
         # importing on one core, while the other waits)
+        # (the gpu extra too: the kernel tests run Triton's kernels in its interpreter, and
+        # benchmarks/kernel_ops.py compares them with Liger Kernel's)
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "ray[data]>=2.9", "accelerate>=1.1",
-                "selfies>=2.1", "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5"],
-        # (liger-kernel and torchao, which benchmarks/kernel_ops.py compares against, are requirements on Linux)
+                "selfies>=2.1", "safe-mol>=0.2", "mkdocs>=1.6", "mkdocs-material>=9.5", *GPU],
     },
     entry_points={
         "console_scripts": [

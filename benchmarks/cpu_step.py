@@ -98,9 +98,8 @@ def one(argv: list[str], steps: int, leave_out: str | None, profile_steps: int =
         rss_mb = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     out = {"s_per_step": seconds, "rss_mb": rss_mb, "precision": engine.plan.precision.describe()}
     # the model FLOPs the timed steps did (as train/mfu counts them), over the measured matrix rate
-    per_token, per_sq = model.flops_coefficients()
-    flops = sum(per_token * b["stats"]["real_tokens"] + per_sq * b["stats"].get("length_sq_sum", 0)
-                for b in raw[4:4 + steps]) / steps
+    coefficients = model.flops_coefficients()
+    flops = sum(c * b["stats"].get(k, 0) for b in raw[4:4 + steps] for k, c in coefficients.items()) / steps
     out["model_gflops_per_step"] = flops / 1e9
     out["achieved_gflops"] = flops / seconds / 1e9
     out["matmul_gflops"] = engine.plan.precision.peak_gflops

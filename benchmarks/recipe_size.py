@@ -11,8 +11,8 @@ The world size is the recipe's smallest (``run.min_gpus``, else the product of i
 sizes); ``--gpus`` changes it (the data-parallel size follows). Prints one JSON line.
 
 - **Parameters**: the model built on the meta device (``molds.models.build_model``): total,
-  active per token (what ``flops_coefficients`` counts: an MoE layer's top-k and shared
-  experts), and per pipeline rank as DeepSpeed cuts it (``partition_balanced`` over each
+  active per token (what ``flops_coefficients`` counts: an MoE layer's router, shared
+  expert and top-k routed experts), and per pipeline rank as DeepSpeed cuts it (``partition_balanced`` over each
   layer's parameters, ``partition_method: parameters``; DualPipeV's 2P stages, rank r holding
   stages r and 2P-1-r), with each rank's experts (1 / ep of them).
 - **The corpus**: real tokens and squared molecule lengths per molecule, and how full a
@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     accum = recipe.trainer.grad_accum or 1
     tok = tokenizer_info(Manifest.load(recipe.data.manifest))
     model = build_model(m, tok, seed=0, device="meta")
-    a, b = model.flops_coefficients()
+    coefficients = model.flops_coefficients()  # a decoder's: per real token, per squared molecule length
+    a, b = coefficients["real_tokens"], coefficients["length_sq_sum"]
     total = sum(t.numel() for t in model.parameters())
 
     # the corpus, from real micro-batches

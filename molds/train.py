@@ -52,7 +52,7 @@ class Run:
     lineage: dict
     log: object
     evaluator: object
-    flops: tuple  # (per real token, per squared molecule length)
+    flops: dict  # the model's FLOPs per unit of each batch statistic (``flops_coefficients``)
     plan: object = None  # molds.recipe.plan.Plan: the recipe resolved for this run
     step: int = 0
     start_step: int = 0

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.data.conftest import dataset  # noqa: E402,F401  (the small preprocessed dataset, for every test)
+from tests.guarantee_check import GuaranteeWatch  # noqa: E402
 
 
 import pytest  # noqa: E402
@@ -90,6 +91,9 @@ def pytest_configure(config):
     missing = sorted(f for f in SERIAL_FILES if not os.path.exists(os.path.join(root, f)))
     if missing:
         raise pytest.UsageError(f"tests/conftest.py SERIAL_FILES names files that do not exist: {missing}")
+    if not hasattr(config, "workerinput"):  # xdist's controller sees every worker's reports
+        # a test that proves a guarantee and skips or xfails ends the session non-zero
+        config.pluginmanager.register(GuaranteeWatch(), "molds-guarantees")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,7 +17,7 @@ import pytest
 from tests.benchmark_scripts import benchmark_script
 
 #: the dry run is the module fixture's set-up, counted in the first test's time: above
-#: .ci/run's 1,200 s a test, so that a loaded machine cannot end it before its own budget
+#: .ci/run's 1,200 s a test: only a hang guard, the dry run itself is not timed
 pytestmark = pytest.mark.timeout(1800)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +38,9 @@ def _run(args, cwd, timeout=900):
 def dry_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_check")
     out = d / "out"
-    # no --budget-s: a dry run's own default (its caps' sum), which a loaded CI machine must not
-    # exhaust
+    # no --budget-s: a dry run times out no section (time bounds belong to the GPU run and the
+    # benchmarks; the test holds the dry run to what it must produce); the subprocess's and
+    # the module's timeouts only end a hang
     proc = _run(["--dry-run", "--out", str(out), "--commit", "abc123"], d, timeout=1700)
     return proc, out
 
@@ -53,7 +54,7 @@ def test_the_dry_run_runs_every_section_and_ends_with_its_json(dry_run):
     assert list(line["sections"]) == gc.SECTIONS
     assert all(s["status"] == "ok" for s in line["sections"].values()), line["sections"]
     assert line["dry_run"] is True and line["commit"] == "abc123"
-    assert line["budget_s"] == sum(gc.DRY_CAPS.values()) < 1700
+    assert line["budget_s"] is None
     # OUT holds what the device tool carries back: at most 8 files, 2 folders down at most
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log"]
     log = open(out / "gpu_check.log").read()

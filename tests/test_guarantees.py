@@ -6,9 +6,11 @@ runs is a promise nobody checks."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
+import textwrap
+
+from tests.guarantee_check import guarantee_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,26 +26,13 @@ def pytest_collection_modifyitems(config, items):
 '''
 
 
-def guarantee_rows() -> list[tuple[str, list[str]]]:
-    """(fault, test files named in its last column) for every row of the table."""
-    text = open(os.path.join(ROOT, "docs", "guarantees.md"), encoding="utf-8").read()
-    table = text.split("# Guarantees", 1)[1].split("\n## ", 1)[0]
-    rows = []
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[-1].startswith("`tests/"):
-            continue
-        rows.append((cells[0], re.findall(r"`(tests/[\w/.-]+\.py)(?:::\w+)?`", cells[-1])))
-    return rows
-
-
 def test_every_guarantee_names_tests_that_exist_and_run_in_ci(tmp_path):
     rows = guarantee_rows()
     assert len(rows) >= 15, rows  # the table was found and read
-    files = sorted({f for _, named in rows for f in named})
+    files = sorted({f for _, named in rows for f, _ in named})
     for fault, named in rows:
         assert named, f"the guarantee {fault!r} names no test file"
-        for f in named:
+        for f, _ in named:
             assert os.path.isfile(os.path.join(ROOT, f)), f"{fault!r}: {f} does not exist"
     (tmp_path / "guarantee_probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
@@ -54,5 +43,77 @@ def test_every_guarantee_names_tests_that_exist_and_run_in_ci(tmp_path):
     collected = [line.split("\t")[1:] for line in proc.stdout.splitlines() if line.startswith("COLLECTED\t")]
     for f in files:
         assert any(node.startswith(f + "::") for node, _ in collected), f"{f} holds no test"
+    for fault, named in rows:
+        for f, fn in named:
+            assert fn is None or any(node.split("[")[0] == f"{f}::{fn}" for node, _ in collected), (
+                f"{fault!r}: {f} has no test {fn}")
     skipped = [(node, how) for node, how in collected if how != "RUNS" and "GPU" not in how]
     assert not skipped, f"tests that prove a guarantee and are skipped here: {skipped}"
+
+
+def test_a_guarantee_test_that_skips_or_xfails_fails_the_session(tmp_path):
+    """The plugin (tests/guarantee_check.py) that every run of the suite carries: a named test
+    skipped inside its body, in a fixture, or xfailed ends the session non-zero and is listed;
+    one skipped for want of a GPU, a test no row names, and passing ones do not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guarantees.md").write_text(textwrap.dedent("""\
+        # Guarantees
+
+        | fault | what | proved by |
+        |---|---|---|
+        | one | a | `tests/test_a.py` |
+        | two | b | `tests/test_b.py::test_named` |
+        """))
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        @pytest.fixture
+        def needs():
+            pytest.skip("no data here")
+
+        def test_passes():
+            pass
+
+        def test_skips_in_its_body():
+            pytest.skip("not today")
+
+        def test_skips_in_a_fixture(needs):
+            pass
+
+        @pytest.mark.xfail(reason="flaky")
+        def test_xfails():
+            assert False
+
+        def test_wants_a_gpu():
+            pytest.skip("needs a CUDA GPU")
+        """))
+    (tmp_path / "tests" / "test_b.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_named(x):
+            pass
+
+        def test_not_named():
+            pytest.skip("no row names me")
+        """))
+    env = dict(os.environ, MOLDS_GUARANTEES=str(tmp_path / "docs" / "guarantees.md"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+    def run(*paths):
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.guarantee_check", "-p", "no:cacheprovider",
+                               "-rN", "--rootdir", str(tmp_path), *paths], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    proc = run("tests")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    listed = proc.stdout.split("did not run to a pass", 1)[1]
+    for bad in ("test_a.py::test_skips_in_its_body: skipped", "test_a.py::test_skips_in_a_fixture: skipped",
+                "test_a.py::test_xfails: xfailed"):
+        assert bad in listed, proc.stdout[-3000:]
+    assert "test_passes" not in listed and "gpu" not in listed.lower() and "test_b.py" not in listed
+    proc = run("-n", "2", "tests/test_a.py")  # as .ci/run runs it: the reports reach xdist's controller
+    assert proc.returncode == 1 and "test_a.py::test_xfails: xfailed" in proc.stdout, proc.stdout[-3000:]
+    proc = run("tests/test_b.py", "tests/test_a.py::test_passes", "tests/test_a.py::test_wants_a_gpu")
+    assert proc.returncode == 0 and "did not run to a pass" not in proc.stdout, proc.stdout[-3000:]

@@ -88,7 +88,8 @@ def test_the_smoke_moe_recipe_sized_against_its_model_and_deepspeeds_cut(dataset
     recipe = parse_recipe(["--recipe", recipe_path, "--data.manifest", dataset])
     model = build_model(recipe.model, tokenizer_info(Manifest.load(dataset)), seed=0)
     assert out["model"]["parameters"] == sum(p.numel() for p in model.parameters())
-    a, b = model.flops_coefficients()
+    coefficients = model.flops_coefficients()
+    a, b = coefficients["real_tokens"], coefficients["length_sq_sum"]
     assert out["model"]["flops_per_token"] == a
     # 4 CPU ranks: pp 2 (DualPipeV, 4 stages), dp 2, ep 2
     topo = out["topology"]

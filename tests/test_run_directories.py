@@ -134,14 +134,29 @@ def test_read_only_output_directory_is_refused_at_start(dataset, tmp_path):
 
 
 def test_seq_len_truncation_is_warned_counted_and_logged(dataset, tmp_path, capsys):
+    """The counts are those of the rows longer than ``seq_len``, read from the shards with
+    pyarrow: a lookahead as large as the training split takes the whole epoch in at the first
+    step, where the packer counts what it truncates."""
+    import pyarrow.parquet as pq
+
     from molds.train import main
 
+    manifest = json.load(open(os.path.join(dataset, "manifest.json")))
+    lengths = [len(ids) for shard in manifest["splits"]["train"]
+               for ids in pq.read_table(os.path.join(dataset, shard["uri"]), columns=["token_ids"])
+               .column("token_ids").to_pylist()]
+    # the shards hold the ids without BOS and EOS (the manifest says so), which the loader adds
+    framed = 2 if manifest["tokenizer"]["ids_exclude_special_tokens"] else 0
+    over = [n + framed - 40 for n in lengths if n + framed > 40]
+    assert 0 < len(over) < len(lengths)
     out = str(tmp_path / "run")
-    main(argv(dataset, out, "ddp", 3, "--data.seq_len", "40"))
+    main(argv(dataset, out, "ddp", 3, "--data.seq_len", "40", "--data.lookahead", str(len(lengths))))
     err = capsys.readouterr().err
     assert "data.seq_len=40 is shorter than the longest molecule" in err and "truncated" in err
     rows = [r for r in metrics(out) if "train/loss" in r]
-    assert rows[-1]["data/truncated_molecules"] > 0 and rows[-1]["data/truncated_tokens"] > 0
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert (r["data/truncated_molecules"], r["data/truncated_tokens"]) == (len(over), sum(over)), r
 
 
 def test_the_free_space_check_refuses_a_save_before_anything_is_written(dataset, tmp_path, monkeypatch):

@@ -121,6 +121,7 @@ class Bucketer:
             return denoising_batch([p[2] for p in pieces], out, mask_key, pad=self.source.pad_id, **mlm)
         if mlm is not None:
             out.update(mask_tokens(input_ids, attention, mask_key, **mlm))
+            out["stats"]["mlm_tokens"] = real  # the MLM head reads every token of a masked batch
         return out
 
     def collate_pairs(self, gids: np.ndarray) -> dict:
@@ -199,7 +200,9 @@ def encoder_decoder_batch(sources: list, targets: list, gids, pad: int) -> dict:
     """Right-padded encoder-decoder rows: ``input_ids`` and ``attention_mask`` from each source
     (its tokens as the encoder reads them), ``decoder_input_ids`` each target but its last
     token, ``labels`` each target but its first (IGNORE on padding). Statistics: tokens with
-    padding, real tokens, and the attention's length_sq_sum (s^2 + t^2 + s t a row)."""
+    padding, real tokens, and the attention's length_sq_sum (s^2 + t^2 + s t a row), and what
+    the model's FLOPs count (``Seq2SeqModel.flops_coefficients``): source and target tokens,
+    the sum of s^2 and the sum of t^2 + t s."""
     rows = len(sources)
     s_w = max(len(x) for x in sources)
     t_w = max(len(t) for t in targets) - 1
@@ -219,4 +222,6 @@ def encoder_decoder_batch(sources: list, targets: list, gids, pad: int) -> dict:
             "labels": labels, "gids": np.asarray(gids, np.int64),
             "stats": {"tokens": total, "real_tokens": real, "molecules": rows,
                       "length_sq_sum": int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
+                      "source_tokens": int(s_len.sum()), "target_tokens": int(t_len.sum()),
+                      "source_sq_sum": int((s_len ** 2).sum()), "decoder_sq_sum": int((t_len ** 2 + t_len * s_len).sum()),
                       "padding_ratio": 1.0 - real / total}}

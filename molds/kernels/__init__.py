@@ -59,12 +59,35 @@ def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> o
         convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
                        grad_format=kernels.fp8_grad_format, only=fp8_choice.takes if fp8_choice else None)
     if kernels.triton:
+        require_triton(device)
         fuse_with_triton(model, loss, fused_backends(kernels.fused_backend, device))
     if kernels.compile_regions:
         from .compile_regions import compile_regions
 
         compile_regions(model)
     return model
+
+
+def require_triton(device) -> None:
+    """One line naming the extra where ``kernels.triton`` needs Triton and it is not installed:
+    on a CUDA GPU (it compiles the kernels there), and on a CPU under
+    ``MOLDS_TRITON_INTERPRET=1`` (its interpreter runs them). A CPU run without either takes
+    each op's PyTorch path, with or without Triton."""
+    import os
+
+    import torch
+
+    from ..errors import RecipeError
+    from .launch import triton_available
+
+    if triton_available():
+        return
+    if torch.device(device).type == "cuda":
+        raise RecipeError("kernels.triton: molds' kernels compile with Triton on a GPU, and triton does not import "
+                          "here: pip install 'molds[gpu]' (Triton and Liger Kernel), or kernels.triton false")
+    if os.environ.get("MOLDS_TRITON_INTERPRET") == "1":
+        raise RecipeError("MOLDS_TRITON_INTERPRET=1 runs molds' kernels in Triton's interpreter, and triton does not "
+                          "import here: pip install 'molds[gpu]', or unset it (each op's PyTorch path)")
 
 
 #: the ops of ``kernels.triton`` that Liger Kernel also has (``kernels.fused_backend``)
@@ -90,7 +113,7 @@ def fused_backends(setting: str, device) -> dict:
                               f"{torch.device(device).type}; use auto (molds' kernels here) or molds")
         if not liger_available():
             raise RecipeError("kernels.fused_backend=liger: Liger Kernel does not import here (pip install "
-                              "liger-kernel); auto falls back to molds' kernels")
+                              "'molds[gpu]'); auto falls back to molds' kernels")
         return dict.fromkeys(LIGER_OPS, "liger")
     if setting != "auto":
         raise ValueError(f"kernels.fused_backend {setting!r}: auto, molds or liger")

@@ -13,19 +13,23 @@ import time
 
 
 def new_window() -> dict:
-    return {"real": 0.0, "tokens": 0.0, "molecules": 0.0, "wait": 0.0, "sq": 0.0, "time": time.perf_counter(),
+    return {"real": 0.0, "tokens": 0.0, "molecules": 0.0, "wait": 0.0, "stats": {}, "time": time.perf_counter(),
             "steps": 0}
 
 
 def count(window: dict, micro: list) -> None:
-    """Add a step's micro-batches (tokens, molecules, loader wait) to the logging window."""
+    """Add a step's micro-batches (tokens, molecules, loader wait, and every count the model's
+    FLOPs are a sum over: ``flops_coefficients``) to the logging window."""
+    sums = window["stats"]
     for b in micro:
         st = b["stats"]
         window["real"] += st["real_tokens"]
         window["tokens"] += st["tokens"]
         window["molecules"] += st["molecules"]
         window["wait"] += st["wait_s"]
-        window["sq"] += st.get("length_sq_sum", 0)
+        for k, v in st.items():
+            if isinstance(v, (int, float)):
+                sums[k] = sums.get(k, 0.0) + v
     window["steps"] += 1
 
 
@@ -37,15 +41,15 @@ def log_window(run, window: dict, result, bar) -> None:
 
     dist = run.dist
     totals = run.loader.totals()
-    real, tokens, wait, sq, trunc, trunc_tok = all_reduce_sum(
-        [window["real"], window["tokens"], window["wait"], window["sq"], totals["truncated"],
-         totals["truncated_tokens"]], dist)
+    flops = sum(c * window["stats"].get(k, 0.0) for k, c in run.flops.items())
+    real, tokens, wait, flops, trunc, trunc_tok = all_reduce_sum(
+        [window["real"], window["tokens"], window["wait"], flops, totals["truncated"], totals["truncated_tokens"]],
+        dist)
     elapsed = time.perf_counter() - window["time"]
     loss = all_reduce_mean(result.loss, dist)
     pp = run.engine.topology.pp_size
-    real, tokens, sq, trunc, trunc_tok = (x / pp for x in (real, tokens, sq, trunc, trunc_tok))  # pipeline stages share batches
+    real, tokens, flops, trunc, trunc_tok = (x / pp for x in (real, tokens, flops, trunc, trunc_tok))  # pipeline stages share batches
     peak, _ = device_peak_tflops(dist.device, run.recipe.logging.peak_tflops, run.plan.precision)
-    flops = run.flops[0] * real + run.flops[1] * sq
     values = {"train/loss": loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
               "train/tokens_per_sec": real / elapsed, "train/padding_ratio": 1 - real / max(1.0, tokens),
               "train/step_s": elapsed / max(1, window["steps"]),

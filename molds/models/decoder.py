@@ -459,16 +459,20 @@ class CausalDecoder(nn.Module):
             x = layer(x, cos, sin, None, layer_cache)
         return self.lm_head(self.model.norm(x[:, -1]))
 
-    def flops_coefficients(self) -> tuple[float, float]:
-        """Training FLOPs (forward + backward) of a batch = a x real tokens + b x the sum
-        of squared molecule lengths: a = 6 x the parameters a token passes through
-        (embeddings excluded; an MoE layer counts its top-k experts and shared expert
-        only), b = 12 x layers x hidden (attention within each molecule)."""
+    def flops_coefficients(self) -> dict[str, float]:
+        """Training FLOPs (forward + backward) of a batch = the sum over its statistics of
+        coefficient x statistic (the matrix products; norms and other elementwise work are
+        left out): ``real_tokens`` x 6 x the weight matrices a token passes through (the
+        embedding lookup excluded, the LM head included; an MoE layer counts its router, its
+        shared expert and its top-k routed experts), ``length_sq_sum`` (the sum of squared
+        molecule lengths) x 12 x layers x hidden (attention within each molecule).
+        ``tests/test_flops.py`` holds them to ``torch.utils.flop_counter.FlopCounterMode``."""
         cfg = self.config
-        active = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n and ".experts." not in n)
+        active = sum(p.numel() for n, p in self.named_parameters()
+                     if p.dim() >= 2 and "embed_tokens" not in n and ".experts." not in n)
         if cfg.tie_word_embeddings:
             active += self.lm_head.weight.numel()
         for layer in self.model.layers:
-            if hasattr(layer, "active_expert_params"):
-                active += layer.active_expert_params()
-        return 6.0 * active, 12.0 * cfg.num_layers * cfg.hidden_size
+            if hasattr(layer, "routed_expert_params"):
+                active += layer.routed_expert_params()
+        return {"real_tokens": 6.0 * active, "length_sq_sum": 12.0 * cfg.num_layers * cfg.hidden_size}

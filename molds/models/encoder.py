@@ -88,9 +88,19 @@ class MoleculeEncoder(nn.Module):
                 out["prediction_scale"] = self.label_std
         return out
 
-    def flops_coefficients(self) -> tuple[float, float]:
-        """Training FLOPs of a batch = a x tokens + b x the sum of squared row lengths:
-        a = 6 x non-embedding parameters, b = 12 x layers x hidden (attention)."""
+    def flops_coefficients(self) -> dict[str, float]:
+        """Training FLOPs of a batch = the sum over its statistics of coefficient x statistic
+        (the matrix products): ``real_tokens`` x 6 x the body's weight matrices; the MLM head's
+        (its dense layer and the decoder tied to the word embeddings) on every token of every
+        batch without property heads, with them on the tokens of masked batches only
+        (``mlm_tokens``, as ``forward`` runs it); the property heads per molecule
+        (``molecules``: they read each row's first token); ``length_sq_sum`` (the sum of
+        squared row lengths) x 12 x layers x hidden (attention)."""
         cfg = self.config
-        params = sum(p.numel() for n, p in self.named_parameters() if "embeddings" not in n)
-        return 6.0 * params, 12.0 * cfg.num_layers * cfg.hidden_size
+        body = sum(p.numel() for n, p in self.mlm.roberta.named_parameters() if p.dim() >= 2 and "embeddings" not in n)
+        head = self.mlm.lm_head.dense.weight.numel() + self.mlm.lm_head.decoder.weight.numel()
+        out = {"length_sq_sum": 12.0 * cfg.num_layers * cfg.hidden_size}
+        if self.classifier is None:
+            return out | {"real_tokens": 6.0 * (body + head)}
+        heads = sum(p.numel() for p in self.classifier.parameters() if p.dim() >= 2)
+        return out | {"real_tokens": 6.0 * body, "mlm_tokens": 6.0 * head, "molecules": 6.0 * heads}

@@ -258,11 +258,11 @@ class MoEDecoderLayer(nn.Module):
         self.stats = {"aux_loss": 0.0, "z_loss": 0.0, "micro_batches": 0, "dropped": 0, "pairs": 0,
                       "tokens_per_expert": torch.zeros(e, dtype=torch.float64, device="cpu")}  # (a meta-built model too)
 
-    def active_expert_params(self) -> int:
-        """Expert parameters a token passes through: its top-k experts and the shared one."""
+    def routed_expert_params(self) -> int:
+        """Routed expert parameters a token passes through: its top-k experts (the shared
+        expert's are the layer's own parameters, counted with the rest)."""
         moe, h = self.cfg.moe, self.cfg.hidden_size
-        width = moe.expert_size or self.cfg.intermediate_size
-        return moe.top_k * 3 * h * width + 3 * h * moe.shared_expert_size
+        return moe.top_k * 3 * h * (moe.expert_size or self.cfg.intermediate_size)
 
     # ------------------------------------------------------------ the five stages
     def attention_and_route(self, x, cos, sin, layout, cache=None) -> RoutingState:

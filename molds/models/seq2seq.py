@@ -209,15 +209,29 @@ class Seq2SeqModel(nn.Module):
         return {"logits": self._decode(decoder_input_ids, memory, _key_mask(attention_mask, memory.dtype),
                                        self_mask)}
 
-    def flops_coefficients(self) -> tuple[float, float]:
-        """Training FLOPs of a batch = a x tokens + b x the batch's ``length_sq_sum``, which
-        for pairs is the sum of s^2 + t^2 + s t (source length s, target length t: encoder
-        self-attention, decoder self-attention, cross-attention): a = 6 x non-embedding
-        parameters, b = 12 x hidden x the larger layer count (exact when the encoder and the
-        decoder have as many layers, as by default; an upper bound otherwise)."""
+    def flops_coefficients(self) -> dict[str, float]:
+        """Training FLOPs of a batch = the sum over its statistics of coefficient x statistic
+        (the matrix products), for rows of source length s and target length t:
+        ``source_tokens`` (the sum of s) x 6 x the weight matrices a source token passes
+        through (the encoder's, and the keys and values of each decoder layer's
+        cross-attention), ``target_tokens`` (the sum of t) x 6 x the decoder's other weight
+        matrices and the LM head (tied to the embeddings), ``source_sq_sum`` (the sum of s^2)
+        x 12 x hidden x encoder layers (self-attention), ``decoder_sq_sum`` (the sum of
+        t^2 + t s) x 12 x hidden x decoder layers (self- and cross-attention)."""
         cfg = self.config
-        params = sum(p.numel() for n, p in self.named_parameters() if "embed" not in n and "shared" not in n)
-        return 6.0 * params, 12.0 * max(cfg.encoder_layers, cfg.decoder_layers) * cfg.hidden_size
+
+        def matrices(module, keep=lambda n: True) -> int:
+            return sum(p.numel() for n, p in module.named_parameters() if p.dim() >= 2 and "embed" not in n
+                       and keep(n))
+
+        def cross_kv(n: str) -> bool:
+            return ".encoder_attn.k_proj." in f".{n}" or ".encoder_attn.v_proj." in f".{n}"
+
+        source = matrices(self.model.encoder) + matrices(self.model.decoder, cross_kv)
+        target = matrices(self.model.decoder, lambda n: not cross_kv(n)) + self.lm_head.weight.numel()
+        return {"source_tokens": 6.0 * source, "target_tokens": 6.0 * target,
+                "source_sq_sum": 12.0 * cfg.hidden_size * cfg.encoder_layers,
+                "decoder_sq_sum": 12.0 * cfg.hidden_size * cfg.decoder_layers}
 
     def new_cache(self) -> list[dict]:
         return [{} for _ in self.model.decoder.layers]

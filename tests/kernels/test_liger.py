@@ -40,6 +40,27 @@ def test_auto_takes_molds_kernels_on_a_cpu_and_liger_is_refused_there():
         assert set(fused_backends("auto", "cuda").values()) == {"liger" if liger_available() else "molds"}
 
 
+def test_without_the_gpu_extra_a_recipe_that_needs_it_stops_naming_it(monkeypatch):
+    """A CPU install leaves Triton and Liger Kernel out (the gpu extra): kernels.triton on a
+    GPU, Triton's interpreter asked for, or Liger asked for by name, stops with one line
+    naming the extra; kernels.triton on a CPU takes each op's PyTorch path as before."""
+    from molds.kernels import launch, liger
+
+    monkeypatch.setattr(launch, "triton", None)  # what an install without triton imports
+    monkeypatch.setattr(liger, "liger_available", lambda: False)
+    monkeypatch.delenv("MOLDS_TRITON_INTERPRET", raising=False)
+    model = apply_kernels(moe_model(), KernelsConfig(triton=True), CausalLMLoss(), "cpu")
+    assert set(model.fused_backends.values()) == {"molds"}
+    with pytest.raises(RecipeError, match=r"^kernels.triton: .*pip install 'molds\[gpu\]'"):
+        apply_kernels(moe_model(), KernelsConfig(triton=True), CausalLMLoss(), "cuda")
+    monkeypatch.setenv("MOLDS_TRITON_INTERPRET", "1")
+    with pytest.raises(RecipeError, match=r"^MOLDS_TRITON_INTERPRET=1 .*pip install 'molds\[gpu\]'"):
+        apply_kernels(moe_model(), KernelsConfig(triton=True), CausalLMLoss(), "cpu")
+    monkeypatch.setattr(launch, "triton", object())  # Triton present, Liger Kernel not
+    with pytest.raises(RecipeError, match=r"Liger Kernel does not import here \(pip install 'molds\[gpu\]'\)"):
+        fused_backends("liger", "cuda")
+
+
 def test_recipe_rule_fused_backend_needs_triton(tmp_path):
     from molds.recipe.parse import parse_recipe, validate
 
