@@ -358,10 +358,19 @@ def chemprop_venv(path: str) -> str:
 
 
 def chemprop(args, peers: str, data: dict, labels: list[str], task_type: str, seed: int, out: str) -> tuple:
-    """(test predictions, train seconds, predict seconds) of Chemprop's CLI at its defaults."""
+    """(test predictions, train seconds, predict seconds) of Chemprop's CLI at its defaults. A
+    rerun into the same output directory reuses a finished run (``finished.json``: its
+    seconds), as it reuses molds' fine-tuning."""
     import numpy as np
 
     cli = [args.chemprop_python, "-c", "import sys; from chemprop.cli.main import main; sys.exit(main())"]
+    test_in, preds = os.path.join(out, "test.csv"), os.path.join(out, "test_predictions.csv")
+    finished = os.path.join(out, "finished.json")
+    if os.path.exists(finished):
+        done = json.load(open(finished))
+        return _chemprop_predictions(preds, data, labels), done["train_s"], done["predict_s"]
+    if os.path.isdir(out):  # a run cut short: Chemprop starts again in a clean directory
+        shutil.rmtree(out)
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     _quiet_run(cli + ["train", "--data-path", peers, "--smiles-columns", "smiles", "--target-columns", *labels,
@@ -372,18 +381,26 @@ def chemprop(args, peers: str, data: dict, labels: list[str], task_type: str, se
     models = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f == "best.pt"]
     if len(models) != 1:
         raise SystemExit(f"chemprop left {len(models)} best.pt files under {out}: {models}")
-    test_in, preds = os.path.join(out, "test.csv"), os.path.join(out, "test_predictions.csv")
     write_smiles(data["test"][0], test_in)
     t0 = time.perf_counter()
     _quiet_run(cli + ["predict", "--test-path", test_in, "--smiles-columns", "smiles", "--model-paths", models[0],
                       "--preds-path", preds, "--accelerator", "cpu", "--devices", "1", "--num-workers", "0"],
                os.path.join(out, "predict.log"), threads=args.nproc)
     predict_s = time.perf_counter() - t0
+    pred = _chemprop_predictions(preds, data, labels)
+    with open(finished, "w") as fh:
+        json.dump({"train_s": train_s, "predict_s": predict_s}, fh)
+    return pred, train_s, predict_s
+
+
+def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
+    import numpy as np
+
     with open(preds, encoding="utf-8", newline="") as fh:
         rows = list(csv.DictReader(fh))
     if [r["smiles"] for r in rows] != data["test"][0]:
         raise SystemExit(f"{preds}: chemprop's predictions are not one per test molecule, in order")
-    return np.asarray([[float(r[c]) for c in labels] for r in rows], float), train_s, predict_s
+    return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
 
 
 def steps_per_epoch(manifest: str, nproc: int, recipe: str = RECIPE) -> int:

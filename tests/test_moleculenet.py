@@ -104,6 +104,42 @@ def test_the_peers_read_exactly_molds_split(tmp_path, split, seed):
         assert got == [ls for _, ls in shards[name]]
 
 
+def test_a_finished_chemprop_run_is_reused_and_a_cut_one_started_again(tmp_path, monkeypatch):
+    """Chemprop's CLI stood in for (its train writes ``best.pt``, its predict a column per label):
+    a second call into the same directory runs nothing and returns the first one's predictions
+    and seconds; a directory a killed run left (no ``finished.json``) is cleared and run again."""
+    import argparse
+
+    bench = benchmark_script("moleculenet")
+    calls = []
+
+    def fake_run(cmd, log, threads=1):
+        calls.append(cmd[cmd.index("-c") + 2])
+        out = cmd[cmd.index("--output-dir") + 1] if "--output-dir" in cmd else None
+        if calls[-1] == "train":
+            os.makedirs(os.path.join(out, "model_0"), exist_ok=True)
+            open(os.path.join(out, "model_0", "best.pt"), "w").close()
+        else:
+            smiles = [r["smiles"] for r in csv.DictReader(open(cmd[cmd.index("--test-path") + 1]))]
+            with open(cmd[cmd.index("--preds-path") + 1], "w", newline="") as fh:
+                w = csv.writer(fh)
+                w.writerow(["smiles", "a", "b"])
+                w.writerows([s, i / 10, 1 - i / 10] for i, s in enumerate(smiles))
+
+    monkeypatch.setattr(bench, "_quiet_run", fake_run)
+    args = argparse.Namespace(chemprop_python=sys.executable, nproc=1)
+    data = {"test": (["CCO", "c1ccccc1", "CC(=O)O"], None)}
+    out = str(tmp_path / "chemprop-0")
+    os.makedirs(os.path.join(out, "model_0", "checkpoints"))  # what a killed run leaves
+    open(os.path.join(out, "model_0", "checkpoints", "last.ckpt"), "w").close()
+    first = bench.chemprop(args, "peers.csv", data, ["a", "b"], "regression", 0, out)
+    assert calls == ["train", "predict"] and not os.path.exists(os.path.join(out, "model_0", "checkpoints"))
+    again = bench.chemprop(args, "peers.csv", data, ["a", "b"], "regression", 0, out)
+    assert calls == ["train", "predict"]  # nothing run the second time
+    assert again[0].tolist() == first[0].tolist() == [[0.0, 1.0], [0.1, 0.9], [0.2, 0.8]]
+    assert again[1:] == pytest.approx(first[1:])
+
+
 @pytest.mark.slow
 def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary_lacks(tmp_path):
     """Pretrained for seconds on 500 MOSES molecules, forked onto a set with ions and metals:
