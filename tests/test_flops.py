@@ -99,3 +99,18 @@ def test_encoder_decoder_flops_are_the_counted_products(decoder_layers):
                      decoder_input_ids=torch.as_tensor(batch["decoder_input_ids"]))["logits"].double().square().mean()
 
     assert _claimed(model, batch["stats"]) == pytest.approx(_counted(step), rel=1e-9)
+
+
+def test_the_logging_window_sums_every_statistic_the_flops_read():
+    """``train/mfu``'s numerator: the window adds each micro-batch's statistics, numpy's
+    integers as well (a statistic left out would count no FLOPs for it)."""
+    from molds.metrics.run_report import count, new_window
+
+    window = new_window()
+    stats = [{"tokens": 16, "real_tokens": np.int64(11), "molecules": 3, "wait_s": 0.1, "length_sq_sum": 45},
+             {"tokens": 16, "real_tokens": 9, "molecules": 2, "wait_s": 0.2, "length_sq_sum": np.int32(41)}]
+    count(window, [{"stats": s} for s in stats])
+    model = _model("dense_ddp.json")
+    coefficients = model.flops_coefficients()
+    assert sum(c * window["stats"][k] for k, c in coefficients.items()) == pytest.approx(
+        coefficients["real_tokens"] * 20 + coefficients["length_sq_sum"] * 86)

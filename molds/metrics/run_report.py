@@ -7,6 +7,7 @@ the run (``molds.train.Run``) is passed in."""
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 import time
@@ -28,8 +29,8 @@ def count(window: dict, micro: list) -> None:
         window["molecules"] += st["molecules"]
         window["wait"] += st["wait_s"]
         for k, v in st.items():
-            if isinstance(v, (int, float)):
-                sums[k] = sums.get(k, 0.0) + v
+            if isinstance(v, numbers.Real):  # (numpy's numbers too)
+                sums[k] = sums.get(k, 0.0) + float(v)
     window["steps"] += 1
 
 
