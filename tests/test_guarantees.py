@@ -1,7 +1,9 @@
 """The "Guarantees" table (``docs/guarantees.md``, linked from the README) names, for every fault, the tests that prove it: each
-named file exists, holds tests, and none of them is skipped where CI runs (a CPU machine:
-only a test that needs a GPU may skip there, and says so). A promise whose proof CI never
-runs is a promise nobody checks."""
+named file (and test, where a row names one as ``file::test``) exists, holds tests, and none
+of them is skipped by a mark where CI runs (a CPU machine: only a test that needs a GPU may
+skip there, and says so). What a mark cannot show, a skip inside a test's body or fixture or
+an xfail, the plugin ``tests/guarantee_check.py`` catches in every run of the suite: such a
+test fails the session. A promise whose proof CI never runs is a promise nobody checks."""
 
 from __future__ import annotations
 
