@@ -31,6 +31,10 @@ May import the packages below it in molds' stack: ``errors``, ``runtime``, ``che
 
 from __future__ import annotations
 
+import os
+
+from ..errors import RecipeError
+
 
 def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> object:
     """``model`` with the converters the recipe's ``kernels`` section asks for; ``loss``
@@ -45,8 +49,6 @@ def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> o
         try:
             from .fp8_torchao import convert_to_float8_torchao
         except ImportError as exc:
-            from ..errors import RecipeError
-
             raise RecipeError(f"kernels.fp8_recipe={kernels.fp8_recipe} runs torchao's Float8Linear, and torchao "
                               f"does not import here ({exc}): pip install torchao, or use fp8_recipe blockwise") \
                 from None
@@ -73,11 +75,10 @@ def require_triton(device) -> None:
     on a CUDA GPU (it compiles the kernels there), and on a CPU under
     ``MOLDS_TRITON_INTERPRET=1`` (its interpreter runs them). A CPU run without either takes
     each op's PyTorch path, with or without Triton."""
-    import os
-
+    # torch, and .launch (which imports Triton), load only where kernels are applied, as
+    # everywhere in this module
     import torch
 
-    from ..errors import RecipeError
     from .launch import triton_available
 
     if triton_available():
@@ -106,8 +107,6 @@ def fused_backends(setting: str, device) -> dict:
         return dict.fromkeys(LIGER_OPS, "molds")
     gpu = torch.device(device).type == "cuda"
     if setting == "liger":
-        from ..errors import RecipeError
-
         if not gpu:
             raise RecipeError("kernels.fused_backend=liger: Liger Kernel runs on CUDA GPUs and this run is on the "
                               f"{torch.device(device).type}; use auto (molds' kernels here) or molds")
