@@ -191,18 +191,16 @@ def denoising_batch(molecules: list, plain: dict, key: tuple, *, probability: fl
         starts = hidden & ~np.concatenate([[False], hidden[:-1]])  # the first token of each hidden run
         src = np.where(starts, mask_id, toks)[~hidden | starts]
         sources.append(src)
-    out = encoder_decoder_batch(sources, molecules, plain["gids"], pad)
-    out["stats"] = {**plain["stats"], **out["stats"]}
-    return out
+    return encoder_decoder_batch(sources, molecules, plain["gids"], pad)
 
 
 def encoder_decoder_batch(sources: list, targets: list, gids, pad: int) -> dict:
     """Right-padded encoder-decoder rows: ``input_ids`` and ``attention_mask`` from each source
     (its tokens as the encoder reads them), ``decoder_input_ids`` each target but its last
     token, ``labels`` each target but its first (IGNORE on padding). Statistics: tokens with
-    padding, real tokens, and the attention's length_sq_sum (s^2 + t^2 + s t a row), and what
-    the model's FLOPs count (``Seq2SeqModel.flops_coefficients``): source and target tokens,
-    the sum of s^2 and the sum of t^2 + t s."""
+    padding, real tokens, and what the model's FLOPs count (``Seq2SeqModel.flops_coefficients``):
+    source and target tokens, the sum of s^2 (encoder attention) and the sum of t^2 + t s
+    (decoder self- and cross-attention)."""
     rows = len(sources)
     s_w = max(len(x) for x in sources)
     t_w = max(len(t) for t in targets) - 1
@@ -221,7 +219,6 @@ def encoder_decoder_batch(sources: list, targets: list, gids, pad: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_input_ids,
             "labels": labels, "gids": np.asarray(gids, np.int64),
             "stats": {"tokens": total, "real_tokens": real, "molecules": rows,
-                      "length_sq_sum": int((s_len ** 2 + t_len ** 2 + s_len * t_len).sum()),
                       "source_tokens": int(s_len.sum()), "target_tokens": int(t_len.sum()),
                       "source_sq_sum": int((s_len ** 2).sum()), "decoder_sq_sum": int((t_len ** 2 + t_len * s_len).sum()),
                       "padding_ratio": 1.0 - real / total}}
