@@ -29,7 +29,9 @@ One JSON line: per recipe the pairs per split, the step the interruption left an
 the resume reached, the train and test loss, top-1/3/5/10, invalid beams (for mol2mol the
 similarity to the source), the export agreement, the seconds of each stage, and the CPU;
 each recipe's entry is also written to ``OUTPUT_DIR/NAME.json`` as it ends.
-``--max_steps S --interval I`` shorten every recipe (the test's tiny run).
+``--max_steps S --interval I`` shorten every recipe (the test's tiny run); with ``--num``, the
+shortened run's evaluations search that many test sources too (a pair recipe's own 64 and
+200 beam searches would take most of a tiny run's time).
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def launch(args, recipe: str, manifest: str, out: str, *extra: str, stop_after_f
         cmd += ["--trainer.max_steps", str(args.max_steps), "--checkpoint.interval_steps", str(args.interval),
                 "--eval.interval_steps", str(args.interval), "--eval.full_interval_steps", str(args.max_steps),
                 "--optim.warmup_steps", "2", "--logging.interval_steps", "1"]
+        if args.num:  # the evaluations during the shortened run search as many sources as the final one
+            cmd += ["--eval.samples", str(args.num), "--eval.full_samples", str(args.num)]
     log = open(out + ".log", "w" if stop_after_first_checkpoint else "a")
     start = log.tell()
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 class MoldsError(Exception):
@@ -75,8 +76,6 @@ def report(prog: str, exc: BaseException) -> None:
         # rank 0 says it. Leaving at once would let the launcher (torchrun, deepspeed) stop
         # rank 0 before it has said it, as it stops every rank once one has failed: the user
         # would see no error at all. So wait a little; rank 0's exit ends this rank anyway.
-        import time
-
         time.sleep(SHARED_ERROR_GRACE_S)
         return
     where = f" [rank {r}]" if not shared and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

@@ -19,9 +19,16 @@ import shutil
 
 import torch
 
+from .checkpoint import open_checkpoint
+from .chemistry.representation import of_manifest
+from .errors import MoldsError
+from .eval.pairs import forbidden_in_targets
+from .eval.sampling import forbidden_tokens
+from .runtime.atomic import atomic_directory
+
 
 def llama_config(cfg, specials):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # here: molds-export --help loads no transformers
 
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -49,7 +56,7 @@ def hf_decoder(model, specials):
         if moe.score == "sigmoid" and moe.shared_expert_size:
             return hf_dots1(model, specials)
         return hf_qwen3_moe(model, specials)
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # here: molds-export --help loads no transformers
 
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -61,10 +68,9 @@ def hf_qwen3_moe(model, specials):
     q/k RMSNorm), softmax top-k routing renormalized (``norm_topk_prob``), SwiGLU experts
     (HF stacks them: ``gate_up_proj`` [E, 2 x width, hidden], ``down_proj`` [E, hidden, width]),
     dense blocks as ``mlp_only_layers``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # here: molds-export --help loads no transformers
 
-    from .errors import MoldsError
-    from .models.moe import moe_layers
+    from .models.moe import moe_layers  # here: molds-export --help loads no Triton
 
     cfg, moe = model.config, model.config.moe
     if moe.score != "softmax" or moe.shared_expert_size or moe.capacity_factor:
@@ -112,9 +118,7 @@ def hf_dots1(model, specials):
     MoE): sigmoid scores, top-k, the k weights renormalized (``norm_topk_prob``), one
     group, no score bias, a routed scaling of 1; the shared expert is ``n_shared_experts``
     experts' width wide; dense blocks first (``first_k_dense_replace``); full attention."""
-    from transformers import Dots1Config, Dots1ForCausalLM
-
-    from .errors import MoldsError
+    from transformers import Dots1Config, Dots1ForCausalLM  # here: molds-export --help loads no transformers
 
     cfg, moe = model.config, model.config.moe
     width = moe.expert_size or cfg.intermediate_size
@@ -144,7 +148,9 @@ def hf_encoder(model):
     """RobertaForSequenceClassification when the model has property heads (a regression's
     label scale folded into its last layer, so the logits are in the labels' units), else
     RobertaForMaskedLM."""
-    from transformers import RobertaForMaskedLM, RobertaForSequenceClassification
+    from transformers import (  # here: molds-export --help loads no transformers
+        RobertaForMaskedLM, RobertaForSequenceClassification,
+    )
 
     cfg = model.config
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
@@ -163,17 +169,11 @@ def hf_encoder(model):
 def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: str = "float32") -> str:
     """Write ``checkpoint`` as a Hugging Face directory ``out``; ``dtype``: the weights'
     (float32 as trained, or bfloat16; never FP8: ``kernels.fp8`` quantizes at use only)."""
-    from .checkpoint import open_checkpoint
-    from .errors import MoldsError
-    from .runtime.atomic import atomic_directory
-
     if dtype not in ("float32", "bfloat16"):
         raise MoldsError(f"--dtype {dtype}: float32 or bfloat16")
 
     loaded = open_checkpoint(checkpoint, manifest_dir, with_tokenizer=False)
     if loaded.family == "decoder":
-        from .eval.sampling import forbidden_tokens
-
         hf = hf_decoder(loaded.model, loaded.specials)
         # a decoder trained on marked randomized SMILES: generate() never draws the marker,
         # as molds-sample does not (transformers' SuppressTokensLogitsProcessor)
@@ -181,8 +181,6 @@ def export(checkpoint: str, out: str, manifest_dir: str | None = None, dtype: st
         if forbid:
             hf.generation_config.suppress_tokens = list(forbid)
     elif loaded.family == "seq2seq":
-        from .eval.pairs import forbidden_in_targets
-
         hf = hf_bart(loaded.model, loaded.specials)
         # generate() never writes the tokens a target never holds, as molds-predict does not
         hf.generation_config.suppress_tokens = list(forbidden_in_targets(loaded.specials))
@@ -217,8 +215,6 @@ _DECODING = {
 
 def model_card(loaded, architecture: str) -> str:
     """The exported directory's README: what the model is and how its output is read."""
-    from .chemistry.representation import of_manifest
-
     rep = of_manifest(loaded.manifest)
     block = (loaded.manifest.data.get("representation") or {"name": "smiles"}) if loaded.manifest else {"name": "smiles"}
     lines = [f"# {loaded.lineage.get('recipe', {}).get('run', {}).get('name') or 'molds model'}", "",
@@ -272,7 +268,7 @@ def model_card(loaded, architecture: str) -> str:
 def hf_bart(model, specials):
     """The encoder-decoder as transformers' ``BartForConditionalGeneration``, weights copied
     one to one (the layers carry BART's names); decoding starts at ``<bos>``."""
-    from transformers import BartConfig, BartForConditionalGeneration
+    from transformers import BartConfig, BartForConditionalGeneration  # here: molds-export --help loads no transformers
 
     cfg = model.config
     hf_cfg = BartConfig(

@@ -28,7 +28,36 @@ if __name__ == "__main__":  # `deepspeed molds/train.py`, `python molds/train.py
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-from molds.errors import MoldsError, NonFiniteError  # noqa: E402
+from molds.checkpoint import read_lineage, restore, save_checkpoint
+from molds.checkpoint.average import average_checkpoints, last_checkpoints
+from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
+from molds.checkpoint.resume import (
+    check_resume,
+    fine_tune_heads,
+    flatten,
+    resized_vocabulary,
+    resumed_dtype,
+    resumed_fp8_products,
+)
+from molds.checkpoint.rundir import plan_resume, prepare_output_dir
+from molds.chemistry.tokens import tokenizer_info
+from molds.data.manifest import Manifest, label_moments
+from molds.engines import build_engine
+from molds.errors import CheckpointError, ManifestError, MoldsError, NonFiniteError, RecipeError, run_cli  # noqa: E402
+from molds.metrics.step_profile import ProfileWindow
+from molds.recipe.budget import format_duration
+from molds.recipe.parse import check_machine, parse_recipe
+from molds.recipe.plan import resolve_plan
+from molds.runtime.allocator import retain_freed_memory
+from molds.runtime.atomic import write_json
+from molds.runtime.distributed import (
+    all_have,
+    all_reduce_max,
+    all_reduce_sum,
+    collective,
+    gather_objects,
+    init_distributed,
+)
 from molds.runtime.lifecycle import (  # noqa: E402
     code_version as _code_version,
     leave_process_group as _leave_process_group,
@@ -64,21 +93,16 @@ class Run:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from molds.recipe.parse import check_machine, parse_recipe
-    from molds.recipe.plan import resolve_plan
-
     if argv is None:
         argv = sys.argv[1:]
     argv = [a for a in argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     recipe = parse_recipe(argv)
     check_machine(recipe, argv)  # a recipe sized for GPUs on a machine without them: its twin
     if not recipe.goal.prior and (recipe.goal.scoring is not None or recipe.goal.stages is not None):
-        from molds.errors import RecipeError
-
         raise RecipeError("goal.scoring / goal.stages are set but goal.prior is not: a goal run steers a prior "
                           "decoder checkpoint (set goal.prior), a training run has no objective to score")
     if recipe.goal.prior:  # goal-directed fine-tuning of a prior (molds.goal)
-        from molds.goal.loop import run_goal
+        from molds.goal.loop import run_goal  # here: molds-train --help loads no RDKit or Triton
 
         return run_goal(recipe)
     plan = resolve_plan(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # checked before any process group starts
@@ -103,13 +127,9 @@ def _after_elastic_restart(recipe, dist):
     only re-join the rendezvous with their count unchanged. Before its first checkpoint the
     attempt starts over as the recipe says. ``run.output_dir`` must be on a filesystem
     every node sees."""
-    from molds.runtime.distributed import all_reduce_max
-
     restart = int(all_reduce_max(float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), dist))
     if not restart or recipe.checkpoint.resume == "auto" and not recipe.checkpoint.fork:
         return recipe
-    from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
-
     if not complete_checkpoints(checkpoints_dir(recipe.run.output_dir)):
         return recipe
     if dist.is_main:
@@ -122,17 +142,15 @@ def _after_elastic_restart(recipe, dist):
 
 def train(run: Run) -> None:
     """The loop: take micro-batches, step, log, evaluate, checkpoint."""
-    from molds.data.loader import batch_tensors
-    from molds.metrics.run_report import count, log_window, new_window, progress_bar
-    from molds.runtime.distributed import all_have, all_reduce_max, collective
-
+    from molds.data.loader import batch_tensors  # here: molds-train --help loads no pyarrow or fsspec
+    from molds.metrics.run_report import (  # here: molds-train --help loads no Triton or fsspec
+        count, log_window, new_window, progress_bar,
+    )
     recipe, dist, engine, horizon = run.recipe, run.dist, run.engine, run.plan.horizon
     accum = run.batching.grad_accum
     batches = iter(run.loader)
     window = new_window()
     bar = progress_bar(run)
-    from molds.metrics.step_profile import ProfileWindow
-
     profile = ProfileWindow.of(recipe, run.step) if dist.is_main else None
     horizon.start(run.step, horizon.elapsed_s)  # the budget's clock runs from here (and what a resume carried)
     while not horizon.done:
@@ -189,8 +207,6 @@ def train(run: Run) -> None:
 
 def finish(run: Run) -> dict:
     """The final evaluation and checkpoint, and the run's summary."""
-    from molds.runtime.distributed import all_reduce_sum, collective
-
     recipe, dist = run.recipe, run.dist
     if run.evaluator.enabled and run.step > run.start_step:  # the final evaluation, and hparams beside it
         with collective("final evaluation", dist):
@@ -215,8 +231,6 @@ def finish(run: Run) -> dict:
                  if k not in ("steps", "checkpoint", "averaged", "horizon") and v]
         spent = ""
         if run.plan.horizon.timed:
-            from molds.recipe.budget import format_duration
-
             spent = f" in {format_duration(run.plan.horizon.elapsed_s)} of {run.plan.horizon.describe()}"
         print(f"[molds] {run.step} steps{spent}; checkpoint {final}" + (f"; averaged model {averaged}" if averaged
                                                                          else "")
@@ -237,10 +251,6 @@ def _checkpoint_due(cfg, step: int, before: float, fraction: float) -> bool:
 def _average_last(run: Run) -> str:
     """``checkpoint.average_last``: the mean of the run's last N checkpoints as RUN/averaged
     (rank 0 writes it; every rank waits for it)."""
-    from molds.checkpoint.average import average_checkpoints, last_checkpoints
-    from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
-    from molds.runtime.distributed import all_have, collective
-
     out = os.path.join(run.recipe.run.output_dir, "averaged")
     n = run.recipe.checkpoint.average_last
     ok, error = True, None
@@ -275,22 +285,12 @@ def teardown(run: Run) -> None:
 def setup(recipe, plan=None) -> Run:
     """Ranks, output directory, data, model, engine, resume, logger, evaluator. ``plan``:
     the recipe resolved for this world size (``molds.recipe.plan``; resolved here when not given)."""
-    from molds.checkpoint import read_lineage
-    from molds.checkpoint.resume import fine_tune_heads, resized_vocabulary, resumed_dtype, resumed_fp8_products
-    from molds.checkpoint.rundir import plan_resume, prepare_output_dir
-    from molds.chemistry.tokens import tokenizer_info
-    from molds.data.loader import MoleculeLoader
-    from molds.data.manifest import Manifest
-    from molds.engines import build_engine
-    from molds.eval.training import TrainingEvaluator
-    from molds.kernels import apply_kernels, kernel_summary
-    from molds.kernels.fp8_select import choose_for_run
-    from molds.models import build_model, count_parameters
-    from molds.models.loss import build_loss
-    from molds.recipe.plan import resolve_plan
-    from molds.runtime.allocator import retain_freed_memory
-    from molds.runtime.distributed import init_distributed
-
+    from molds.data.loader import MoleculeLoader  # here: molds-train --help loads no pyarrow or fsspec
+    from molds.eval.training import TrainingEvaluator  # here: molds-train --help loads no Triton or pyarrow
+    from molds.kernels import apply_kernels, kernel_summary  # here: molds-train --help loads no Triton
+    from molds.kernels.fp8_select import choose_for_run  # here: molds-train --help loads no Triton
+    from molds.models import build_model, count_parameters  # here: molds-train --help loads no Triton
+    from molds.models.loss import build_loss  # here: molds-train --help loads no Triton
     _quiet_third_party()
     allocator = retain_freed_memory()  # before the first large allocation
     dist = init_distributed(recipe.parallel.collective_timeout_s,
@@ -298,8 +298,6 @@ def setup(recipe, plan=None) -> Run:
     recipe = _after_elastic_restart(recipe, dist)
     manifest = Manifest.load(recipe.data.manifest)
     if recipe.model.family == "seq2seq" and manifest.pairs is None and not recipe.data.mask_span_mean:
-        from molds.errors import RecipeError
-
         raise RecipeError(f"model.family=seq2seq translates a source into a target: {manifest.path} holds "
                           f"molecules, not pairs (molds-preprocess --task forward|retro|mol2mol writes pairs); "
                           f"to pretrain on molecules by denoising, set data.mask_span_mean and "
@@ -351,15 +349,13 @@ def setup(recipe, plan=None) -> Run:
     if getattr(model, "regression", False):  # what the predictions are scaled by, after any restore
         lineage["label_scale"] = {"mean": model.label_mean.float().tolist(), "std": model.label_std.float().tolist()}
     if dist.is_main:
-        from molds.runtime.atomic import write_json
-
         write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
-    from molds.metrics.logger import MetricsLogger
+    from molds.metrics.logger import MetricsLogger  # here: molds-train --help loads no fsspec or TensorBoard
 
     run.log = MetricsLogger(recipe.run.output_dir, dist.is_main, recipe.logging.tensorboard,
                             start_step=run.step if run.resumed_from and not recipe.checkpoint.fork else None)
     run.evaluator = TrainingEvaluator(recipe, engine, dist, manifest, tokenizer, run.log)
-    from molds.metrics.run_report import start_summary
+    from molds.metrics.run_report import start_summary  # here: molds-train --help loads no Triton or fsspec
 
     start_summary(run, parameters)
     return run
@@ -368,12 +364,8 @@ def setup(recipe, plan=None) -> Run:
 def _standardize_labels(model, manifest, dist) -> None:
     """A regression head learns labels standardized by the training split's mean and
     standard deviation per task; its predictions come back in the labels' units."""
-    from molds.data.manifest import label_moments
-
     mean, std, count = label_moments(manifest, "train")
     if len(mean) != model.config.num_tasks:
-        from molds.errors import RecipeError
-
         raise RecipeError(f"model.num_tasks={model.config.num_tasks}, but the train split of {manifest.path} has "
                           f"{len(mean)} label columns")
     model.set_label_scale(mean, std)
@@ -386,9 +378,6 @@ def _standardize_labels(model, manifest, dist) -> None:
 
 def _resume(run: Run, path: str, saved: dict) -> None:
     """Continue or fork ``path``, whose lineage is ``saved``."""
-    from molds.checkpoint import restore
-    from molds.checkpoint.resume import check_resume
-
     recipe, dist = run.recipe, run.dist
     fork = recipe.checkpoint.fork
     changes = check_resume(path, saved, run.lineage, fork, resized=run.resized is not None)
@@ -424,8 +413,6 @@ def _resume(run: Run, path: str, saved: dict) -> None:
         return
     carried = saved.get("horizon", {})
     if run.plan.horizon.timed and "elapsed_s" not in carried:
-        from molds.errors import CheckpointError
-
         raise CheckpointError(f"{path} was trained by steps and carries no elapsed time; a run with "
                               f"trainer.max_time continues it only as a fork (--checkpoint.fork true)")
     run.plan.horizon.start(int(saved["step"]), float(carried.get("elapsed_s", 0.0)))  # before the schedule
@@ -467,8 +454,6 @@ def _non_finite(run: Run, result) -> None:
         print(f"[molds] {what}: {policy} ({n} of at most {bound})", file=sys.stderr)
     run.log.scalars(run.step, {"train/nonfinite_steps": n})
     if policy == "rollback":
-        from molds.checkpoint import restore
-
         if run.last_checkpoint is None:
             raise NonFiniteError(f"{what}; trainer.on_nonfinite=rollback but no checkpoint was saved yet")
         step, _ = restore(run.last_checkpoint, run.engine, run.dist, seed=run.recipe.run.seed + n)
@@ -479,10 +464,7 @@ def _non_finite(run: Run, result) -> None:
 
 
 def save(run: Run) -> str:
-    from molds.checkpoint import save_checkpoint
-    from molds.data.loader import merge_states
-    from molds.runtime.distributed import collective, gather_objects
-
+    from molds.data.loader import merge_states  # here: molds-train --help loads no pyarrow or fsspec
     with collective(f"step {run.step}: saving a checkpoint", run.dist):
         _check_manifest_unchanged(run)
         data_state = merge_states(gather_objects(run.loader.state_dict(), run.dist))
@@ -497,10 +479,6 @@ def save(run: Run) -> str:
 def _check_manifest_unchanged(run: Run) -> None:
     """The manifest the run started from must still be the one on disk when it saves:
     an edited manifest means the data under the run changed."""
-    from molds.data.manifest import Manifest
-    from molds.errors import ManifestError
-    from molds.runtime.distributed import all_have
-
     now = None
     if run.dist.is_main:
         try:
@@ -518,14 +496,10 @@ def _check_manifest_unchanged(run: Run) -> None:
 
 
 def _hparams(recipe) -> dict:
-    from molds.checkpoint.resume import flatten
-
     return flatten(recipe.to_dict())
 
 
 def cli() -> None:
-    from molds.errors import run_cli
-
     sys.exit(run_cli("molds-train", main))
 
 

@@ -55,7 +55,7 @@ def _budgeted(rank, world, args, kill_at_save=0):
 
     import molds.checkpoint as ckpt
     from molds.train import main
-    from tests.faults.common import killed_at, record_gids
+    from tests.faults.common import killed_at, patch_everywhere, record_gids
 
     record_gids(rank, args)
     if kill_at_save:
@@ -70,7 +70,7 @@ def _budgeted(rank, world, args, kill_at_save=0):
                 os.kill(os.getpid(), signal.SIGKILL)
             return path
 
-        ckpt.save_checkpoint = save
+        patch_everywhere(original, save)
     return main(args)
 
 

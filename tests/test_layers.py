@@ -252,3 +252,67 @@ print(json.dumps(out))
         new = molds.MOVED[old]
         assert same and name == new and spec == new, (old, name, spec)
         assert warned == [f"{old} has moved to {new}: import it from there"], (old, warned)
+
+
+def unexplained_function_imports(root: str = ROOT) -> list[str]:
+    """Imports inside a function of molds/ whose line carries no comment: a function-level
+    import stays only for an optional or heavy dependency on a path that must not load it,
+    and its comment says which (CONTRIBUTING.md, "Imports")."""
+    out = []
+    for name, path in sorted(_modules(root).items()):
+        if name.startswith("molds.preprocessing"):
+            continue
+        text = open(path, encoding="utf-8").read()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and "#" not in lines[node.lineno - 1]:
+                    out.append(f"{os.path.relpath(path, root)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return sorted(set(out))
+
+
+def test_every_import_inside_a_function_says_why():
+    bad = unexplained_function_imports()
+    assert not bad, "imports inside a function without their reason (move them to the top, or say why):\n" + \
+        "\n".join(bad)
+
+
+def test_an_unexplained_import_inside_a_function_is_caught(tmp_path):
+    (tmp_path / "molds").mkdir()
+    (tmp_path / "molds" / "__init__.py").write_text("")
+    (tmp_path / "molds" / "a.py").write_text("import os\n\n\ndef f():\n    import torch  # here: x loads no torch\n")
+    assert unexplained_function_imports(str(tmp_path)) == []
+    (tmp_path / "molds" / "a.py").write_text("def f():\n    from .b import g\n")
+    assert unexplained_function_imports(str(tmp_path)) == ["molds/a.py:2: from .b import g"]
+
+
+#: what each console script's --help may load of the heavy packages (the comments of the
+#: function-level imports that keep them off these paths name them)
+HELP_MAY_LOAD = {"molds-preprocess": set(), "molds-train": {"torch"}, "molds-export": set(), "molds-average": set(),
+                 "molds-schedule": set(), "molds-sample": set(), "molds-predict": set(), "molds-eval": set(),
+                 "molds-score": set()}
+HEAVY = ("torch", "rdkit", "deepspeed", "transformers", "ray", "sklearn", "scipy", "matplotlib", "fcd_torch")
+
+
+def _console_scripts() -> dict[str, str]:
+    text = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    return dict(re.findall(r'"(molds-[a-z]+)=([\w.]+:\w+)"', text))
+
+
+def test_every_help_stays_light():
+    """``--help`` of each console script answers without importing torch, RDKit, DeepSpeed or
+    transformers (molds-train's parses the recipe's sections, which need torch's dtypes)."""
+    scripts = _console_scripts()
+    assert set(scripts) == set(HELP_MAY_LOAD)
+    code = ("import contextlib, io, json, sys\nmod, fn = sys.argv[2].split(':')\nsys.argv = [sys.argv[1], '--help']\n"
+            "import importlib\nmain = getattr(importlib.import_module(mod), fn)\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    try:\n        main()\n    except SystemExit:\n"
+            f"        pass\nprint(json.dumps([h for h in {HEAVY!r} if h in sys.modules]))")
+    for script, entry in sorted(scripts.items()):
+        proc = subprocess.run([sys.executable, "-c", code, script, entry], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+        assert loaded <= HELP_MAY_LOAD[script], (script, sorted(loaded - HELP_MAY_LOAD[script]))

@@ -17,11 +17,20 @@ May import the packages below it in molds' stack: ``errors``, ``runtime``, ``che
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
+import torch
+
+from ..chemistry.tokens import tokenizer_info
+from ..data.manifest import Manifest
 from ..errors import CheckpointError, MoldsError
+from ..runtime.atomic import publish_directory, write_json
+from ..runtime.distributed import all_have
+from .average import AVERAGED_FROM, refuse_averaged
 from .layout import (
     LATEST,
     LINEAGE,
@@ -35,7 +44,7 @@ from .layout import (
     write_complete_marker,
     write_latest,
 )
-from .state import read_json, rng_file, rng_state, set_rng_state
+from .state import load_canonical, read_json, read_model, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
            "read_lineage", "resolve", "resolve_model", "restore", "save_checkpoint"]
@@ -44,8 +53,6 @@ DATA_STATE = "data_state.json"
 
 
 def _agree(ok: bool, dist) -> bool:
-    from ..runtime.distributed import all_have
-
     return all_have(ok, dist)
 
 
@@ -68,8 +75,6 @@ def _run_phase(fn, dist, tmp: str, what: str) -> None:
 
 
 def _explain_os_error(exc: OSError, tmp: str, what: str) -> CheckpointError:
-    import errno
-
     root = os.path.dirname(tmp)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
@@ -86,8 +91,6 @@ def _explain_os_error(exc: OSError, tmp: str, what: str) -> CheckpointError:
 def save_checkpoint(output_dir: str, engine, dist, step: int, data_state: dict, lineage: dict, *,
                     keep_last: int, needed_bytes: int = 0) -> str:
     """Write checkpoint ``step`` under ``output_dir/checkpoints`` (every rank calls this)."""
-    from ..runtime.atomic import publish_directory, write_json
-
     root = checkpoints_dir(output_dir)
     name = step_name(step)
     final = os.path.join(root, name)
@@ -138,12 +141,6 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
     generators are not restored. ``fresh`` (a fine-tuning fork): (name prefixes, tensors):
     the checkpoint's weights under those prefixes are left out and the given tensors, the
     new model's own initialization, loaded in their place."""
-    import sys
-
-    import torch
-
-    from .average import AVERAGED_FROM, refuse_averaged
-
     lineage = read_lineage(checkpoint)
     step = int(lineage["step"])
     averaged = bool(lineage.get(AVERAGED_FROM))
@@ -152,8 +149,6 @@ def restore(checkpoint: str, engine, dist, *, optimizer: bool = True, seed: int 
     if fresh is None:
         engine.load(checkpoint, optimizer=optimizer)
     else:
-        from .state import read_model
-
         prefixes, tensors = fresh
         weights = {k: v for k, v in read_model(checkpoint).items() if not k.startswith(prefixes)}
         engine.load(checkpoint, optimizer=optimizer, weights={**weights, **tensors})
@@ -192,11 +187,7 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
     """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
     with the single model factory and loaded from the canonical weights (no pickle). A run
     directory means the model the run made (``resolve_model``: RUN/averaged when current)."""
-    from ..chemistry.tokens import tokenizer_info
-    from ..data.manifest import Manifest
-    from ..models import build_model
-    from .state import load_canonical, read_model
-
+    from ..models import build_model  # here: molds-average --help loads no Triton
     checkpoint = resolve_model(ref)
     lineage = read_lineage(checkpoint)
     recipe = lineage["recipe"]
@@ -210,7 +201,7 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
     model.to(device).eval()
     tok = None
     if with_tokenizer:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here: a rank that only trains loads no transformers
 
         tok = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
     return Loaded(model, recipe["model"]["family"], recipe, manifest, tok, info, lineage, checkpoint)

@@ -29,8 +29,12 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
+
 from ..errors import CheckpointError
+from ..runtime.atomic import atomic_directory, write_json
 from .layout import LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage, resolve, write_complete_marker
+from .state import MODEL_FILE, read_model, write_model
 
 AVERAGED_FROM = "averaged_from"
 
@@ -68,11 +72,6 @@ def _check_same(sources: list[str], lineages: list[dict]) -> None:
 def average_checkpoints(refs: list[str], out: str) -> str:
     """Write the mean of the checkpoints ``refs`` (any references ``resolve`` takes) to
     the checkpoint directory ``out`` (replaced atomically); returns ``out``."""
-    import torch
-
-    from ..runtime.atomic import atomic_directory, write_json
-    from .state import MODEL_FILE, read_model, write_model
-
     if not refs:
         raise CheckpointError("no checkpoints to average")
     sources = [resolve(r) for r in refs]

@@ -33,6 +33,7 @@ import shutil
 import sys
 
 from ..errors import CheckpointError
+from ..runtime.atomic import fsync_tree, write_json, write_text
 
 CHECKPOINTS = "checkpoints"
 AVERAGED = "averaged"  # RUN/averaged: the run's final model when checkpoint.average_last is set
@@ -73,8 +74,6 @@ def write_complete_marker(directory: str, step: int) -> None:
     """Seal ``directory`` as a checkpoint: fsync its files, then list them with their sizes in COMPLETE.
 
     The reader is :func:`incomplete_reason`; a training save and ``molds-average`` both write it here."""
-    from ..runtime.atomic import fsync_tree, write_json
-
     files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
              if os.path.isfile(os.path.join(directory, n))}
     fsync_tree(directory)
@@ -90,8 +89,6 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def write_latest(root: str, name: str) -> None:
-    from ..runtime.atomic import write_text
-
     write_text(os.path.join(root, LATEST), name)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ..data.manifest import vocab_hash
 from ..errors import CheckpointError, RecipeError
+from ..recipe.parse import Recipe
 from .state import canonical_state, read_model
 
 RESUME_MUTABLE = (
@@ -60,8 +61,6 @@ def flatten(recipe: dict) -> dict:
 def recipe_changes(saved: dict, current: dict) -> dict:
     """key -> [saved value, current value] for every key that differs. A key the saved
     recipe does not hold (added to molds after it was written) counts as its default."""
-    from ..recipe.parse import Recipe
-
     a, b = {**flatten(Recipe().to_dict()), **flatten(saved)}, flatten(current)
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 

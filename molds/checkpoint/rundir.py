@@ -8,14 +8,13 @@ import shutil
 import sys
 
 from ..errors import MoldsError, RecipeError
+from ..runtime.distributed import all_have
 from .layout import checkpoints_dir, complete_checkpoints, resolve
 
 
 def prepare_output_dir(recipe, dist, *, resuming: bool) -> None:
     """Refuse to overwrite an earlier run unless told; check the directory is writable
     now, not at the first save."""
-    from ..runtime.distributed import all_have
-
     out = recipe.run.output_dir
     error = None
     if dist.is_main:

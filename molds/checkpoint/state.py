@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NonFiniteError
+from ..runtime.atomic import atomic_file, write_json
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -114,17 +115,15 @@ def load_canonical(module: torch.nn.Module, tensors: dict, where: str, rename=No
 
 
 def _save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    from ..runtime.atomic import atomic_file
+    from safetensors.torch import save_file  # here: molds-average --help loads no safetensors
 
     with atomic_file(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
 
 
 def _load_file(path: str) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # here: molds-average --help loads no safetensors
+    from safetensors.torch import load_file  # here: molds-average --help loads no safetensors
 
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing")
@@ -137,8 +136,6 @@ def _load_file(path: str) -> dict:
 def write_model(directory: str, tensors: dict) -> None:
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
-        from ..errors import NonFiniteError
-
         raise NonFiniteError(f"refusing to save non-finite weights ({len(bad)} tensors, e.g. {bad[:3]})")
     _save_file(tensors, os.path.join(directory, MODEL_FILE), {"format": "molds-canonical-1"})
 
@@ -152,8 +149,6 @@ def write_optimizer(directory: str, moments: dict, meta: dict) -> None:
     the optimizer step count and the scheduler position."""
     flat = {f"{kind}/{name}": t.float() for kind, per in moments.items() for name, t in per.items()}
     _save_file(flat, os.path.join(directory, OPTIMIZER_FILE))
-    from ..runtime.atomic import write_json
-
     write_json(os.path.join(directory, TRAIN_STATE_FILE), {"format": FORMAT, **meta}, indent=2)
 
 

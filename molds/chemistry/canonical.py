@@ -104,8 +104,6 @@ class ChemOptions:
     @classmethod
     def of_manifest(cls, manifest) -> "ChemOptions":
         """The options a manifest was canonicalized with (``canonicalization.options``)."""
-        import dataclasses
-
         fields = {f.name for f in dataclasses.fields(cls)}
         opts = manifest.data["canonicalization"]["options"] if manifest is not None else {}
         return cls(**{k: v for k, v in opts.items() if k in fields})
@@ -127,7 +125,7 @@ class ChemOptions:
 
     def describe(self) -> dict:
         """The manifest's ``canonicalization`` block: versions, options and their hash."""
-        import rdkit
+        import rdkit  # here: molds-preprocess --help loads no RDKit
 
         options = dataclasses.asdict(self)
         options.update(isomeric_smiles=True, canonical=True, scaffold_include_chirality=False,
@@ -157,8 +155,8 @@ class Canonicalizer:
     """
 
     def __init__(self, options: ChemOptions):
-        from rdkit import Chem, RDLogger
-        from rdkit.Chem.Scaffolds import MurckoScaffold
+        from rdkit import Chem, RDLogger  # here: molds-preprocess --help loads no RDKit
+        from rdkit.Chem.Scaffolds import MurckoScaffold  # here: molds-preprocess --help loads no RDKit
 
         RDLogger.DisableLog("rdApp.*")
         self.options = options
@@ -169,7 +167,7 @@ class Canonicalizer:
         self._cx = None
         self.cxsmiles = 0  # molecules read from CXSMILES (``SMILES |extension|``), counted in the manifest
         if options.standardizes:
-            from rdkit.Chem.MolStandardize import rdMolStandardize
+            from rdkit.Chem.MolStandardize import rdMolStandardize  # here: molds-preprocess --help loads no RDKit
 
             if options.normalize:
                 self._steps.append(rdMolStandardize.Normalizer().normalize)

@@ -33,6 +33,12 @@ import re
 import string
 import time
 
+import numpy as np
+from rdkit import Chem, RDLogger
+from rdkit.Chem import AllChem, rdDistGeom, rdMolTransforms
+from rdkit.Geometry import Point3D
+from xxhash import xxh3_64_intdigest
+
 TAGS = ("[SMILES]", "[/SMILES]", "[CONFORMER]", "[/CONFORMER]")
 UNIT = re.compile(r"^\[SMILES\](.+?)\[/SMILES\]\[CONFORMER\](.*?)\[/CONFORMER\]$", re.S)
 _NUM = r"-?\d+(?:\.\d+)?"  # a coordinate as ``format_unit`` writes it (no point with 0 decimals)
@@ -139,8 +145,6 @@ class UnitTemplate:
 
     def build(self, canonical: str, values: dict):
         """The unit of a row (canonical SMILES, {field: the record's value or None})."""
-        import numpy as np
-
         missing = [name for name in self.fields if values.get(name) is None]
         if missing:
             return None, "unit_missing_field", f"no value for {', '.join(map(repr, missing))}"
@@ -174,8 +178,6 @@ class UnitTemplate:
                 return None, "unit_malformed", rows
         if not (np.isfinite(rows).all() and np.abs(rows).max() <= _COORDINATE_MAX):
             return None, "unit_malformed", f"a coordinate is not finite or beyond {_COORDINATE_MAX:,.0f} A"
-        from rdkit import Chem
-
         mol = Chem.MolFromSmiles(smiles) if len(smiles) <= _SMILES_MAX else None
         if mol is not None and not self.keep_stereo:  # as the ETL's canonical SMILES drops it (isotopes stay)
             Chem.RemoveStereochemistry(mol)
@@ -194,9 +196,6 @@ def unit_of_record(canonical: str, mol, decimals: int = 2, frame: str = "canonic
     its canonical SMILES. (unit, None, None) or (None, reason, what is wrong): ``sd_not_3d``
     (the record's coordinates are 2D or absent), ``unit_malformed`` (a coordinate not
     finite or beyond 10,000 A), ``unit_geometry``, ``unit_stereo`` (as ``UnitTemplate``)."""
-    import numpy as np
-    from rdkit import Chem
-
     if mol.GetNumConformers() == 0 or not mol.GetConformer().Is3D():
         return None, "sd_not_3d", "the record's coordinates are 2D (dimension code 2D, or every z is 0)"
     drawing = _drawing(mol)
@@ -216,9 +215,6 @@ def _drawing(mol) -> str | None:
     its heavy neighbours (sp3, three or more of them), or single and multiple bonds all of
     one length (a drawing's; C-C 1.5 and C=O 1.2 A in any geometry). A molecule that can be
     flat, drawn with bonds of several lengths, is left to the bond range."""
-    import numpy as np
-    from rdkit import Chem
-
     positions = mol.GetConformer().GetPositions()
     if np.abs(positions[:, 2]).max() >= 5e-5:  # the molfile's 4 decimals: some z is not 0
         return None
@@ -253,8 +249,6 @@ def _unit_at(canonical: str, placed, order, decimals: int, frame: str):
     if problem:
         return None, "unit_stereo", f"{problem} ({atoms})"
     if frame == "canonical":
-        from rdkit.Chem import rdMolTransforms
-
         rdMolTransforms.CanonicalizeConformer(placed.GetConformer())
     positions = placed.GetConformer().GetPositions()
     if order is not None:
@@ -270,8 +264,6 @@ def _short(value, limit: int = 80) -> str:
 def _field_value(value):
     """A field's value: a string as it is, a list of [x, y, z] numbers as an (n, 3) array,
     anything else None."""
-    import numpy as np
-
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
@@ -295,8 +287,6 @@ _INPUT_BODY = re.compile(rf"{_IN},{_IN},{_IN}(?:;{_IN},{_IN},{_IN})*")
 def _read_coordinates(body: str):
     """The (n, 3) array of a conformer as a record spells it (``x,y,z;...``, numbers in any
     decimal or exponent form, spaces around them), or what is wrong with it."""
-    import numpy as np
-
     if not body:
         return "no coordinates"
     if _INPUT_BODY.fullmatch(body) is None:
@@ -309,9 +299,6 @@ def _read_coordinates(body: str):
 
 def _placed(smiles: str, positions):
     """The molecule of ``smiles`` with one 3D conformer at ``positions`` (its atom order)."""
-    from rdkit import Chem
-    from rdkit.Geometry import Point3D
-
     mol = Chem.MolFromSmiles(smiles)
     conf = Chem.Conformer(mol.GetNumAtoms())
     for i, (x, y, z) in enumerate(positions.tolist()):
@@ -324,8 +311,6 @@ def _placed(smiles: str, positions):
 def _stereo_problem(mol) -> str | None:
     """A stereocentre (CIP label) or double bond (E/Z) that ``mol``'s SMILES specifies and
     its conformer has the other way round; stereo the SMILES leaves open is not checked."""
-    from rdkit import Chem
-
     want = Chem.Mol(mol)
     Chem.AssignStereochemistry(want, cleanIt=True, force=True)
     got = Chem.Mol(mol)
@@ -348,9 +333,6 @@ def _stereo_problem(mol) -> str | None:
 def _geometry_problem(mol) -> str | None:
     """What makes ``mol``'s conformer no geometry of it: a bond outside ``_BOND_RANGE``, two
     atoms within ``_CLASH``; None when nothing does."""
-    import numpy as np
-    from rdkit import Chem
-
     distance = Chem.Get3DDistanceMatrix(mol)
     low, high = _BOND_RANGE
     for bond in mol.GetBonds():
@@ -378,9 +360,6 @@ class Embedder:
 
     def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
                  max_mmff_iters: int = 500):
-        from rdkit import Chem, RDLogger
-        from rdkit.Chem import AllChem, rdDistGeom, rdMolTransforms
-
         RDLogger.DisableLog("rdApp.*")
         if not 1 <= timeout_s <= 3600 or not 0 <= decimals <= 4:
             raise ValueError("conformer timeout_s must be in [1, 3600] and decimals in [0, 4]")
@@ -421,8 +400,6 @@ class Embedder:
         return heavy.GetConformer().GetPositions(), notes
 
     def __call__(self, canonical: str):
-        from xxhash import xxh3_64_intdigest
-
         positions, notes = self.embed(canonical, xxh3_64_intdigest(canonical.encode(), self.seed))
         if isinstance(positions, str):
             return None, positions, notes
@@ -431,9 +408,6 @@ class Embedder:
 
 def reference_bond_lengths(smiles: str, seed: int = 0):
     """Heavy-atom bond lengths {(i, j): Å} of the MMFF-relaxed ETKDG geometry, or None."""
-    from rdkit import Chem
-    from rdkit.Chem import AllChem, rdDistGeom
-
     mol = Chem.MolFromSmiles(smiles)
     if mol is None:
         return None
@@ -454,8 +428,6 @@ def reference_bond_lengths(smiles: str, seed: int = 0):
 def bond_check(text: str, tolerance: float = BOND_TOLERANCE) -> dict:
     """One sampled unit: does it decode to a molecule with coordinates (one x,y,z per heavy
     atom), and are all its bond lengths within ``tolerance`` Å of the MMFF-relaxed geometry's?"""
-    from rdkit import Chem
-
     parsed = parse_unit(text)
     if parsed is None:
         return {"decodes": False, "bonds_ok": False}

@@ -29,6 +29,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rdkit import Chem
+from rdkit.Chem import rdFMCS
+
 from .canonical import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
 
 TASKS = ("forward", "retro", "mol2mol")
@@ -94,8 +97,6 @@ class PairCanonicalizer:
     reason it is refused. Built once per worker process, as ``Canonicalizer`` is."""
 
     def __init__(self, chem: ChemOptions, options: PairOptions):
-        from rdkit import Chem
-
         self.chem, self.options = chem, options
         self._canon = Canonicalizer(chem)
         self._frags = Chem.GetMolFrags
@@ -196,9 +197,6 @@ def _correspondence(mol, anchor) -> dict[int, int]:
     largest common substructure (RDKit's FMCS: elements compared, any bond order, so that a
     bond the reaction changes still aligns; ring atoms only to ring atoms; at most one second a
     pair). Fewer than ``MIN_ALIGNED_ATOMS`` in common (a solvent, a base): no correspondence."""
-    from rdkit import Chem
-    from rdkit.Chem import rdFMCS
-
     found = rdFMCS.FindMCS([mol, anchor], atomCompare=rdFMCS.AtomCompare.CompareElements,
                            bondCompare=rdFMCS.BondCompare.CompareAny, ringMatchesRingOnly=True, timeout=1)
     if found.numAtoms < MIN_ALIGNED_ATOMS:
@@ -211,8 +209,6 @@ def _correspondence(mol, anchor) -> dict[int, int]:
 def class_roots(mol) -> list[int]:
     """One atom of each class of symmetric atoms of ``mol`` (its lowest index), in index
     order: the roots that write distinct strings (an equivalent root writes the same one)."""
-    from rdkit import Chem
-
     classes = list(Chem.CanonicalRankAtoms(mol, breakTies=False))
     return sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
 
@@ -224,8 +220,6 @@ def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
     model trained on (``aligned_spellings``) write a source whose target is unknown. Reagents
     after a ``>`` stay as they are. Fewer when the side has fewer spellings (a small
     symmetric molecule); only the side itself when RDKit cannot read it."""
-    from rdkit import Chem
-
     head, sep, rest = side.partition(">")
     mols = [Chem.MolFromSmiles(x) for x in head.split(".")] if head else []
     if not mols or any(m is None for m in mols):
@@ -255,8 +249,6 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
     form writes it. Reagents after a ``>`` stay as they are. Roots are drawn without
     repetition among the anchor's classes of symmetric atoms while they last, so the first
     spellings all differ. None when RDKit cannot read a side."""
-    from rdkit import Chem
-
     def parts(side):
         head, sep, rest = side.partition(">")
         return head, (sep + rest)

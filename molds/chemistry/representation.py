@@ -31,6 +31,11 @@ it, so every metric is computed on molecules.
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+
+from ..errors import MoldsError
+
 SMILES_PATTERN = (
     r"(\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>|\*|\$"
     r"|%\([0-9]+\)|%[0-9]{2}|[0-9])"
@@ -72,8 +77,6 @@ class MissingPackage(ImportError):
 
 
 def _require(name: str):
-    import importlib
-
     module, pip_name = _PACKAGES[name]
     try:
         return importlib.import_module(module)
@@ -123,8 +126,6 @@ class Selfies(Representation):
             return None
 
     def describe(self):
-        import importlib.metadata
-
         return {"name": self.name, "package": "selfies", "version": importlib.metadata.version("selfies"),
                 "constraints": "selfies default", "tokens": "one per bracket symbol, and '.'"}
 
@@ -135,7 +136,7 @@ class Safe(Representation):
     def __init__(self):
         self.safe = _require("safe")
         try:  # safe-mol logs through loguru; its warnings are counted here instead
-            from loguru import logger
+            from loguru import logger  # optional: safe-mol logs through it
 
             logger.disable("safe")
         except ImportError:
@@ -156,14 +157,12 @@ class Safe(Representation):
     def encode_fragments(self, smiles: str, randomize: bool = False, seed: int = 0) -> str:
         """Fragments as they are (no slicing), each ``[*]`` an open attachment digit: the
         start of a SAFE string another fragment completes (constrained design)."""
-        from safe.converter import SAFEConverter
+        from safe.converter import SAFEConverter  # optional: the safe extra
 
         try:
             return SAFEConverter(slicer=None).encoder(smiles, canonical=not randomize, randomize=randomize,
                                                       allow_empty=True, seed=seed)
         except Exception as exc:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
-            from ..errors import MoldsError
-
             raise MoldsError(f"SAFE cannot encode {smiles!r} as a fragment: {exc}") from exc
 
     def decode(self, text):
@@ -173,8 +172,6 @@ class Safe(Representation):
             return None
 
     def describe(self):
-        import importlib.metadata
-
         return {"name": self.name, "package": "safe-mol", "version": importlib.metadata.version("safe-mol"),
                 "slicer": "brics", "no_cut": "kept as one fragment (allow_empty), counted as single_fragment",
                 "tokens": "the SMILES regex (attachment points are ring-closure digits)"}
@@ -198,11 +195,11 @@ class ConformerUnits(Representation):
         if template is not None and from_sd:
             raise ValueError("conformer units come from --unit_template or from SD records, not both")
         if template is not None:  # units from the input's fields (--unit_template), checked up front
-            from .conformers import UnitTemplate
+            from .conformers import UnitTemplate  # here: molds-preprocess --help loads no xxhash
 
             self.template = UnitTemplate(template, decimals, frame, keep_stereo)
         if from_sd:
-            from .conformers import check_frame
+            from .conformers import check_frame  # here: molds-preprocess --help loads no xxhash
 
             check_frame(frame)
         if template is not None or from_sd:
@@ -210,7 +207,7 @@ class ConformerUnits(Representation):
         self.notes: list[str] = []
 
     def encode(self, canonical):
-        from .conformers import Embedder
+        from .conformers import Embedder  # here: molds-preprocess --help loads no xxhash
 
         if self.template is not None or self.from_sd:
             raise ValueError("these conformer units come from the input: encode_fields or encode_mol, not encode")
@@ -235,7 +232,7 @@ class ConformerUnits(Representation):
     def encode_mol(self, canonical: str, mol):
         """``--conformers sd``: the unit of the molecule the ETL read from an SD record, with
         that record's coordinates, or (what is wrong, reason)."""
-        from .conformers import unit_of_record
+        from .conformers import unit_of_record  # here: molds-preprocess --help loads no xxhash
 
         if not self.from_sd:
             raise ValueError("these conformer units are not the SD records' (--conformers sd): encode_mol is theirs")
@@ -247,7 +244,7 @@ class ConformerUnits(Representation):
     def _checked(self, canonical: str, unit: str):
         """The unit, if it reads back as the canonical SMILES and the very numbers written
         (exact to its precision), else (None, ``conformer_roundtrip``)."""
-        from .conformers import format_unit, parse_unit
+        from .conformers import format_unit, parse_unit  # here: molds-preprocess --help loads no xxhash
 
         parsed = parse_unit(unit)
         if parsed is None or parsed[0] != canonical or format_unit(*parsed, self.options["decimals"]) != unit:
@@ -255,13 +252,13 @@ class ConformerUnits(Representation):
         return unit, None
 
     def decode(self, text):
-        from .conformers import parse_unit
+        from .conformers import parse_unit  # here: molds-preprocess --help loads no xxhash
 
         parsed = parse_unit(text)
         return parsed[0] if parsed else None
 
     def describe(self):
-        import rdkit
+        import rdkit  # here: molds-preprocess --help loads no RDKit
 
         given = self.template is not None or self.from_sd
         unit = ("[SMILES]<canonical SMILES>[/SMILES][CONFORMER]x,y,z;... (heavy atoms in SMILES order, Å, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ManifestError
+
 IGNORE_INDEX = -100
 """Label of a position that carries no loss (padding, a molecule's first token, unmasked MLM tokens)."""
 
@@ -36,8 +38,6 @@ class TokenizerInfo:
 
 def tokenizer_info(manifest) -> TokenizerInfo:
     """The manifest's tokenizer, its files checked against the manifest's vocab hash."""
-    from ..errors import ManifestError
-
     vocab = manifest.check_tokenizer()
     block = manifest.data["tokenizer"]
     names = block.get("special_tokens") or {}

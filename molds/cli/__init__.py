@@ -9,6 +9,8 @@ below imports it.
 
 from __future__ import annotations
 
+import argparse
+
 from ..errors import MoldsError
 
 CHECKPOINT_HELP = ("a checkpoint reference: a checkpoint directory (RUN/checkpoints/step-N or RUN/averaged), a run "
@@ -22,15 +24,13 @@ class UsageError(MoldsError):
 
 
 def new_parser(prog: str, description: str):
-    from jsonargparse import ArgumentParser
+    from jsonargparse import ArgumentParser  # here: molds-sample --help loads no jsonargparse
 
     return ArgumentParser(prog=prog, description=description, default_env=False, exit_on_error=False, allow_abbrev=False,
                           epilog="--debug shows the traceback of an error (also MOLDS_DEBUG=1).")
 
 
 def parse(parser, argv: list[str]):
-    import argparse
-
     try:
         return parser.parse_args(argv)
     except argparse.ArgumentError as exc:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from . import CHECKPOINT_HELP, new_parser, parse
+from ..errors import run_cli
+from . import CHECKPOINT_HELP, UsageError, new_parser, parse
 
 
 def build_parser():
@@ -27,10 +28,9 @@ def build_parser():
 
 
 def run(argv: list[str]) -> int:
-    from ..checkpoint.average import average_checkpoints, last_checkpoints
-    from . import UsageError
-
     args = parse(build_parser(), argv)
+    from ..checkpoint.average import average_checkpoints, last_checkpoints  # after the parse: --help loads no torch
+
     refs, out = list(args.checkpoints), args.out
     if args.last:
         if out is None and len(refs) == 2:
@@ -49,8 +49,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-average", run, argv)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..errors import run_cli
 from . import CHECKPOINT_HELP, UsageError, new_parser, parse
 
 
@@ -58,7 +59,7 @@ def build_parser():
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Recipe overrides (``--section.key[=value]``) for --recipe mode, and the rest."""
-    from ..recipe.parse import SECTIONS
+    from ..recipe.parse import SECTIONS  # here: molds-eval --help loads no torch
 
     ours, overrides, i = [], [], 0
     while i < len(argv):
@@ -76,11 +77,11 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(argv: list[str]) -> int:
-    from ..eval.evaluate import evaluate_checkpoint, evaluate_samples
-    from ..eval.report import flat_metrics, markdown, write_report
-
     ours, overrides = _split_overrides(argv)
     args = parse(build_parser(), ours)
+    from ..eval.evaluate import evaluate_checkpoint, evaluate_samples  # after the parse: --help loads no torch
+    from ..eval.report import flat_metrics, markdown, write_report  # after the parse: --help loads no torch
+
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -104,8 +105,8 @@ def run(argv: list[str]) -> int:
     elif args.recipe:
         if args.checkpoint:
             raise UsageError("--recipe trains its own checkpoints: give no CHECKPOINT")
-        from ..metrics.property import mean_std
-        from ..train import main as train
+        from ..metrics.property import mean_std  # here: molds-eval --help loads no RDKit or scikit-learn
+        from ..train import main as train  # here: molds-eval --help loads no torch or NumPy
 
         out = args.out or os.path.join("runs", "eval-" + os.path.splitext(os.path.basename(args.recipe))[0])
         reports = []
@@ -129,8 +130,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-eval", run, argv)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import run_cli
 from . import CHECKPOINT_HELP, new_parser, parse
 
 
@@ -23,16 +24,14 @@ def build_parser():
 
 
 def run(argv: list[str]) -> int:
-    from ..export import export
-
     args = parse(build_parser(), argv)
+    from ..export import export  # after the parse: --help loads no torch
+
     print(export(args.checkpoint, args.out, manifest_dir=args.manifest, dtype=args.dtype))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-export", run, argv)
 
 

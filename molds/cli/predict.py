@@ -29,7 +29,7 @@ import io
 import json
 import sys
 
-from ..errors import MoldsError
+from ..errors import MoldsError, run_cli
 from ..runtime.atomic import write_text
 from . import CHECKPOINT_HELP, new_parser, parse
 
@@ -80,10 +80,18 @@ def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]
 
 
 def run(argv: list[str]) -> int:
-    from ..checkpoint import open_checkpoint
-    from ..eval.pairs import encoder_decoder, fits, predict, predict_augmented, read_back, sides_of, target_budget
-
     args = parse(build_parser(), argv)
+    from ..checkpoint import open_checkpoint  # after the parse: --help loads no torch
+    from ..eval.pairs import (  # after the parse: --help loads no torch
+        encoder_decoder,
+        fits,
+        predict,
+        predict_augmented,
+        read_back,
+        sides_of,
+        target_budget,
+    )
+
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
         raise MoldsError("--beams, --batch_size and --augment must be >= 1, --max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
@@ -182,8 +190,6 @@ def _properties(args, loaded) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-predict", run, argv)
 
 

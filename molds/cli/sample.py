@@ -11,9 +11,13 @@ manifest's representation); ``--raw`` writes what the tokens spell instead.
 
 from __future__ import annotations
 
+import json
 import sys
 
-from . import CHECKPOINT_HELP, new_parser, parse
+from ..chemistry.representation import of_manifest
+from ..errors import MoldsError, run_cli
+from ..runtime.atomic import write_text
+from . import CHECKPOINT_HELP, UsageError, new_parser, parse
 
 
 def build_parser():
@@ -49,8 +53,6 @@ def _constraint(args):
     given = [(name, getattr(args, name)) for name in ("prefix", "scaffold", "decorate", "linker")
              if getattr(args, name)]
     if len(given) > 1:
-        from . import UsageError
-
         raise UsageError(f"give one of --prefix, --scaffold, --decorate, --linker (got {[n for n, _ in given]})")
     if not given:
         return None
@@ -59,16 +61,17 @@ def _constraint(args):
 
 
 def run(argv: list[str]) -> int:
-    import json
-
-    from ..checkpoint import open_checkpoint
-    from ..chemistry.representation import of_manifest
-    from ..errors import MoldsError
-    from ..eval.constrained import keeps, plan, sample_design
-    from ..eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
-    from ..runtime.atomic import write_text
-
     args = parse(build_parser(), argv)
+    from ..checkpoint import open_checkpoint  # after the parse: --help loads no torch
+    from ..eval.constrained import keeps, plan, sample_design  # after the parse: --help loads no torch
+    from ..eval.sampling import (  # after the parse: --help loads no torch
+        default_max_tokens,
+        forbidden_tokens,
+        ids_to_texts,
+        sample_ids,
+        texts_to_smiles,
+    )
+
     if args.num < 1 or args.temperature <= 0 or args.top_k < 0 or args.batch_size < 1 or args.max_tokens < 0 \
             or args.variants < 1:
         raise MoldsError("--num, --batch_size and --variants must be >= 1, --temperature > 0, --top_k and "
@@ -97,7 +100,7 @@ def run(argv: list[str]) -> int:
         write_text(args.out, lines)
         print(f"[molds] {args.num} samples from {loaded.checkpoint} -> {args.out}", file=sys.stderr)
     if design is not None:
-        from rdkit import Chem, RDLogger
+        from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
 
         RDLogger.DisableLog("rdApp.*")
         valid = sum(bool(s) and Chem.MolFromSmiles(s) is not None for s in smiles)
@@ -112,8 +115,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-sample", run, argv)
 
 

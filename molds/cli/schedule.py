@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import run_cli
 from . import UsageError, new_parser, parse
 
 NAMES = {"1f1b": "1F1B (DeepSpeed)", "stock_dualpipev": "DualPipeV (DeepSpeed 0.19.8, stock)",
@@ -55,10 +56,15 @@ def parse_costs(text: str) -> dict:
 
 
 def run(argv: list[str]) -> int:
-    from ..engines.schedule import SCHEDULES, build, held_activations, simulate
-    from ..engines.timeline import describe, draw
-
     args = parse(build_parser(), argv)
+    from ..engines.schedule import (  # after the parse: --help loads no torch
+        SCHEDULES,
+        build,
+        held_activations,
+        simulate,
+    )
+    from ..engines.timeline import describe, draw  # after the parse: --help loads no torch
+
     if args.schedule not in SCHEDULES:
         raise UsageError(f"--schedule {args.schedule}: one of {', '.join(SCHEDULES)}")
     if args.pp < 1 or args.micro_batches < 1:
@@ -90,8 +96,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-schedule", run, argv)
 
 

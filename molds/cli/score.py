@@ -13,9 +13,13 @@ line naming the key).
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import sys
 
-from . import new_parser, parse
+from ..errors import MoldsError, run_cli
+from . import UsageError, new_parser, parse
 
 
 def build_parser():
@@ -36,22 +40,16 @@ def read_smiles(path: str, column: str) -> list[str]:
     """The molecules of a .smi / .txt (first whitespace field; an empty line is an empty
     molecule) or .csv / .tsv file (``column``, matched exactly, else case-insensitively),
     gzipped or not: molds-eval's reader (``molds.eval.evaluate.smiles_cells``)."""
-    from ..eval.evaluate import smiles_cells
+    from ..eval.evaluate import smiles_cells  # here: molds-score --help loads no torch
 
     table, cells = smiles_cells(path, "molecules", need_column=True, column=column)
     return cells if table else [(cell.split() or [""])[0] for cell in cells]
 
 
 def run(argv: list[str]) -> int:
-    import csv
-    import io
-    import json
-
-    from . import UsageError
-    from ..errors import MoldsError
-    from ..scoring import Scorer
-
     args = parse(build_parser(), argv)
+    from ..scoring import Scorer  # after the parse: --help loads no torch
+
     if bool(args.scoring) == bool(args.oracle):
         raise UsageError("give one of --scoring FILE and --oracle NAME")
     if args.scoring:
@@ -81,7 +79,7 @@ def run(argv: list[str]) -> int:
     if args.out == "-":
         sys.stdout.write(buf.getvalue())
     else:
-        from ..runtime.atomic import write_text
+        from ..runtime.atomic import write_text  # here: molds-score --help loads no torch
 
         write_text(args.out, buf.getvalue())
     n, valid = len(rows), int(scores.valid.sum())
@@ -92,8 +90,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_cli
-
     return run_cli("molds-score", run, argv)
 
 

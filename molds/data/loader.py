@@ -19,12 +19,13 @@ import time
 from dataclasses import asdict
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset
 
+from ..chemistry.tokens import tokenizer_info
+from ..errors import ManifestError, RecipeError
 from ..recipe.sections import DataConfig
 from .bucketing import Bucketer
-from ..errors import ManifestError
-from ..chemistry.tokens import tokenizer_info
 from .manifest import Manifest
 from .packing import Packer
 from .plan import EpochPlan, Share, resplit
@@ -195,16 +196,13 @@ class MoleculeLoader:
             raise ManifestError(f"{self.manifest.path}: data.mlm_probability > 0 needs a mask token; the tokenizer "
                                 f"has none")
         if cfg.mask_span_mean > 0 and (cfg.mode != "bucketed" or cfg.mlm_probability <= 0 or cfg.with_labels):
-            from ..errors import RecipeError
-
             raise RecipeError(f"data.mask_span_mean={cfg.mask_span_mean} (denoising pretraining) needs data.mode "
                               f"bucketed, data.mlm_probability > 0 and data.with_labels false")
         self._check(cfg)
         sp = self.specials
         randomizer, self.randomized_note = None, None
         if cfg.randomized_smiles > 0:
-            from ..errors import RecipeError
-            from .randomize import Randomizer
+            from .randomize import Randomizer  # here: a rank that only trains loads no RDKit
 
             spelled = (self.manifest.data.get("representation") or {}).get("name", "smiles")
             if spelled != "smiles":
@@ -243,8 +241,6 @@ class MoleculeLoader:
         """How many stored randomized spellings per molecule this run reads (0: none,
         RDKit writes them at load), from the manifest's ``randomized`` entry and
         ``data.randomized_from``."""
-        from ..errors import RecipeError
-
         info = self.manifest.data.get("randomized")
         k = 0
         if info is not None:
@@ -268,8 +264,6 @@ class MoleculeLoader:
         """A manifest of pairs (``molds-preprocess --task``) is read as prompt and completion
         (``data.mode packed``, the decoder: rows of BOS source SEP target EOS, the loss on the
         target and EOS only) or as source and target (``bucketed``, the encoder-decoder)."""
-        from ..errors import RecipeError
-
         task = self.manifest.pairs.get("task")
         if cfg.mode == "bucketed":
             unused = [key for key, on in (("data.mlm_probability", cfg.mlm_probability > 0),
@@ -293,8 +287,6 @@ class MoleculeLoader:
                               f"to reject (pairs longer than {limit} are left out and counted)")
 
     def _check(self, cfg: DataConfig) -> None:
-        from ..errors import RecipeError
-
         if cfg.micro_batch_size < 1:
             raise RecipeError("data.micro_batch_size must be >= 1")
         if cfg.mode == "packed" and cfg.lookahead < 1:
@@ -390,8 +382,6 @@ class MoleculeLoader:
             yield self.vranks[0], batch, state
 
     def _worker_iter(self):
-        import torch
-
         dataset = _WorkerDataset(self.source, self.cfg, self.rank, self.k, self.vworld, self.specials, self.states,
                                  self.rotation)
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.k, collate_fn=_identity,
@@ -399,8 +389,6 @@ class MoleculeLoader:
         yield from loader
 
     def __iter__(self):
-        import torch
-
         it = self._local_iter() if self.cfg.num_workers == 0 else self._worker_iter()
         while self.cfg.max_steps is None or self.batches < self.cfg.max_steps:
             t0 = time.perf_counter()
@@ -436,8 +424,6 @@ class _WorkerDataset(IterableDataset):
         self.specials, self.states, self.rotation = specials, states, rotation
 
     def __iter__(self):
-        import torch
-
         info = torch.utils.data.get_worker_info()
         slot = info.id if info is not None else 0
         vrank = self.rank * self.k + (slot + self.rotation) % self.k

@@ -72,7 +72,7 @@ class Manifest:
     @classmethod
     def load(cls, path: str) -> "Manifest":
         """Read ``path`` (a manifest.json or its directory; local or fsspec URI)."""
-        import fsspec
+        import fsspec  # here: molds-preprocess --help loads no fsspec
 
         if not path.endswith(".json"):
             path = path.rstrip("/") + "/manifest.json"
@@ -140,8 +140,8 @@ class Manifest:
 
     def check_tokenizer(self) -> dict[str, int]:
         """The tokenizer files' vocabulary, refused if it is not the manifest's."""
-        import fsspec
-        from tokenizers import Tokenizer
+        import fsspec  # here: molds-preprocess --help loads no fsspec
+        from tokenizers import Tokenizer  # here: molds-preprocess --help loads no tokenizers
 
         path = self.tokenizer_path.rstrip("/") + "/tokenizer.json"
         try:
@@ -182,8 +182,8 @@ class Manifest:
     def verify_shard(self, shard: Shard, vocab_size: int | None = None) -> None:
         """Check a shard's sha256 and row count against the manifest and, with
         ``vocab_size``, that every token id lies in the vocabulary (``check_token_ids``)."""
-        import fsspec
-        import pyarrow.parquet as pq
+        import fsspec  # here: molds-preprocess --help loads no fsspec
+        import pyarrow.parquet as pq  # here: molds-preprocess --help loads no pyarrow
 
         digest = hashlib.sha256()
         try:
@@ -208,9 +208,9 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
     present (a missing label is NaN); a task with fewer than two labels, or all equal, has
     standard deviation 1, a task with none mean 0. What a regression model standardizes its
     labels by (``molds.models.encoder``)."""
-    import fsspec
-    import numpy as np
-    import pyarrow.parquet as pq
+    import fsspec  # here: molds-preprocess --help loads no fsspec
+    import numpy as np  # here: molds-preprocess --help loads no NumPy
+    import pyarrow.parquet as pq  # here: molds-preprocess --help loads no pyarrow
 
     blocks = []
     for shard in manifest.shards(split):
@@ -233,7 +233,7 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
 def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
     """(row, id) of the first token id outside [0, vocab_size) in ``ids`` (a pyarrow list
     array of ints, one list per row), or None."""
-    import numpy as np
+    import numpy as np  # here: molds-preprocess --help loads no NumPy
 
     values = ids.values.to_numpy(zero_copy_only=False)
     if not len(values):

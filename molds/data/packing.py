@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 
 from ..chemistry.tokens import IGNORE_INDEX
 
@@ -220,8 +221,6 @@ def block_causal_mask(document_ids):
     valid = document_ids[:, :, None] >= 0
     s = document_ids.shape[-1]
     if hasattr(document_ids, "new_ones"):  # torch
-        import torch
-
         causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
         eye = torch.eye(s, dtype=torch.bool, device=document_ids.device)
     else:

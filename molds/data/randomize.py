@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import sys
 
+import fsspec
 import numpy as np
+import pyarrow.compute as pc
+from rdkit import Chem
+from tokenizers import Tokenizer
 
 from ..errors import ManifestError
 from .plan import Unit, _rng
@@ -50,8 +54,6 @@ def _parse(smiles: str):
     give the same strings at ~4x the speed of ``MolFromSmiles`` (checked against it in
     tests/data/test_randomized_variants.py). With stereo marks (``@ / \\``), RDKit's stereo
     perception needs the sanitized molecule, so those take the full path."""
-    from rdkit import Chem
-
     if "@" in smiles or "/" in smiles or "\\" in smiles:
         mol = Chem.MolFromSmiles(smiles)
     else:
@@ -72,8 +74,6 @@ def restricted_variants(smiles: str, seeds=None, *, rng=None, count: int = 0) ->
     then RDKit's non-canonical writer): one per seed in ``seeds`` (the permutation drawn from
     that seed), or ``count`` drawn from ``rng``; all None if RDKit cannot read it. The
     molecule is parsed once for all of them."""
-    from rdkit import Chem
-
     n_out = len(seeds) if seeds is not None else count
     mol = _parse(smiles)
     if mol is None:
@@ -118,9 +118,6 @@ class Randomizer:
 
     def _encode(self, strings: list[str]) -> list[list[int]]:
         if self._tokenizer is None:
-            import fsspec
-            from tokenizers import Tokenizer
-
             with fsspec.open(self.tokenizer_file, "r", encoding="utf-8") as fh:
                 self._tokenizer = Tokenizer.from_str(fh.read())
         return [e.ids for e in self._tokenizer.encode_batch(strings, add_special_tokens=False)]
@@ -178,8 +175,6 @@ class Randomizer:
 
     def _stored_pieces(self, unit: Unit, epoch: int, rows: np.ndarray, variants, where: str) -> dict:
         """Variant (offset + epoch) mod K of each chosen row, from the shard's column."""
-        import pyarrow.compute as pc
-
         k, n = self.stored, len(variants)
         counts = pc.list_value_length(variants).fill_null(-1).to_numpy(zero_copy_only=False)
         if not np.array_equal(counts, np.full(n, k)):

@@ -6,10 +6,13 @@ every molecule, so a molecule is a slice and a packed row a concatenation of sli
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import fsspec
 import numpy as np
+import pyarrow.parquet as pq
 
 from ..errors import ManifestError
 from .manifest import Manifest, Shard, first_id_outside, outside_vocabulary
@@ -18,8 +21,6 @@ from .plan import Unit
 
 def _stat(path: str):
     """(size, modification time) of a local file, None for remote ones."""
-    import os
-
     if "://" in path:
         return None
     try:
@@ -115,9 +116,6 @@ class SplitSource:
         return state
 
     def _file(self, shard_index: int):
-        import fsspec
-        import pyarrow.parquet as pq
-
         f = self._files.get(shard_index)
         if f is None:
             shard = self.shards[shard_index]
@@ -138,9 +136,6 @@ class SplitSource:
         return f
 
     def _list_units(self) -> list[Unit]:
-        import fsspec
-        import pyarrow.parquet as pq
-
         units, gid = [], 0
         self._stats = {}
         for i, shard in enumerate(self.shards):

@@ -23,24 +23,24 @@ def build_engine(recipe, model, loss_fn, dist, plan=None) -> Engine:
     """The engine the plan (``molds.recipe.plan``: the recipe resolved once at start) names; a
     caller without one (a test, a benchmark) gets it resolved here."""
     if plan is None:
-        from ..recipe.plan import plan_for
+        from ..recipe.plan import plan_for  # here: molds-schedule --help loads no torch or NumPy
 
         plan = plan_for(recipe, dist)
     name = plan.engine
     if name == "ddp":
-        from .ddp import DDPEngine
+        from .ddp import DDPEngine  # here: molds-schedule --help loads no torch or Triton
 
         return DDPEngine(recipe, model, loss_fn, dist, plan)
     if name == "zero":
-        from .zero import ZeroEngine
+        from .zero import ZeroEngine  # here: a rank that only trains loads no DeepSpeed
 
         return ZeroEngine(recipe, model, loss_fn, dist, plan)
     if name == "pipeline" and plan.schedule == "dualpipev":
-        from .dualpipev import DualPipeVEngine
+        from .dualpipev import DualPipeVEngine  # here: a rank that only trains loads no DeepSpeed
 
         return DualPipeVEngine(recipe, model, loss_fn, dist, plan)
     if name == "pipeline":
-        from .pipeline import PipelineEngine
+        from .pipeline import PipelineEngine  # here: a rank that only trains loads no DeepSpeed
 
         return PipelineEngine(recipe, model, loss_fn, dist, plan)
     raise ValueError(f"parallel.engine={name!r}: no such engine (ddp, zero, pipeline)")

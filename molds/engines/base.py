@@ -76,7 +76,7 @@ class ScheduledEngine:
     """What every engine shares: its ``self.scheduler`` takes a new schedule the same way."""
 
     def set_lr_schedule(self, optim, horizon, position: int | None = None) -> None:
-        from .optim import set_schedule
+        from .optim import set_schedule  # here: molds-schedule --help loads no torch or NumPy
 
         set_schedule(self.scheduler, optim, horizon, position)
 
@@ -86,9 +86,9 @@ class WholeModelEngine(ScheduledEngine):
 
     def extras(self) -> dict:
         """``moe/*`` of the model, summed over all ranks."""
-        import torch
+        import torch  # here: molds-schedule --help loads no torch
 
-        from ..models.moe import collect_stats, moe_layers
+        from ..models.moe import collect_stats, moe_layers  # here: molds-schedule --help loads no torch or Triton
 
         group = torch.distributed.group.WORLD if self.dist.distributed else None
         return collect_stats(moe_layers(self.model), group=group)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-
+import torch.distributed as dist
 
 # ---------------------------------------------------------------- exchanges
 
@@ -40,8 +40,6 @@ class AllToAll:
     (gloo and NCCL alike)."""
 
     def launch(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
-        import torch.distributed as dist
-
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
                                       input_split_sizes=in_splits, group=group, async_op=True)

@@ -14,9 +14,21 @@ import contextlib
 import math
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint.state import (
+    canonical_state,
+    load_canonical,
+    read_model,
+    read_optimizer,
+    slots,
+    write_model,
+    write_optimizer,
+)
+from ..models.loss import has_targets
+from ..models.moe import set_aux_loss_scale
 from .base import StepResult, Topology, WholeModelEngine
-from .optim import (adam_step_count, build_optimizer, build_scheduler, load_moments, moments_of, set_schedule)
+from .optim import adam_step_count, build_optimizer, build_scheduler, load_moments, moments_of, set_schedule
 
 
 class DDPEngine(WholeModelEngine):
@@ -29,8 +41,6 @@ class DDPEngine(WholeModelEngine):
                                  dp_rank=dist.rank)
         module = self.model
         if dist.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
             # static_graph cannot be combined with no_sync (a PyTorch limitation): only
             # without gradient accumulation
             static = recipe.parallel.static_graph and plan.micro_batches == 1
@@ -44,8 +54,6 @@ class DDPEngine(WholeModelEngine):
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, plan.horizon)
         self.dtype = plan.dtype
-        from ..models.moe import set_aux_loss_scale
-
         set_aux_loss_scale(self.model, 1.0 / plan.micro_batches)
 
     def autocast(self):
@@ -78,8 +86,6 @@ class DDPEngine(WholeModelEngine):
 
     @torch.no_grad()
     def eval_forward(self, batch: dict) -> dict:
-        from ..models.loss import has_targets
-
         with self.autocast():
             out = self.model(**batch)
             if has_targets(batch):
@@ -88,13 +94,9 @@ class DDPEngine(WholeModelEngine):
 
     # checkpoint: the replicated model and optimizer, written by rank 0
     def _param_slots(self):
-        from ..checkpoint.state import slots
-
         return [s for s in slots(self.model) if isinstance(s.tensor, torch.nn.Parameter)]
 
     def save(self, directory: str) -> None:
-        from ..checkpoint.state import canonical_state, write_model, write_optimizer
-
         if not self.dist.is_main:
             return
         write_model(directory, canonical_state(self.model))
@@ -103,8 +105,6 @@ class DDPEngine(WholeModelEngine):
                          "scheduler_step": self.scheduler.last_epoch})
 
     def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
-        from ..checkpoint.state import load_canonical, read_model, read_optimizer
-
         load_canonical(self.model, read_model(directory) if weights is None else weights, directory)
         if optimizer:
             moments, meta = read_optimizer(directory)

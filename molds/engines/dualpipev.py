@@ -43,9 +43,17 @@ from __future__ import annotations
 import contextlib
 import time
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine as StockEngine, DualPipeVModule
 
+from ..models.loss import has_targets
+from ..models.wgrad import WeightGradStore, defer_weight_grads
+from .base import StepResult
+from .chunks import Compute, Tape, backward, forward, program, run, run_pair
 from .pipeline import PipelineEngine
+from .schedule import Layout, Timeline, dualpipev_actions, forward_only_actions
 
 
 class DualPipeVEngine(PipelineEngine):
@@ -54,16 +62,12 @@ class DualPipeVEngine(PipelineEngine):
 
     @staticmethod
     def module_class():
-        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
-
         return DualPipeVModule
 
     @staticmethod
     def initialize_deepspeed(**kwargs):
         """``deepspeed.initialize``, which builds its ``DualPipeVEngine`` for a
         ``DualPipeVModule``: ours (a subclass) in its place, for this one call."""
-        import deepspeed
-
         stock = deepspeed.DualPipeVEngine
         deepspeed.DualPipeVEngine = executor_class()
         try:
@@ -72,15 +76,11 @@ class DualPipeVEngine(PipelineEngine):
             deepspeed.DualPipeVEngine = stock
 
     def __init__(self, recipe, model, loss_fn, dist, plan):
-        from ..models.wgrad import defer_weight_grads
-
         defer_weight_grads(model)  # the linears' and experts' weight gradients can wait for W
         super().__init__(recipe, model, loss_fn, dist, plan)
         self.engine.configure_molds(loss_fn, model.config.hidden_size, overlap=recipe.parallel.overlap_moe)
 
     def train_step(self, micro_batches: list[dict]):
-        from .base import StepResult
-
         lr = self.scheduler.get_last_lr()[0]
         skipped_before = self.engine.skipped_steps
         self._skipped, self._norm = False, None
@@ -96,8 +96,6 @@ class DualPipeVEngine(PipelineEngine):
 
     @torch.no_grad()
     def eval_forward(self, batch: dict) -> dict:
-        from ..models.loss import has_targets
-
         if not has_targets(batch):
             raise RuntimeError("the pipeline engine evaluates losses only")
         return {"loss": self.engine.eval_micro_batches([batch])}
@@ -123,17 +121,11 @@ def executor_class():
 
 
 def _build_executor_class():
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine as StockEngine
-
     class Executor(StockEngine):
         """DeepSpeed's ``DualPipeVEngine`` running molds' action lists (see the module
         docstring for what is kept and what is replaced)."""
 
         def configure_molds(self, loss_fn, hidden_size: int, overlap: bool = True) -> None:
-            from ..models.wgrad import WeightGradStore
-            from .chunks import program
-            from .schedule import Layout
-
             self.molds_loss, self.hidden_size = loss_fn, hidden_size
             self.overlap = overlap
             self.layout = Layout(self.num_stages, v=True)
@@ -147,8 +139,6 @@ def _build_executor_class():
 
         # -------------------------------------------------------- one optimizer step
         def train_micro_batches(self, micro_batches: list[dict]):
-            from .schedule import dualpipev_actions
-
             if len(micro_batches) != self.micro_batches:
                 raise RuntimeError(f"{len(micro_batches)} micro-batches for a schedule of {self.micro_batches}")
             self.module.train()
@@ -178,8 +168,6 @@ def _build_executor_class():
             super()._exec_reduce_grads()
 
         def eval_micro_batches(self, micro_batches: list[dict]):
-            from .schedule import forward_only_actions
-
             self.module.eval()
             self.fwd_outputs = []
             try:
@@ -201,8 +189,6 @@ def _build_executor_class():
         def _execute(self, actions, micro_batches, train: bool) -> None:
             """Run one rank's action list (any schedule of ``molds.engines.schedule``
             with the V layout)."""
-            from .schedule import Timeline
-
             self._micro, self._train = micro_batches, train
             self._inputs, self._tapes, self._outputs = {}, {}, {}
             self._recvs, self._ready, self._sends = {}, {}, []
@@ -248,8 +234,6 @@ def _build_executor_class():
             self._inputs, self._tapes, self._outputs, self._recvs, self._ready, self._sends = {}, {}, {}, {}, {}, []
 
         def _compute(self, a) -> None:
-            from .chunks import run, run_pair
-
             if a.kind == "W":
                 with self._gradient_pass():
                     self.deferred_grads += self.wgrad.run((a.chunk, a.mb))
@@ -276,8 +260,6 @@ def _build_executor_class():
 
         def _forward(self, chunk: int, mb: int):
             """Generator: chunk ``chunk``'s forward of micro-batch ``mb``."""
-            from .chunks import Compute, Tape, forward
-
             batch = self._micro[mb]
             ids = (batch["position_ids"], batch["document_ids"])
             if self.layout.stage(self.stage_id, chunk) == 0:
@@ -313,8 +295,6 @@ def _build_executor_class():
 
         def _backward(self, chunk: int, mb: int):
             """Generator: chunk ``chunk``'s backward of micro-batch ``mb``."""
-            from .chunks import backward
-
             tape = self._tapes.pop((chunk, mb))
             out = tape.output_leaves
             if self.layout.is_loss(self.stage_id, chunk):
@@ -353,15 +333,11 @@ def _build_executor_class():
 
         # -------------------------------------------------------- point to point
         def _send(self, tensor, peer: int) -> None:
-            import torch.distributed as dist
-
             tensor = tensor.detach().contiguous()
             self._sends = [s for s in self._sends if not s.work.is_completed()]  # free what has gone
             self._sends.append(_Sent(tensor, dist.isend(tensor, self._stage_ranks[peer])))
 
         def _recv(self, key, peer: int, mb: int) -> None:
-            import torch.distributed as dist
-
             rows = self._micro[mb]["input_ids"].numel()  # the fixed stage shape: [B*S, hidden]
             buf = torch.empty(rows, self.hidden_size, dtype=self.io_dtype, device=self.device)
             self._recvs[key] = (buf, dist.irecv(buf, self._stage_ranks[peer]))

@@ -13,6 +13,9 @@ import math
 
 import torch
 
+from ..errors import CheckpointError
+from ..recipe.budget import Horizon
+
 
 def param_groups(named_params, weight_decay: float, extra: dict | None = None) -> list[dict]:
     """Decay for matrices, none for vectors; ``extra`` keys are added to both groups."""
@@ -58,8 +61,6 @@ def lr_lambda(optim, horizon):
     ``min_lr_ratio``. ``horizon``: the run's steps (an int, or a ``molds.recipe.budget.Horizon``
     counting steps), or a Horizon with a time budget, whose spent fraction then drives
     both the warm-up (``warmup_fraction``) and the decay (the step is not used)."""
-    from ..recipe.budget import Horizon
-
     def decay(progress: float) -> float:
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -132,8 +133,6 @@ def load_moments(param_slots, optimizer: torch.optim.Optimizer, moments: dict, s
         p = slot.tensor
         if not any(k in moments["exp_avg"] for k in slot.keys()):
             if step:
-                from ..errors import CheckpointError
-
                 raise CheckpointError(f"{where}: no optimizer moments for {slot.name}")
             continue
         state = {"step": torch.tensor(float(step), dtype=scalar, device=p.device if fused else "cpu")}

@@ -29,17 +29,30 @@ What molds adds around it, and why:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import time
 
+import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe import schedule as ds
+from deepspeed.utils import groups
 from torch import nn
 
+from ..checkpoint.state import read_model, read_optimizer, slots, write_model, write_optimizer
+from ..errors import CheckpointError
+from ..models.loss import has_targets
+from ..models.moe import Experts, collect_stats, moe_layers, set_aux_loss_scale
+from ..runtime.distributed import gather_objects, quiet_on_other_ranks
 from .base import ScheduledEngine, StepResult, Topology
-from .optim import adamw, build_scheduler, param_groups, set_schedule
+from .optim import adam_step_count, adamw, build_scheduler, param_groups, set_schedule
 from .stages import BlockPipe, EmbedPipe, HeadPipe, NormPipe, head_forward, head_in_loss_forward, materializing
+from .zero import _base_optimizer, full_state, set_full_state
 
 
 def _rename(num_blocks: int, tied: bool):
@@ -70,8 +83,6 @@ def _ExpertParallelMarker(num_experts: int, ep_size: int, placeholder: bool = Fa
     the pipeline stages, group by group, so every stage needs the same groups: a (1, 1)
     expert parameter (decayed, as the experts' matrices are) that never gets a gradient.
     It is not model state: the marker leaves it out of ``state_dict``."""
-    from deepspeed.moe.layer import MoE
-
     class Marker(MoE):
         def __init__(self):
             nn.Module.__init__(self)
@@ -106,14 +117,6 @@ class PipelineEngine(ScheduledEngine):
     name = "pipeline"
 
     def __init__(self, recipe, model: nn.Module, loss_fn, dist, plan):
-        import copy
-
-        import deepspeed
-        from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
-        from ..models.moe import moe_layers, set_aux_loss_scale
-        from ..runtime.distributed import quiet_on_other_ranks
-
         self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         with quiet_on_other_ranks(dist):  # DeepSpeed's communication layer over molds' process group
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
@@ -127,8 +130,6 @@ class PipelineEngine(ScheduledEngine):
         self.ep_group, self.ep_rank = None, 0
         num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
         if num_experts and self.ep > 1:
-            from deepspeed.utils import groups
-
             name = f"ep_size_{self.ep}"
             if name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep, pp_size=self.pp)
@@ -171,8 +172,6 @@ class PipelineEngine(ScheduledEngine):
         set_aux_loss_scale(self.module, 1.0 / plan.micro_batches)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
         if expert_parallel:
-            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)
         scheduler = build_scheduler(optimizer, recipe.optim, plan.horizon)
@@ -200,14 +199,10 @@ class PipelineEngine(ScheduledEngine):
     # the two seams a schedule changes (molds.engines.dualpipev)
     @staticmethod
     def module_class():
-        from deepspeed.pipe import PipelineModule
-
         return PipelineModule
 
     @staticmethod
     def initialize_deepspeed(**kwargs):
-        import deepspeed
-
         return deepspeed.initialize(**kwargs)
 
     # ------------------------------------------------------------ steps
@@ -237,8 +232,6 @@ class PipelineEngine(ScheduledEngine):
 
     @torch.no_grad()
     def eval_forward(self, batch: dict) -> dict:
-        from ..models.loss import has_targets
-
         if not has_targets(batch):
             raise RuntimeError("the pipeline engine evaluates losses only")
         loss = self.engine.eval_batch(iter([self._as_pipe(batch)]), num_micro_batches=1, bcast_loss=True)
@@ -247,9 +240,6 @@ class PipelineEngine(ScheduledEngine):
     def extras(self) -> dict:
         """``moe/*`` of every MoE block and ``pipeline/*`` stage times since the last call,
         gathered from all stages (a collective: every rank calls it)."""
-        from ..models.moe import collect_stats
-        from ..runtime.distributed import gather_objects
-
         dp_group = self.module._grid.get_data_parallel_group() if self.topology.dp_size > 1 else None
         mine = collect_stats(self.moe_layers, group=dp_group)
         mean_s = sum(self._stage_seconds) / max(1, len(self._stage_seconds))
@@ -319,15 +309,9 @@ class PipelineEngine(ScheduledEngine):
 
     # ------------------------------------------------------------ canonical state
     def _slots(self):
-        from ..checkpoint.state import slots
-
         return slots(self.module, self.rename)
 
     def save(self, directory: str) -> None:
-        from ..checkpoint.state import write_model, write_optimizer
-        from .optim import adam_step_count
-        from .zero import _base_optimizer, full_state
-
         local = [s for s in self._slots() if not s.name.startswith("molds_expert_parallel")]
         weights, moments = full_state(self.engine, local, keep=True)
         step = adam_step_count(_base_optimizer(self.engine))
@@ -352,8 +336,6 @@ class PipelineEngine(ScheduledEngine):
     def gather_weights(self) -> dict:
         """Every stage's weights by canonical name, on every rank (a collective): what
         sampling during training builds a whole single-device model from."""
-        from .zero import full_state
-
         local = [s for s in self._slots() if not s.name.startswith("molds_expert_parallel")]
         weights, _ = full_state(self.engine, local, keep=True)
         parts = [None] * self.dist.world_size
@@ -368,10 +350,6 @@ class PipelineEngine(ScheduledEngine):
         return merged
 
     def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
-        from ..checkpoint.state import read_model, read_optimizer
-        from ..errors import CheckpointError
-        from .zero import set_full_state
-
         weights = read_model(directory) if weights is None else weights
         if weights.keys() != self.expected_keys:
             missing, unexpected = sorted(self.expected_keys - weights.keys()), sorted(weights.keys() - self.expected_keys)
@@ -391,8 +369,6 @@ def time_instructions(ds_engine) -> dict:
     """Time a DeepSpeed pipeline engine's schedule: ``busy`` counts the seconds inside its
     forward and backward instructions, ``end`` is when its gradient reduction begins (the
     schedule is over on this rank). The caller sets ``start`` and resets them per step."""
-    from deepspeed.runtime.pipe import schedule as ds
-
     counters = {"busy": 0.0, "start": 0.0, "end": None}
     table = dict(ds_engine._INSTRUCTION_MAP)  # the instance's own copy, looked up first
 
@@ -433,8 +409,6 @@ def bubble_fractions(windows: list[list[tuple[float, float]]]) -> list[float]:
 
 
 def _canonical_keys(model: nn.Module) -> list[str]:
-    from ..checkpoint.state import slots
-
     return [k for s in slots(model) for k in s.keys()]
 
 
@@ -443,8 +417,6 @@ def _shard_experts(layer, ep_size: int, ep_rank: int, group, group_name: str) ->
     every expert's initialization is the same whatever the layout); mark their parameters
     the way DeepSpeed's MoE does, so its engine reduces them over the expert-data-parallel
     group."""
-    from ..models.moe import Experts
-
     full = layer.mlp.experts
     with torch.device(full.gate.device):  # meta stays meta: the stage that holds it draws its experts
         local = Experts(full.hidden, full.width, full.num_experts, ep_size, ep_rank)

@@ -252,7 +252,7 @@ def forward_only_actions(ranks: int, micro_batches: int, rank: int, v: bool = Tr
 def stock_dualpipev_actions(ranks: int, micro_batches: int, rank: int) -> list[Action]:
     """DeepSpeed 0.19.8's ``DualPipeVSchedule`` for this rank, translated from the
     instructions DeepSpeed itself generates (so the comparison is with the real thing)."""
-    from deepspeed.runtime.pipe import schedule as ds
+    from deepspeed.runtime.pipe import schedule as ds  # here: molds-schedule --help loads no DeepSpeed
 
     _check_sizes(ranks, micro_batches, rank, True)
     layout = Layout(ranks, v=True)

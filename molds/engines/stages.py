@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.decoder import CausalDecoder, PackedLayout, materialize_part, materialize_weight, rope_cos_sin
+from ..models.moe import MoEDecoderLayer
+from .chunks import Exchange
+
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x`` [T, H] followed by zero rows up to ``rows``: the fixed stage shape."""
@@ -25,8 +29,6 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _layout(position_ids, document_ids):
-    from ..models.decoder import PackedLayout
-
     return PackedLayout.of(document_ids, position_ids)
 
 
@@ -58,9 +60,6 @@ class BlockPipe(nn.Module):
         """The real tokens' rows (and filler rows up to a multiple of 64 for a dense block on
         a CPU in bf16, as the single-device decoder rounds them: oneDNN's GEMM shapes then
         repeat) and what attention needs for them."""
-        from ..models.decoder import CausalDecoder, PackedLayout, rope_cos_sin
-        from ..models.moe import MoEDecoderLayer
-
         hidden, position_ids, document_ids = inputs
         multiple = 1
         if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16) \
@@ -82,9 +81,6 @@ class BlockPipe(nn.Module):
     def pipeline_parts(self):
         """An MoE block with expert parallelism cut at its two all-to-alls, for a schedule
         that interleaves two micro-batches (``molds.engines.chunks``); None: run it whole."""
-        from ..models.moe import MoEDecoderLayer
-        from .chunks import Exchange
-
         block = self.block
         if not isinstance(block, MoEDecoderLayer) or block.ep_size == 1 or block.reference:
             return None
@@ -169,8 +165,6 @@ def materialize_stages(module: nn.Module, std: float, base: int, device="cpu") -
     (``molds.models.decoder``: seeded by the run's seed and the part's key), so the
     stages start from the same weights as a model built whole, and no rank ever holds more
     than its own stages. Returns how many parameters were materialized."""
-    from ..models.decoder import materialize_part, materialize_weight
-
     before = {id(p) for p in module.parameters() if not p.is_meta}
     for m in module.modules():
         if isinstance(m, BlockPipe):

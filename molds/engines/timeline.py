@@ -25,7 +25,7 @@ def describe(lists, comm: bool = False) -> list[str]:
 
 def draw(panels: list[tuple[str, Timeline]], path: str, px_per_unit: float | None = None) -> None:
     """One panel per (title, timeline), on a common time scale, saved as PNG."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw, ImageFont  # here: molds-schedule --help loads no Pillow
 
     span = max(t.makespan for _, t in panels) or 1.0
     width = 1400

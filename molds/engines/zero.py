@@ -17,12 +17,25 @@ ever unpickled.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
+import deepspeed
 import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 
+from ..checkpoint.state import MOMENTS, read_model, read_optimizer, slots, write_model, write_optimizer
+from ..errors import CheckpointError
+from ..models.loss import has_targets
+from ..models.moe import set_aux_loss_scale
+from ..runtime.distributed import quiet_on_other_ranks
 from .base import StepResult, Topology, WholeModelEngine
-from .optim import build_optimizer, build_scheduler, set_schedule
+from .optim import adam_step_count, build_optimizer, build_scheduler, set_schedule
 
 
 def _base_optimizer(engine):
@@ -53,10 +66,6 @@ class ZeroEngine(WholeModelEngine):
     name = "zero"
 
     def __init__(self, recipe, model: torch.nn.Module, loss_fn, dist, plan):
-        import copy
-
-        import deepspeed
-
         self.recipe, self.dist, self.loss_fn, self.plan = recipe, dist, loss_fn, plan
         self.dtype = plan.dtype
         cfg = copy.deepcopy(plan.ds_config)  # DeepSpeed writes into its config
@@ -65,15 +74,11 @@ class ZeroEngine(WholeModelEngine):
         self.stage = recipe.parallel.zero_stage
         optimizer = build_optimizer(model, recipe.optim)
         scheduler = build_scheduler(optimizer, recipe.optim, plan.horizon)
-        from ..runtime.distributed import quiet_on_other_ranks
-
         with quiet_on_other_ranks(dist):
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False)
         self.model = self.engine.module
         self.ds_config = cfg
-        from ..models.moe import set_aux_loss_scale
-
         set_aux_loss_scale(self.model, 1.0 / cfg["gradient_accumulation_steps"])
         self.topology = Topology(world_size=dist.world_size, rank=dist.rank, dp_size=dist.world_size,
                                  dp_rank=dist.rank)
@@ -98,8 +103,6 @@ class ZeroEngine(WholeModelEngine):
 
     @torch.no_grad()
     def eval_forward(self, batch: dict) -> dict:
-        from ..models.loss import has_targets
-
         out = self.engine(**batch)
         if has_targets(batch):
             out["loss"] = self.loss_fn(out, batch)
@@ -107,9 +110,6 @@ class ZeroEngine(WholeModelEngine):
 
     # ------------------------------------------------------------ canonical state
     def save(self, directory: str) -> None:
-        from ..checkpoint.state import slots, write_model, write_optimizer
-        from .optim import adam_step_count
-
         weights, moments = full_state(self.engine, slots(self.model), keep=self.dist.is_main)
         if self.dist.is_main:
             write_model(directory, weights)
@@ -117,9 +117,6 @@ class ZeroEngine(WholeModelEngine):
                                                  "scheduler_step": self.scheduler.last_epoch})
 
     def load(self, directory: str, *, optimizer: bool = True, weights: dict | None = None) -> None:
-        from ..checkpoint.state import read_model, read_optimizer, slots
-        from ..errors import CheckpointError
-
         weights = read_model(directory) if weights is None else weights
         model_slots = slots(self.model)
         wanted = {k for slot in model_slots for k in slot.keys()}
@@ -144,10 +141,6 @@ def full_state(ds_engine, model_slots, keep: bool) -> tuple[dict, dict]:
     DeepSpeed engine (ZeRO partitions assembled with ``safe_get_full_*``: collectives over
     each parameter's data-parallel group, so every rank of the group calls this in the
     same order). Only a rank with ``keep`` builds the dicts."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    from ..checkpoint.state import MOMENTS
-
     weights, moments = {}, {k: {} for k in MOMENTS}
     base = _base_optimizer(ds_engine)
     _relink_optimizer_fragments(ds_engine)
@@ -172,11 +165,6 @@ def set_full_state(ds_engine, model_slots, weights: dict, moments: dict | None, 
                    where: str) -> None:
     """Load canonical weights (and moments, unless None) into the slots of a DeepSpeed
     engine: the module's parameters, ZeRO's fp32 master partitions and AdamW's state."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    from ..checkpoint.state import MOMENTS
-    from ..errors import CheckpointError
-
     if moments is not None:
         _materialize_optimizer_state(ds_engine)
     base = _base_optimizer(ds_engine)
@@ -187,8 +175,6 @@ def set_full_state(ds_engine, model_slots, weights: dict, moments: dict | None, 
             raise CheckpointError(f"{where}: {slot.name} has shape {tuple(values[slot.name].shape)}, the model {shape}")
     params = [s for s in model_slots if isinstance(s.tensor, torch.nn.Parameter)]
     if stage == 3:
-        import deepspeed
-
         with deepspeed.zero.GatheredParameters([s.tensor for s in params], modifier_rank=0):
             for slot in params:
                 slot.tensor.data.copy_(values[slot.name].to(slot.tensor.device, slot.tensor.dtype))

@@ -172,7 +172,7 @@ class Seq2SeqSteps:
     with its self- and cross-attention caches."""
 
     def __init__(self, model, sources: torch.Tensor, attention_mask: torch.Tensor, start: int):
-        from ..models.seq2seq import _key_mask
+        from ..models.seq2seq import _key_mask  # here: molds-predict --help loads no Triton
 
         self.model = model
         self.memory = model.encode(sources, attention_mask)

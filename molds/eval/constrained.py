@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import MoldsError
+from .sampling import sample_ids
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Design:
 
 
 def _mol(smiles: str, what: str):
-    from rdkit import Chem, RDLogger
+    from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
 
     RDLogger.DisableLog("rdApp.*")
     mol = Chem.MolFromSmiles(smiles) if smiles else None
@@ -47,7 +48,7 @@ def _mol(smiles: str, what: str):
 
 
 def _without_dummies(mol):
-    from rdkit import Chem
+    from rdkit import Chem  # here: molds-sample --help loads no RDKit
 
     return Chem.DeleteSubstructs(mol, Chem.MolFromSmarts("[#0]"))
 
@@ -59,7 +60,7 @@ def _dummies(mol) -> int:
 def open_attachment_points(scaffold) -> list[str]:
     """SMILES of the scaffold with one ``[*]`` on each atom that carries a hydrogen (one
     per symmetry class), then with ``[*]`` on all of them (SAFE's superstructure cores)."""
-    from rdkit import Chem
+    from rdkit import Chem  # here: molds-sample --help loads no RDKit
 
     out, every = [], Chem.RWMol(scaffold)
     for atom in scaffold.GetAtoms():
@@ -125,7 +126,7 @@ def plan(task: str, values: list[str], representation, variants: int = 10, seed:
 
 def keeps(smiles: str | None, design: Design) -> bool:
     """Whether a decoded sample keeps the constraint."""
-    from rdkit import Chem
+    from rdkit import Chem  # here: molds-sample --help loads no RDKit
 
     mol = Chem.MolFromSmiles(smiles) if smiles else None
     if mol is None or mol.GetNumAtoms() == 0:
@@ -146,8 +147,6 @@ def encode_prefix(tokenizer, text: str) -> list[int]:
 def sample_design(model, tokenizer, design: Design, num: int, *, max_tokens: int, seed: int = 0, **sampling) -> list:
     """Token ids of ``num`` samples, shared among the design's prefixes in turn (each
     prefix its own seed), every one starting with its prefix."""
-    from .sampling import sample_ids
-
     room = model.config.max_position_embeddings - 1
     ids = []
     for k, text in enumerate(design.prefixes):

@@ -11,9 +11,13 @@ are reported as mean and standard deviation.
 
 from __future__ import annotations
 
+import csv
+import gzip
 import math
 import os
 
+from ..chemistry.representation import of_manifest
+from ..data.manifest import Manifest
 from ..errors import MoldsError
 
 
@@ -21,7 +25,7 @@ def moses_reference(manifest, split: str, reference: tuple[str, list[str]] | Non
     """The reference set of MOSES's similarity metrics: a SMILES file's (name, SMILES) as
     ``_reference_file`` reads it (MOSES's own test.csv, one SMILES per line or a CSV with a
     SMILES column), or the whole ``split``."""
-    from ..metrics.generation import ReferenceSet, reference_smiles
+    from ..metrics.generation import ReferenceSet, reference_smiles  # here: molds-eval --help loads no RDKit or pyarrow
 
     if reference:
         return ReferenceSet(reference[1])
@@ -34,9 +38,6 @@ def smiles_cells(path: str, what: str, *, need_column: bool, column: str | None 
     column called SMILES in any case, else the first column, or refused with
     ``need_column``), any other file by its lines; each cell stripped, an empty one ''.
     Returns (whether it was a table, the cells). molds-eval's and molds-score's reader."""
-    import csv
-    import gzip
-
     plain = (path[:-3] if path.endswith(".gz") else path).lower()
     opener = gzip.open if path.endswith(".gz") else open
     try:
@@ -89,9 +90,9 @@ def _reference_file(path: str | None):
 
 def split_token_lengths(manifest, split: str, limit: int = 20000):
     """Token lengths of up to ``limit`` rows of ``split`` (a uniform draw over its rows)."""
-    import numpy as np
+    import numpy as np  # here: molds-eval --help loads no NumPy
 
-    from ..metrics.generation import draw_rows
+    from ..metrics.generation import draw_rows  # here: molds-eval --help loads no RDKit or pyarrow
 
     return np.asarray(draw_rows(manifest, split, "token_length", limit, seed=0), dtype=float)
 
@@ -101,15 +102,20 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
                         reference_file: str | None = None, conformers: bool = False, beams: int = 10,
                         augment: int = 1) -> dict:
-    import numpy as np
+    import numpy as np  # here: molds-eval --help loads no NumPy
 
-    from ..checkpoint import open_checkpoint
-    from ..chemistry.representation import of_manifest
-    from ..metrics.distribution import histogram, reference_properties
-    from ..metrics.property import mean_std
-    from ..models.loss import build_loss
-    from .sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
-    from .scoring import model_forward, property_predictions, property_report, split_data_config, split_loss
+    from ..checkpoint import open_checkpoint  # here: molds-eval --help loads no torch or NumPy
+    from ..metrics.distribution import (  # here: molds-eval --help loads no torch or RDKit
+        histogram, reference_properties,
+    )
+    from ..metrics.property import mean_std  # here: molds-eval --help loads no RDKit or scikit-learn
+    from ..models.loss import build_loss  # here: molds-eval --help loads no torch or Triton
+    from .sampling import (  # here: molds-eval --help loads no torch or NumPy
+        default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles,
+    )
+    from .scoring import (  # here: molds-eval --help loads no torch or Triton
+        model_forward, property_predictions, property_report, split_data_config, split_loss,
+    )
 
     loaded = open_checkpoint(checkpoint, manifest_dir)
     m = loaded.manifest
@@ -120,7 +126,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     model_cfg = loaded.recipe["model"]
     forward = model_forward(loaded.model, build_loss(model_cfg))
     if m.pairs is not None:  # a pair model (a decoder, or the encoder-decoder): its loss, and the top-k of its beams
-        from .pairs import evaluate_pairs
+        from .pairs import evaluate_pairs  # here: molds-eval --help loads no torch or NumPy
 
         cfg = split_data_config(loaded.recipe["data"], m.path, split,
                                 mode="bucketed" if loaded.family == "seq2seq" else "packed")
@@ -132,7 +138,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         scored = ("top", "invalid", "similarity", "returns", "delta", "abs_delta")
         report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(scored)}
     elif loaded.family == "decoder":
-        from ..metrics.generation import generation_metrics
+        from ..metrics.generation import generation_metrics  # here: molds-eval --help loads no RDKit or pyarrow
 
         cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="packed")
         total, count = split_loss(forward, "decoder", cfg, max_batches=max_batches)
@@ -178,7 +184,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                                 mlm_probability=0.0)
         y, p = property_predictions(forward, cfg)
         report["property"] = property_report(y, p, model_cfg, m)
-        from .plots import property_figure, roc_points
+        from .plots import property_figure, roc_points  # here: molds-eval --help loads no matplotlib or scikit-learn
 
         names = list(report["property"]["per_task"])
         if model_cfg["task_type"] == "classification":
@@ -198,7 +204,7 @@ def _conformer_metrics(texts: list, representation) -> dict:
     if representation.name != "conformer":
         raise MoldsError(f"--conformers: the model spells {representation.name}, not conformer units "
                          f"(molds-preprocess --conformers etkdg or --unit-template)")
-    from ..chemistry.conformers import conformer_metrics
+    from ..chemistry.conformers import conformer_metrics  # here: molds-eval --help loads no RDKit or NumPy
 
     return conformer_metrics(texts)
 
@@ -208,17 +214,15 @@ def evaluate_samples(path: str, manifest_dir: str, *, split: str = "test", fcd: 
     """Generation metrics of a SMILES file (another tool's samples, say) against a manifest;
     with ``conformers``, a file of conformer units (``molds-sample --raw``), scored as
     molecules (their SMILES) and as conformers."""
-    from ..chemistry.representation import of_manifest
-    from ..data.manifest import Manifest
-    from ..metrics.distribution import reference_properties
-    from ..metrics.generation import generation_metrics
+    from ..metrics.distribution import reference_properties  # here: molds-eval --help loads no torch or RDKit
+    from ..metrics.generation import generation_metrics  # here: molds-eval --help loads no RDKit or pyarrow
 
     lines = read_samples_file(path)
     m = Manifest.load(manifest_dir)
     m.require_molecules("molds-eval --samples")
     smiles = lines
     if conformers:
-        from .sampling import texts_to_smiles
+        from .sampling import texts_to_smiles  # here: molds-eval --help loads no torch or NumPy
 
         smiles = texts_to_smiles(lines, of_manifest(m))
     ref_file = _reference_file(reference_file)  # read once, for both

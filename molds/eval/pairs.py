@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..chemistry.canonical import ChemOptions
 from .beam import DecoderSteps, Hypothesis, Seq2SeqSteps, beam_search
+from .sampling import ids_to_texts
 
 TOP_KS = (1, 3, 5, 10)
 
@@ -34,8 +37,7 @@ class Prediction:
 def sides_of(manifest):
     """The ``PairCanonicalizer`` that reads a side as the manifest's ETL wrote its pairs (its
     canonicalization options, task and reagent policy)."""
-    from ..chemistry.canonical import ChemOptions
-    from ..chemistry.pairs import PairCanonicalizer, PairOptions
+    from ..chemistry.pairs import PairCanonicalizer, PairOptions  # here: molds-predict --help loads no RDKit
 
     info = manifest.pairs or {}
     return PairCanonicalizer(ChemOptions.of_manifest(manifest),
@@ -45,7 +47,7 @@ def sides_of(manifest):
 def encoder_decoder(model) -> bool:
     """Is ``model`` the encoder-decoder (``molds.models.seq2seq``), which reads the source in
     its encoder, rather than a decoder completing a prompt?"""
-    from ..models.seq2seq import Seq2SeqModel
+    from ..models.seq2seq import Seq2SeqModel  # here: molds-predict --help loads no Triton
 
     return isinstance(model, Seq2SeqModel)
 
@@ -128,8 +130,6 @@ def generate_exported(hf_model, specials, source: list[int], *, beams: int, max_
 def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list[Prediction]]:
     """Each hypothesis as a canonical side (``sides``: a ``PairCanonicalizer``), None when
     it did not end or does not parse."""
-    from .sampling import ids_to_texts
-
     out = []
     for hyps in hypotheses:
         texts = ids_to_texts(tokenizer, [h.ids if h.ended else None for h in hyps])
@@ -198,9 +198,7 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
     left out) are searched with ``beams`` beams, and each source's predictions are ranked by
     ``vote``. Returns (the voted predictions of each source, every spelling's own predictions,
     the spellings searched per source, the tokens a prediction could take)."""
-    import numpy as np
-
-    from ..chemistry.pairs import rooted_spellings
+    from ..chemistry.pairs import rooted_spellings  # here: molds-predict --help loads no RDKit
 
     sides = sides if sides is not None else sides_of(loaded.manifest)
     tok, sp, model = loaded.tokenizer, loaded.specials, loaded.model
@@ -228,7 +226,7 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
 def split_pairs(manifest, split: str, num: int) -> list[dict]:
     """The first ``num`` pairs of a split, in the manifest's order: compound_id, source_smiles,
     target_smiles, source_token_ids, target_length."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # here: molds-predict --help loads no pyarrow
 
     rows: list[dict] = []
     columns = ["compound_id", "source_smiles", "target_smiles", "source_token_ids", "target_length"]
@@ -250,8 +248,10 @@ def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]
     2, 2,048 bits) to the source, the share that return the source, and the mean change of
     logP (Crippen), QED and molecular weight from the source to the prediction (signed, and
     absolute as ``abs_delta_*``)."""
-    from rdkit import Chem, DataStructs
-    from rdkit.Chem import QED, Crippen, Descriptors, rdFingerprintGenerator
+    from rdkit import Chem, DataStructs  # here: molds-predict --help loads no RDKit
+    from rdkit.Chem import (  # here: molds-predict --help loads no RDKit
+        QED, Crippen, Descriptors, rdFingerprintGenerator,
+    )
 
     gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
     props = {"logp": Crippen.MolLogP, "qed": QED.qed, "mw": Descriptors.MolWt}

@@ -6,17 +6,19 @@ in the labels' units, with the diagonal). ``molds-eval`` writes them beside ``ev
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from sklearn.metrics import roc_auc_score, roc_curve
 
 
 def roc_points(labels, scores, names) -> dict:
     """{task: {"fpr": [...], "tpr": [...], "auroc": float}} for every task whose labels are 0/1
     and hold both classes (scikit-learn's ``roc_curve``, intermediate points dropped); a task
     with other labels has no curve, as it has no AUROC in the metrics."""
-    from sklearn.metrics import roc_auc_score, roc_curve
-
     out = {}
     y, s = np.asarray(labels, float), np.asarray(scores, float)
     for t, name in enumerate(names):
@@ -33,8 +35,6 @@ def _figure(panels: int):
     import matplotlib  # loaded only when a picture is drawn (it is not needed to train or score)
 
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
     cols = min(panels, 4)
     rows = math.ceil(panels / cols)
     fig = Figure(figsize=(3.6 * cols, 3.4 * rows), dpi=100)
@@ -74,8 +74,6 @@ def property_figure(labels, preds, names, task_type: str):
 
 
 def figure_png(fig) -> bytes:
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -83,8 +81,6 @@ def figure_png(fig) -> bytes:
 
 def figure_rgb(fig) -> np.ndarray:
     """The figure as an H x W x 3 uint8 array (what TensorBoard's image summary takes)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()

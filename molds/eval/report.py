@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..runtime.atomic import write_bytes, write_text
+
 
 def _fmt(v) -> str:
     if v is None:
@@ -45,15 +47,13 @@ def write_report(out: str, report: dict) -> None:
     """``eval.json``, ``eval.md`` and a property model's picture (``roc.png`` or
     ``parity.png``, linked from ``eval.md``); the picture leaves the report (and a per-seed
     report's, which is not drawn)."""
-    from ..runtime.atomic import write_bytes, write_text
-
     os.makedirs(out, exist_ok=True)
     figure = report.pop("_figure", None)
     for each in report.get("per_seed") or []:
         if isinstance(each, dict):
             each.pop("_figure", None)
     if figure is not None:
-        from .plots import figure_png
+        from .plots import figure_png  # here: molds-eval --help loads no matplotlib or scikit-learn
 
         name, fig = figure
         write_bytes(os.path.join(out, f"{name}.png"), figure_png(fig))

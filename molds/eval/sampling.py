@@ -92,7 +92,7 @@ def texts_to_smiles(texts: list[str | None], representation=None, canonical: boo
         return list(texts)
     if not canonical:
         return [None if t is None else representation.decode(t) for t in texts]
-    from rdkit import Chem, RDLogger
+    from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
 
     RDLogger.DisableLog("rdApp.*")
 

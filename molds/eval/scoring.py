@@ -10,19 +10,21 @@ until every rank is done, which keeps ZeRO-3's parameter gathers in step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import numpy as np
 import torch
 
 from ..chemistry.tokens import IGNORE_INDEX
+from ..data.loader import MoleculeLoader, batch_tensors
 from ..models.loss import has_targets
+from ..recipe.sections import DataConfig
 
 
 def split_data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
     """The recipe's data section (a dict) set to read ``split`` once, in order, in-process,
     as the manifest wrote it (no randomized SMILES: scores are on canonical molecules)."""
-    from ..recipe.sections import DataConfig
-
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     cfg = DataConfig(**{k: v for k, v in recipe_data.items() if k in fields})
     return dataclasses.replace(cfg, manifest=manifest_dir, split=split, shuffle=False, max_epochs=1, max_steps=None,
@@ -32,8 +34,6 @@ def split_data_config(recipe_data: dict, manifest_dir: str, split: str, **over):
 
 def model_forward(model, loss_fn, autocast=None):
     """``forward(batch)`` for a plain module: its outputs plus the batch's loss."""
-    import contextlib
-
     def forward(batch: dict) -> dict:
         with torch.no_grad(), (autocast or contextlib.nullcontext)():
             out = model(**batch)
@@ -58,8 +58,6 @@ def _stand_in(family: str, specials, device) -> dict:
 
 def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, device, any_have):
     """(loader batch or None, tensors on ``device``) for this rank's share of a split."""
-    from ..data.loader import MoleculeLoader, batch_tensors
-
     loader = MoleculeLoader(data_cfg, rank=rank, world_size=world)
     it = iter(loader)
     done = 0
@@ -97,8 +95,6 @@ def split_loss(forward, family: str, data_cfg, *, rank: int = 0, world: int = 1,
 @torch.no_grad()
 def property_predictions(forward, data_cfg, *, rank: int = 0, world: int = 1, device="cpu", any_have=None):
     """(labels [N, T] with NaN, predictions [N, T]) over this rank's share of a labelled split."""
-    import numpy as np
-
     ys, ps = [], []
     for b, batch in _batches(data_cfg, "encoder", rank=rank, world=world, max_batches=0, device=device,
                              any_have=any_have):
@@ -116,7 +112,9 @@ def property_predictions(forward, data_cfg, *, rank: int = 0, world: int = 1, de
 
 
 def property_report(labels, preds, model_cfg: dict, manifest) -> dict:
-    from ..metrics.property import classification_metrics, regression_metrics
+    from ..metrics.property import (  # here: a rank that only trains loads no RDKit or scikit-learn
+        classification_metrics, regression_metrics,
+    )
 
     names = (manifest.data.get("labels") or {}).get("columns") or None
     if model_cfg["task_type"] == "classification":

@@ -15,6 +15,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
+from molds.checkpoint.state import load_canonical
+from molds.chemistry.representation import of_manifest
+from molds.errors import RecipeError
+from molds.eval.evaluate import split_token_lengths
+from molds.eval.pairs import TOP_KS, predict, read_back, rows_budget, sides_of, split_pairs, topk_accuracy
+from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
+from molds.models import build_model
+from molds.runtime.distributed import all_have, all_reduce_sum, gather_objects
+
 from .scoring import property_predictions, property_report, split_data_config, split_loss
 
 
@@ -34,8 +45,6 @@ class TrainingEvaluator:
         self.family = recipe.model.family
         self.pairs = manifest.pairs is not None and self.family in ("decoder", "seq2seq")
         if self.enabled and self.pairs and recipe.parallel.engine == "zero" and recipe.parallel.zero_stage == 3:
-            from molds.errors import RecipeError
-
             raise RecipeError("eval on pairs searches beams with the whole model on every rank; ZeRO-3 partitions "
                               "it: set eval.interval_steps and eval.full_interval_steps to 0 and score the "
                               "checkpoints with molds-eval, or train with zero_stage 2")
@@ -55,18 +64,12 @@ class TrainingEvaluator:
         return None
 
     def _agree(self, flag: bool) -> bool:
-        from molds.runtime.distributed import all_have
-
         return all_have(flag, self.dist)
 
     def _any(self, flag: bool) -> bool:
-        from molds.runtime.distributed import all_have
-
         return not all_have(not flag, self.dist)
 
     def run(self, step: int, kind: str) -> dict:
-        from molds.runtime.distributed import all_reduce_sum, gather_objects
-
         ev, model, dist = self.recipe.eval, self.engine.model, self.dist
         forward = self.engine.eval_forward
         was_training = model.training if model is not None else True
@@ -119,10 +122,8 @@ class TrainingEvaluator:
     def _predict_pairs(self, kind: str) -> list:
         """This rank's share of the split's first pairs, each with its beams read back as
         canonical sides: (predictions, target) pairs. A smoke evaluation decodes greedily."""
-        from molds.eval.pairs import predict, read_back, rows_budget, sides_of, split_pairs
-
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # here: a rank that only trains loads no transformers
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.specials.path, local_files_only=True)
         ev, dist = self.recipe.eval, self.dist
@@ -138,8 +139,6 @@ class TrainingEvaluator:
         return list(zip(read_back(self.tokenizer, hyps, sides_of(self.manifest)), [r["target_smiles"] for r in mine]))
 
     def _score_pairs(self, parts: list, kind: str, step: int) -> dict:
-        from molds.eval.pairs import TOP_KS, topk_accuracy
-
         found = [x for part in parts for x in part]
         if not found:
             return {}
@@ -151,9 +150,9 @@ class TrainingEvaluator:
         return {f"eval/{k}": v for k, v in acc.items() if k != "inputs"}
 
     def _score_properties(self, parts: list, step: int) -> dict:
-        import numpy as np
-
-        from molds.eval.plots import figure_rgb, property_figure
+        from molds.eval.plots import (  # here: a rank that only trains loads no matplotlib or scikit-learn
+            figure_rgb, property_figure,
+        )
 
         parts = [(y, p) for y, p in parts if len(y)]
         if not parts:
@@ -169,11 +168,8 @@ class TrainingEvaluator:
     def _sample(self, total: int, step: int) -> list:
         """(text, SMILES, hit the length limit) of each sample: what the tokens spell, the
         molecule it decodes to, and whether it never ended."""
-        from molds.chemistry.representation import of_manifest
-        from molds.eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
-
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # here: a rank that only trains loads no transformers
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.specials.path, local_files_only=True)
         ev, dist = self.recipe.eval, self.dist
@@ -194,17 +190,18 @@ class TrainingEvaluator:
         the whole single-device model, built on every rank from the gathered weights for
         this evaluation's samples and dropped after it (so each rank holds the whole model
         while it samples)."""
-        from molds.checkpoint.state import load_canonical
-        from molds.models import build_model
-
         weights = self.engine.gather_weights()
         model = build_model(self.recipe.model, self.specials, seed=self.recipe.run.seed)
         load_canonical(model, weights, "the pipeline's gathered stages")
         return model.to(self.dist.device).eval()
 
     def _score(self, samples: list, step: int, kind: str) -> dict:
-        from molds.metrics.distribution import reference_properties
-        from molds.metrics.generation import generation_metrics, parse_samples, unique_at
+        from molds.metrics.distribution import (  # here: a rank that only trains loads no RDKit or SciPy
+            reference_properties,
+        )
+        from molds.metrics.generation import (  # here: a rank that only trains loads no RDKit
+            generation_metrics, parse_samples, unique_at,
+        )
 
         ev = self.recipe.eval
         texts, smiles = [t for t, _, _ in samples], [s for _, s, _ in samples]
@@ -228,8 +225,6 @@ class TrainingEvaluator:
         return values
 
     def _pictures(self, texts: list, smiles: list, step: int) -> None:
-        from molds.eval.evaluate import split_token_lengths
-
         self.log.molecules("eval/samples_grid", smiles, step, self.recipe.eval.grid)
         shown = "\n".join(f"    {s if s else '(unfinished, or holds a special token)'}" for s in smiles[:64])
         self.log.text("eval/samples", shown, step)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import heapq
 import random
 
+from rdkit import Chem
+from rdkit.Chem.Scaffolds import MurckoScaffold
+
+from ..errors import CheckpointError
+
 INVALID, NEW, REPEAT, OVER_BUDGET = "invalid", "new", "repeat", "over_budget"
 
 
 def murcko_scaffold(smiles: str) -> str:
     """The Murcko scaffold's canonical SMILES ("" for a molecule without rings)."""
-    from rdkit import Chem
-    from rdkit.Chem.Scaffolds import MurckoScaffold
-
     mol = Chem.MolFromSmiles(smiles)
     if mol is None:
         return ""
@@ -134,8 +136,6 @@ class Ledger:
                 "unfinished": self.unfinished, "stall": self.stall}
 
     def load_state_dict(self, state: dict, where: str) -> None:
-        from ..errors import CheckpointError
-
         try:
             calls, history = int(state["calls"]), [float(x) for x in state["history"]]
             if calls != len(history):

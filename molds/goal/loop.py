@@ -35,7 +35,29 @@ import os
 import sys
 import time
 
+import numpy as np
+import torch
+from rdkit import Chem
+
+from ..checkpoint import open_checkpoint, read_lineage, restore, save_checkpoint
+from ..checkpoint.resume import check_resume, resumed_dtype, resumed_fp8_products
+from ..checkpoint.rundir import plan_resume, prepare_output_dir
+from ..checkpoint.state import load_canonical, read_model
+from ..chemistry.representation import of_manifest
+from ..chemistry.tokens import IGNORE_INDEX
+from ..engines import build_engine
 from ..errors import CheckpointError, MoldsError, RecipeError
+from ..eval.sampling import default_max_tokens, forbidden_tokens, ids_to_texts, sample_ids, texts_to_smiles
+from ..kernels import apply_kernels, kernel_summary
+from ..kernels.fp8_select import choose_for_run
+from ..metrics.generation import parse_samples
+from ..metrics.logger import MetricsLogger
+from ..models import build_model, count_parameters
+from ..models.loss import AugmentedLikelihoodLoss, sequence_log_likelihood
+from ..recipe.plan import resolve_plan
+from ..runtime.atomic import write_json, write_text
+from ..runtime.distributed import all_have, all_reduce_sum, collective, gather_objects, init_distributed
+from ..runtime.lifecycle import code_version, leave_process_group, machine, quiet_third_party, seed_rank
 from .ledger import INVALID, NEW, OVER_BUDGET, Ledger, murcko_scaffold, pmo_auc
 from .plan import build_scorers, check_goal, goal_recipe, stages_of
 
@@ -74,8 +96,6 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
     world = plan_world or int(os.environ.get("WORLD_SIZE", "1"))
     check_goal(recipe, world)
     scorers = build_scorers(recipe.goal)  # refused before any process group
-    from ..runtime.lifecycle import leave_process_group
-
     try:
         run = setup_goal(recipe, scorers)
     except BaseException:
@@ -92,21 +112,6 @@ def run_goal(recipe, plan_world: int | None = None) -> dict:
 
 
 def setup_goal(recipe, scorers) -> GoalRun:
-    from ..checkpoint import open_checkpoint, read_lineage
-    from ..checkpoint.resume import resumed_dtype, resumed_fp8_products
-    from ..checkpoint.rundir import plan_resume, prepare_output_dir
-    from ..checkpoint.state import load_canonical, read_model
-    from ..chemistry.representation import of_manifest
-    from ..engines import build_engine
-    from ..eval.sampling import default_max_tokens, forbidden_tokens
-    from ..kernels import apply_kernels, kernel_summary
-    from ..kernels.fp8_select import choose_for_run
-    from ..models import build_model, count_parameters
-    from ..models.loss import AugmentedLikelihoodLoss
-    from ..recipe.plan import resolve_plan
-    from ..runtime.distributed import init_distributed
-    from ..runtime.lifecycle import code_version, machine, quiet_third_party, seed_rank
-
     quiet_third_party()
     dist = init_distributed(recipe.parallel.collective_timeout_s, need_group=recipe.parallel.engine == "zero")
     try:
@@ -161,11 +166,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
     elif dist.is_main:
         _write_scored_header(run)
     if dist.is_main:
-        from ..runtime.atomic import write_json
-
         write_json(os.path.join(recipe.run.output_dir, "recipe.json"), recipe.to_dict(), indent=2)
-    from ..metrics.logger import MetricsLogger
-
     run.log = MetricsLogger(recipe.run.output_dir, dist.is_main, recipe.logging.tensorboard,
                             start_step=run.step if run.start_step else None)
     if dist.is_main:
@@ -183,9 +184,6 @@ def setup_goal(recipe, scorers) -> GoalRun:
 
 def _resume(run: GoalRun, path: str, saved: dict) -> None:
     """Continue the goal run ``path``, whose lineage is ``saved``."""
-    from ..checkpoint import restore
-    from ..checkpoint.resume import check_resume
-
     if "goal" not in saved:
         raise CheckpointError(f"{path} is a training checkpoint, not a goal run's: to steer it, name it as goal.prior "
                               f"in a new run.output_dir")
@@ -204,8 +202,6 @@ def _resume(run: GoalRun, path: str, saved: dict) -> None:
 
 
 def loop(run: GoalRun) -> None:
-    from ..runtime.distributed import collective
-
     recipe, horizon = run.recipe, run.plan.horizon
     horizon.start(run.step, horizon.elapsed_s)
     while run.ended is None:
@@ -251,14 +247,6 @@ def loop(run: GoalRun) -> None:
 
 def step(run: GoalRun) -> dict:
     """One step (a collective: every rank calls it)."""
-    import numpy as np
-    import torch
-
-    from ..eval.sampling import ids_to_texts, sample_ids, texts_to_smiles
-    from ..metrics.generation import parse_samples
-    from ..models.loss import sequence_log_likelihood
-    from ..runtime.distributed import all_have, all_reduce_sum, gather_objects
-
     recipe, dist, g, ledger = run.recipe, run.dist, run.recipe.goal, run.ledger
     world, rank = dist.world_size, dist.rank
     per_rank = g.batch_size // world
@@ -377,8 +365,6 @@ def _repeated_in_batch(gathered: list) -> list[bool]:
 def _agreement(run: GoalRun):
     """ZeRO-3 gathers parameters in every forward: its ranks finish a batch together."""
     if run.recipe.parallel.engine == "zero" and run.recipe.parallel.zero_stage == 3 and run.dist.distributed:
-        from ..runtime.distributed import all_have
-
         return lambda finished: all_have(finished, run.dist)
     return None
 
@@ -388,8 +374,6 @@ def _replay_ids(run: GoalRun, smiles: str, seed: int) -> list[int] | None:
     canonical one), in the prior's representation, behind the marker a prior trained with
     ``data.randomized_marker: sep`` read random spellings behind; None when the tokenizer
     cannot spell it or it does not fit."""
-    from rdkit import Chem
-
     text, randomized = smiles, False
     if run.recipe.goal.replay_randomized:
         mol = Chem.MolFromSmiles(smiles)
@@ -411,10 +395,6 @@ def _replay_ids(run: GoalRun, smiles: str, seed: int) -> list[int] | None:
 
 def _batch(run: GoalRun, rows: list, scores: list, weights: list, norm: float) -> dict:
     """Rows bos + tokens + eos, padded; document ids 0 on the molecule, -1 on padding."""
-    import torch
-
-    from ..chemistry.tokens import IGNORE_INDEX
-
     sp = run.prior.specials
     seqs = [[sp.bos, *r, sp.eos] for r in rows]
     width = max(len(s) for s in seqs)
@@ -454,8 +434,6 @@ def _columns(run: GoalRun) -> list[str]:
 
 
 def _write_scored_header(run: GoalRun) -> None:
-    from ..runtime.atomic import write_text
-
     buf = io.StringIO()
     csv.writer(buf).writerow(_columns(run))
     write_text(_scored_path(run), buf.getvalue())
@@ -477,8 +455,6 @@ def _append_scored(run: GoalRun, call0: int, new: list, results: list, filtered:
 def _cut_scored(run: GoalRun, calls: int) -> int:
     """Keep the header and the first ``calls`` rows of scored.csv (what the checkpoint
     counted); rows a killed run wrote after its checkpoint go, and are scored again."""
-    from ..runtime.atomic import write_text
-
     path = _scored_path(run)
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the goal run's log of scored molecules cannot continue (its "
@@ -493,9 +469,6 @@ def _cut_scored(run: GoalRun, calls: int) -> int:
 
 
 def save_goal(run: GoalRun) -> str:
-    from ..checkpoint import save_checkpoint
-    from ..runtime.distributed import collective
-
     with collective(f"goal step {run.step}: saving a checkpoint", run.dist):
         lineage = dict(run.lineage, horizon=run.plan.horizon.state(),
                        goal=dict(run.lineage["goal"], calls=run.ledger.calls, stage=run.ledger.stage + 1))
@@ -514,8 +487,6 @@ def finish_goal(run: GoalRun) -> dict:
     if g.max_oracle_calls:
         summary["auc_top10"] = pmo_auc(ledger.history, g.max_oracle_calls)
     if run.dist.is_main:
-        from ..runtime.atomic import write_text
-
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(["rank", "smiles", "score", "step", "stage"])

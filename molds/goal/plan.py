@@ -8,6 +8,8 @@ import dataclasses
 import sys
 
 from ..errors import RecipeError
+from ..recipe.sections import DataConfig, ModelConfig
+from ..scoring import Scorer
 
 
 def stages_of(goal) -> list[dict]:
@@ -48,8 +50,6 @@ def stages_of(goal) -> list[dict]:
 
 def build_scorers(goal) -> list:
     """One ``molds.scoring.Scorer`` per stage (a bad definition is refused naming its key)."""
-    from ..scoring import Scorer
-
     stages = stages_of(goal)
     many = goal.stages is not None
     return [Scorer(st["scoring"], f"goal.stages[{i}].scoring" if many else "goal.scoring")
@@ -78,8 +78,6 @@ def check_goal(recipe, world_size: int) -> None:
 def goal_recipe(recipe, prior, world_size: int):
     """The recipe the agent trains under: the prior's model and manifest (said when the
     recipe's own differ), one micro-batch of the step's rows per rank."""
-    from ..recipe.sections import DataConfig, ModelConfig
-
     notes = []
     model = ModelConfig(**prior.recipe["model"])
     if recipe.model != ModelConfig() and recipe.model != model:

@@ -33,7 +33,20 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ..errors import RecipeError
+from ..models.decoder import MLP, CausalDecoder, RMSNorm
+from ..models.moe import Experts, MoEDecoderLayer, Router, SharedExpert
+from .compile_regions import compile_regions
+from .cross_entropy import linear_cross_entropy
+from .fp8_linear import convert_to_fp8
+from .fp8_torchao import convert_to_float8_torchao, torchao_summary
+from .launch import describe, fp8_matrix_units, runs_triton, triton_available
+from .liger import liger_available, liger_linear_cross_entropy, liger_rms_norm, liger_swiglu
+from .moe_permute import moe_permute, moe_unpermute
+from .rmsnorm import fused_rms_norm
+from .swiglu import fused_swiglu
 
 
 def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> object:
@@ -46,26 +59,16 @@ def apply_kernels(model, kernels, loss=None, device="cpu", fp8_choice=None) -> o
         raise ValueError("kernels.fp8_products=faster: measure first (molds.kernels.fp8_select.choose_fp8_products) "
                          "and pass its choice as fp8_choice")
     if kernels.fp8 and kernels.fp8_recipe != "blockwise":
-        try:
-            from .fp8_torchao import convert_to_float8_torchao
-        except ImportError as exc:
-            raise RecipeError(f"kernels.fp8_recipe={kernels.fp8_recipe} runs torchao's Float8Linear, and torchao "
-                              f"does not import here ({exc}): pip install torchao, or use fp8_recipe blockwise") \
-                from None
         convert_to_float8_torchao(model, recipe=kernels.fp8_recipe, pow2=kernels.fp8_pow2_scales,
                                   grad_format=kernels.fp8_grad_format, device=device,
                                   experts=kernels.fp8_experts, only=fp8_choice.takes if fp8_choice else None)
     elif kernels.fp8:
-        from .fp8_linear import convert_to_fp8
-
         convert_to_fp8(model, lm_head=kernels.fp8_lm_head, router=kernels.fp8_router, pow2=kernels.fp8_pow2_scales,
                        grad_format=kernels.fp8_grad_format, only=fp8_choice.takes if fp8_choice else None)
     if kernels.triton:
         require_triton(device)
         fuse_with_triton(model, loss, fused_backends(kernels.fused_backend, device))
     if kernels.compile_regions:
-        from .compile_regions import compile_regions
-
         compile_regions(model)
     return model
 
@@ -75,12 +78,6 @@ def require_triton(device) -> None:
     on a CUDA GPU (it compiles the kernels there), and on a CPU under
     ``MOLDS_TRITON_INTERPRET=1`` (its interpreter runs them). A CPU run without either takes
     each op's PyTorch path, with or without Triton."""
-    # torch, and .launch (which imports Triton), load only where kernels are applied, as
-    # everywhere in this module
-    import torch
-
-    from .launch import triton_available
-
     if triton_available():
         return
     if torch.device(device).type == "cuda":
@@ -99,10 +96,6 @@ BACKEND_NAMES = {"molds": "molds", "liger": "Liger Kernel"}
 def fused_backends(setting: str, device) -> dict:
     """op -> ``molds`` or ``liger`` for ``kernels.fused_backend`` on ``device``: ``auto`` takes
     Liger Kernel's on a CUDA GPU where it imports (measured faster there: ``molds.kernels.liger``)."""
-    import torch
-
-    from .liger import liger_available
-
     if setting == "molds":
         return dict.fromkeys(LIGER_OPS, "molds")
     gpu = torch.device(device).type == "cuda"
@@ -122,25 +115,10 @@ def fused_backends(setting: str, device) -> dict:
 def fuse_with_triton(model, loss=None, backends: dict | None = None) -> None:
     """Swap the regions ``kernels.triton`` covers for the custom ops (in place); ``backends``
     (``fused_backends``) says whose kernel each of ``LIGER_OPS`` is (default: molds')."""
-    from ..models.decoder import MLP, CausalDecoder, RMSNorm
-    from ..models.moe import Experts, MoEDecoderLayer, SharedExpert
-    from .moe_permute import moe_permute, moe_unpermute
-
     backends = backends or dict.fromkeys(LIGER_OPS, "molds")
-    if "liger" in backends.values():
-        from .liger import liger_linear_cross_entropy, liger_rms_norm, liger_swiglu
-    if backends["rms_norm"] == "liger":
-        norm = liger_rms_norm
-    else:
-        from .rmsnorm import fused_rms_norm as norm
-    if backends["swiglu"] == "liger":
-        act = liger_swiglu
-    else:
-        from .swiglu import fused_swiglu as act
-    if backends["linear_cross_entropy"] == "liger":
-        head_loss = liger_linear_cross_entropy
-    else:
-        from .cross_entropy import linear_cross_entropy as head_loss
+    norm = liger_rms_norm if backends["rms_norm"] == "liger" else fused_rms_norm
+    act = liger_swiglu if backends["swiglu"] == "liger" else fused_swiglu
+    head_loss = liger_linear_cross_entropy if backends["linear_cross_entropy"] == "liger" else linear_cross_entropy
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.norm = norm
@@ -156,12 +134,6 @@ def fuse_with_triton(model, loss=None, backends: dict | None = None) -> None:
 
 def kernel_summary(model, device) -> str:
     """Which converters swapped how many modules, and where each op runs on ``device``."""
-    import torch
-
-    from ..models.decoder import MLP, RMSNorm
-    from ..models.moe import Experts, MoEDecoderLayer, Router, SharedExpert
-    from .fp8_torchao import torchao_summary
-
     parts = []
     modules = list(model.modules())
     fp8 = [m for m in modules if type(m).__name__ == "Fp8Linear"]
@@ -184,8 +156,6 @@ def kernel_summary(model, device) -> str:
                                 for m in modules),
              "linear_cross_entropy": int(bool(getattr(model, "head_in_loss", False)))}
     if any(fused.values()):
-        from .launch import describe
-
         backends = getattr(model, "fused_backends", {})
         ops = ", ".join(f"{name} x{n}" + (f" ({BACKEND_NAMES[backends[name]]})" if backends.get(name, "molds")
                                           != "molds" else "") for name, n in fused.items() if n)
@@ -195,10 +165,6 @@ def kernel_summary(model, device) -> str:
 
 def fp8_gemm_path(device) -> str:
     """Where the FP8 products run on ``device``, in words."""
-    import torch
-
-    from .launch import fp8_matrix_units, runs_triton
-
     device = torch.device(device)
     if device.type == "cuda":
         if not fp8_matrix_units(device.index or 0):

@@ -14,6 +14,9 @@ import functools
 
 import torch
 
+from ..models.decoder import MLP, Attention, RMSNorm
+from ..models.moe import Experts, SharedExpert
+
 
 @functools.cache
 def compiled(fn):
@@ -23,9 +26,6 @@ def compiled(fn):
 
 def compile_regions(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every decoder region attribute for its compiled version (in place)."""
-    from ..models.decoder import MLP, Attention, RMSNorm
-    from ..models.moe import Experts, SharedExpert
-
     if getattr(model, "_molds_compiled_regions", False):
         return model
     for module in model.modules():

@@ -35,12 +35,16 @@ contracts over one expert's tokens, so those are laid out from multiples of 128 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from ..models.moe import Experts, Router
+from ..models.wgrad import WeightGradStore, _accumulate as accumulate
 from .fp8 import TILE, fp8_dequantize_reference, fp8_quantize, fp8_quantize_both, fp8_quantize_reference
-from .fp8_gemm import fp8_grouped_mm as _grouped_product
-from .fp8_gemm import fp8_grouped_wgrad, fp8_mm, pad_groups, scatter_rows
+from .fp8_gemm import fp8_grouped_mm as _grouped_product, fp8_grouped_wgrad, fp8_mm, pad_groups, scatter_rows
+
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """What a linear would return here: the autocast dtype inside autocast, else x's."""
@@ -49,20 +53,14 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    from ..models.wgrad import _accumulate as accumulate
-
     accumulate(param, grad)
 
 
 def _deferring() -> bool:
-    from ..models.wgrad import WeightGradStore
-
     return WeightGradStore.active()
 
 
 def _defer(fn) -> None:
-    from ..models.wgrad import WeightGradStore
-
     WeightGradStore.put(fn)
 
 
@@ -225,10 +223,6 @@ def convert_to_fp8(model: nn.Module, *, lm_head: bool = False, router: bool = Fa
     embeddings and norms are no matrix products. ``only(module)``: whether to swap that
     linear or expert set (``kernels.fp8_products=faster``: ``Fp8Choice.takes``); all when
     None. Returns how many were swapped, by kind."""
-    import functools
-
-    from ..models.moe import Experts, Router
-
     options = {"pow2": pow2, "grad_format": grad_format}
     head = getattr(model, "lm_head", None)
     counts = {"linear": 0, "experts": 0, "router": 0}

@@ -28,12 +28,16 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..models.moe import Experts
+from ..recipe.precision import micro_batch_tokens
+from ..runtime.distributed import all_reduce_sum
+from .fp8_linear import Fp8GroupedMM, Fp8Linear
+from .fp8_torchao import RowwiseGroupedMM, convert_to_float8_torchao, convertible, grouped_fp8_units
+
 
 def product_key(module: nn.Module) -> tuple | None:
     """What a product is measured by: ``("linear", in, out)`` or ``("experts", local experts,
     hidden, width)``; None for a module that is no product ``convert_to_fp8`` swaps."""
-    from ..models.moe import Experts
-
     if type(module) is nn.Linear:
         return ("linear", module.in_features, module.out_features)
     if isinstance(module, Experts):
@@ -46,8 +50,6 @@ def model_products(model: nn.Module, lm_head: bool = False, recipe: str = "block
     """The distinct products of ``model`` that ``kernels.fp8`` would convert, in order: under
     torchao's recipes (``recipe`` rowwise / tensorwise) the linears whose widths torchao
     takes, and the expert sets only with ``experts`` (``kernels.fp8_experts``)."""
-    from .fp8_torchao import convertible
-
     head = getattr(model, "lm_head", None)
     keys = []
     for module in model.modules():
@@ -78,9 +80,6 @@ def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dty
     expert set: ``tokens`` token-expert pairs spread evenly over its experts), FP8 or plain, in ``dtype``
     (None: float32); the best of three rounds, each at least two calls after two warm-up
     calls (a busy machine only ever slows a round down)."""
-    from ..models.moe import Experts
-    from .fp8_linear import Fp8GroupedMM, Fp8Linear
-
     recipe = options.get("recipe", "blockwise")  # torchao's rowwise / tensorwise, or molds' own
     options = {k: v for k, v in options.items() if k != "recipe"}
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -102,8 +101,6 @@ def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dty
         if fp8 and recipe == "blockwise":
             module.grouped_mm = Fp8GroupedMM(**options)
         elif fp8:
-            from .fp8_torchao import RowwiseGroupedMM, grouped_fp8_units
-
             module.grouped_mm = RowwiseGroupedMM(hardware=grouped_fp8_units(device))
         per = max(1, tokens // local)
         x = torch.randn(per * local, hidden, generator=gen)
@@ -111,8 +108,6 @@ def time_product(key: tuple, tokens: int, device: torch.device, dtype: torch.dty
         inputs = (x.to(device=device, dtype=dt).requires_grad_(), counts.to(device))
     module.to(device=device, dtype=dt)
     if fp8 and recipe != "blockwise" and key[0] == "linear":  # torchao's Float8Linear in its place
-        from .fp8_torchao import convert_to_float8_torchao
-
         module = nn.Sequential(module)
         convert_to_float8_torchao(module, recipe=recipe, device=device, **options)
     run = _pass(module, inputs)
@@ -207,9 +202,6 @@ def choose_for_run(recipe, model: nn.Module, dist, dtype: torch.dtype | None, re
     """``choose_fp8_products`` for a run's ranks (``dist``: molds.runtime.distributed's): a
     micro-batch's tokens, the times averaged over the ranks so that every rank converts the
     same products."""
-    from ..recipe.precision import micro_batch_tokens
-    from ..runtime.distributed import all_reduce_sum
-
     def mean_over_ranks(values):
         return [v / dist.world_size for v in all_reduce_sum(values, dist)]
 

@@ -43,9 +43,15 @@ under ``parallel.schedule: "dualpipev"`` these linears' W runs with their I.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import logging
 
 import torch
 from torch import nn
+
+from ..errors import RecipeError
+from ..models.moe import Experts
+from .fp8_gemm import _grouped_mm_fp32, pad_groups, scatter_rows
 
 #: the recipes torchao runs for ``kernels.fp8_recipe``
 RECIPES = ("rowwise", "tensorwise")
@@ -61,17 +67,13 @@ def fp8_units(device) -> bool:
 def _torchao_float8():
     """``torchao.float8``, imported without its known-harmless noise on a machine without a
     GPU (its CUDA extensions cannot load there; a GPU machine still hears about them)."""
-    import logging
-
     quiet = [] if torch.cuda.is_available() else [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as float8
+        import torchao.float8 as float8  # optional: torchao
     except ImportError as exc:
-        from ..errors import RecipeError
-
         raise RecipeError(f"kernels.fp8_recipe rowwise / tensorwise run torchao, which does not import here ({exc}): "
                           f"pip install torchao, or use kernels.fp8_recipe blockwise") from None
     finally:
@@ -103,9 +105,6 @@ def convert_to_float8_torchao(model: nn.Module, *, recipe: str, pow2: bool = Fal
     with ``experts`` (row-wise only) the experts' grouped GEMMs for row-wise FP8 ones; returns
     how many were swapped and how many kept their precision. ``only(module)``: whether to
     swap that linear or expert set (``kernels.fp8_products=faster``: ``Fp8Choice.takes``)."""
-    from ..errors import RecipeError
-    from ..models.moe import Experts
-
     convert_to_float8_training = _torchao_float8().convert_to_float8_training
     emulate = not fp8_units(device)
     head = getattr(model, "lm_head", None)
@@ -151,8 +150,6 @@ def grouped_fp8_units(device) -> bool:
 
 
 def _version(package: str) -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -162,10 +159,10 @@ def _version(package: str) -> str:
 def _torchao_grouped():
     """torchao's differentiable row-wise FP8 grouped GEMM (torchao 0.18's name and signature)."""
     try:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+        from torchao.prototype.moe_training.fp8_grouped_mm import (  # optional: torchao
+            _to_fp8_rowwise_then_scaled_grouped_mm,
+        )
     except Exception as exc:  # missing (another torchao), or its Triton kernels refused by this triton at import
-        from ..errors import RecipeError
-
         raise RecipeError(f"kernels.fp8_experts on this GPU runs torchao's row-wise FP8 grouped GEMM "
                           f"(torchao.prototype.moe_training.fp8_grouped_mm, as in torchao 0.18), which this torchao "
                           f"{_version('torchao')} lacks or cannot load here ({type(exc).__name__}: "
@@ -191,8 +188,6 @@ class RowwiseGroupedMM:
         self._torchao = _torchao_grouped() if hardware else None  # one import, refused here if it fails
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
-        from .fp8_gemm import pad_groups, scatter_rows
-
         counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         index, padded_offs, rows = pad_groups(counts, GROUP_ALIGN)
         xp = scatter_rows(x, index, rows)  # zero rows between the groups (differentiable: index_copy)
@@ -208,8 +203,8 @@ class RowwiseGroupedMM:
 def _rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` through e4m3 with one power-of-two scale per slice along ``dim`` (torchao's
     ``tensor_to_scale`` and saturating cast), back in float32."""
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    from torchao.float8.config import ScalingGranularity  # optional: torchao
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # optional: torchao
 
     scale = tensor_to_scale(t, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
                             axiswise_dim=dim, round_scales_to_power_of_2=True)
@@ -233,8 +228,6 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs):
-        from .fp8_gemm import _grouped_mm_fp32
-
         ctx.save_for_backward(x, w, offs)
         with torch.autocast(x.device.type, enabled=False):  # the products in float32, as the docstring says
             xq = _rowwise(x, -1)  # a scale per token, along K
@@ -248,8 +241,6 @@ class _EmulatedRowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad):
-        from .fp8_gemm import _grouped_mm_fp32
-
         x, w, offs = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:  # grad [M, N] @ w^T: scales along N

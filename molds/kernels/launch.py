@@ -44,7 +44,7 @@ def interpreter_ready() -> bool:
     """Triton was imported in interpreter mode (its library functions are interpreted too)."""
     if triton is None:
         return False
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # optional: the gpu extra
 
     return isinstance(tl.standard.max, InterpretedFunction)
 

@@ -38,7 +38,7 @@ def liger_available() -> bool:
 
 
 def liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # optional: the gpu extra
 
     shape = x.shape
     y = LigerRMSNormFunction.apply(x.reshape(-1, shape[-1]), weight, eps, 0.0, "llama", False)
@@ -46,14 +46,16 @@ def liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # optional: the gpu extra
 
     return LigerSiLUMulFunction.apply(gate, up)
 
 
 def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.fused_linear_cross_entropy import (  # optional: the gpu extra
+        LigerFusedLinearCrossEntropyFunction,
+    )
 
     device = hidden.device.type
     if torch.is_autocast_enabled(device):

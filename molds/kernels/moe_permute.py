@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import torch
 
+from ..models.moe import permute_tokens, unpermute_tokens
 from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def permute_reference(y: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
-    from ..models.moe import permute_tokens
-
     return permute_tokens(y, token_of)
 
 
 def unpermute_reference(x, token_of, weight_of, num_tokens: int) -> torch.Tensor:
-    from ..models.moe import unpermute_tokens
-
     return unpermute_tokens(x, token_of, weight_of, num_tokens)
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from ..models.decoder import rms_norm
 from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from ..models.decoder import rms_norm
-
     return rms_norm(x, weight, eps)
 
 

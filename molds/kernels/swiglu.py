@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.decoder import swiglu
 from .launch import check_interpreter, empty, jit, runs_triton, tl
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from ..models.decoder import swiglu
-
     return swiglu(gate, up)
 
 

@@ -26,6 +26,12 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
+from rdkit import Chem, RDLogger
+from rdkit.Chem import QED, Crippen, Descriptors, Lipinski, rdMolDescriptors
+from scipy.stats import wasserstein_distance
+
+from ..scoring.components import _sascorer
+from .generation import reference_smiles
 
 #: MOSES's four property distances, then the structure counts (name: what it is)
 PROPERTIES = {
@@ -50,10 +56,6 @@ BINS = 40
 
 def molecule_properties(mol) -> dict:
     """Every property of ``PROPERTIES`` of one RDKit molecule."""
-    from rdkit.Chem import QED, Crippen, Descriptors, Lipinski, rdMolDescriptors
-
-    from ..scoring.components import _sascorer
-
     heavy = mol.GetNumHeavyAtoms()
     return {"weight": Descriptors.MolWt(mol), "logp": Crippen.MolLogP(mol), "sa": _sascorer().calculateScore(mol),
             "qed": QED.qed(mol), "heavy_atoms": heavy, "rings": rdMolDescriptors.CalcNumRings(mol),
@@ -74,8 +76,6 @@ def property_table(mols: Sequence) -> dict[str, np.ndarray]:
 
 
 def _mols(smiles: Sequence[str]) -> list:
-    from rdkit import Chem, RDLogger
-
     RDLogger.DisableLog("rdApp.*")
     return [m for m in (Chem.MolFromSmiles(s) for s in smiles if s) if m is not None]
 
@@ -97,8 +97,6 @@ class PropertyReference:
         ``w_<property>`` for each property, ``out_of_train_range`` and
         ``out_of_train_range_<property>``; each histogram holds the shared bin ``edges`` and
         the ``samples`` and ``reference`` shares per bin."""
-        from scipy.stats import wasserstein_distance
-
         gen = property_table(mols)
         scalars: dict = {}
         hists: dict = {}
@@ -140,8 +138,6 @@ def reference_properties(manifest, split: str, limit: int = 10000, ranges_from: 
     """The properties of up to ``limit`` molecules of ``manifest``'s ``split`` (or of
     ``reference``: a file's name and its SMILES), a fixed draw (seed 0), and the ranges of
     the ``ranges_from`` split's; computed once a process for each manifest, split or file."""
-    from .generation import reference_smiles
-
     if ranges_from and not manifest.shards(ranges_from):
         ranges_from = None
     key = (manifest.path, manifest.hash, split, limit, ranges_from, reference[0] if reference else None)

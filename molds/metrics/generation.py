@@ -34,26 +34,38 @@ memory.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import random
+import sys
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
+from importlib.metadata import version
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from rdkit import Chem, DataStructs, RDLogger
+from rdkit.Chem import AllChem, FilterCatalog, rdFingerprintGenerator
+from rdkit.Chem.Scaffolds import MurckoScaffold
+
+from molds.chemistry.canonical import Canonicalizer, ChemOptions, Molecule
+
+from ..runtime.atomic import write_bytes
 
 FILTER_ATOMS = frozenset("C N S O F Cl Br H".split())
 MAX_RING = 8
 
 
 def _canonicalizer(manifest):
-    from molds.chemistry.canonical import Canonicalizer, ChemOptions
-
     return Canonicalizer(ChemOptions.of_manifest(manifest))
 
 
 def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | None]:
     """Each sample -> None (invalid) or {"mol", "canonical", "scaffold"}."""
-    from rdkit import Chem, RDLogger
-
-    from molds.chemistry.canonical import Molecule
-
     RDLogger.DisableLog("rdApp.*")
     canon = _canonicalizer(manifest)
     out = []
@@ -79,9 +91,6 @@ def unique_at(canonicals: Sequence[str], k: int) -> float | None:
 
 def internal_diversity(mols: Sequence, max_mols: int = 5000, seed: int = 0) -> float | None:
     """1 - mean Tanimoto over all ordered pairs (self pairs included, as MOSES does)."""
-    from rdkit import DataStructs
-    from rdkit.Chem import rdFingerprintGenerator
-
     if not mols:
         return None
     mols = list(mols)
@@ -97,8 +106,6 @@ def internal_diversity(mols: Sequence, max_mols: int = 5000, seed: int = 0) -> f
 
 class BasicFilters:
     def __init__(self):
-        from rdkit.Chem import FilterCatalog
-
         params = FilterCatalog.FilterCatalogParams()
         for cat in (FilterCatalog.FilterCatalogParams.FilterCatalogs.PAINS_A,
                     FilterCatalog.FilterCatalogParams.FilterCatalogs.PAINS_B,
@@ -117,10 +124,6 @@ class BasicFilters:
 
 def absent_from_split(manifest, split: str, column: str, values: set[str]) -> set[str]:
     """The members of ``values`` that no row of ``split`` holds in ``column`` (streamed)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     missing = set(values)
     if not missing:
         return missing
@@ -142,10 +145,6 @@ def draw_rows(manifest, split: str, column: str, limit: int, seed: int = 0) -> l
     time). Shards are not in random order (the ETL writes them partition by partition, and
     a scaffold split's partitions by group size), so a draw from the first shards alone is
     not the split's distribution."""
-    from bisect import bisect_left
-
-    import pyarrow.parquet as pq
-
     shards = manifest.shards(split)
     total = sum(sh.num_rows for sh in shards)
     wanted = sorted(random.Random(seed).sample(range(total), limit)) if total > limit else range(total)
@@ -170,11 +169,7 @@ def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
     """The mean and covariance of ChemNet's activations over ``smiles``, taken chunk by
     chunk (fcd_torch holds a whole list's activations and encodings at once: 158k
     molecules, a MOSES test split, went past 16 GB)."""
-    import sys
-
-    import numpy as np
-    from fcd_torch import FCD
-    from rdkit import Chem, RDLogger
+    from fcd_torch import FCD  # here: a broken fcd_torch costs only the FCD
 
     # fcd_torch parses each SMILES again and raises on one RDKit cannot read, ending the whole
     # FCD: a canonical SMILES RDKit wrote need not read back (an aromatic system it cannot
@@ -210,18 +205,10 @@ def reference_chemnet_stats(smiles: Sequence[str]) -> dict:
     and fcd_torch's version, lives under ``$MOLDS_CACHE_DIR`` (default ``~/.cache/molds``;
     empty: no cache), and holds two arrays in an ``.npz`` read with ``allow_pickle=False``;
     a file that does not load as the expected shapes of finite numbers is recomputed."""
-    import hashlib
-    import io
-    import sys
-
-    import numpy as np
-
     root = os.environ.get("MOLDS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "molds"))
     if not root:
         return chemnet_stats(smiles)
     try:
-        from importlib.metadata import version
-
         fcd_version = version("fcd_torch")
     except Exception:  # noqa: BLE001 - not installed: chemnet_stats raises and says so
         fcd_version = "?"
@@ -241,8 +228,6 @@ def reference_chemnet_stats(smiles: Sequence[str]) -> dict:
         print(f"[molds] {path}: not a ChemNet statistics file; computing it again", file=sys.stderr)
     stats = chemnet_stats(smiles)
     if stats:
-        from ..runtime.atomic import write_bytes
-
         buf = io.BytesIO()
         np.savez(buf, mu=stats["mu"], sigma=stats["sigma"])
         try:
@@ -257,12 +242,10 @@ def fcd_score(generated: Sequence[str], reference) -> float | None:
     """FCD of ``generated`` to ``reference`` (SMILES, or ``chemnet_stats`` of them), or
     None (with the reason on stderr) when fcd_torch is missing or fails: a metric must not
     end a training run."""
-    import sys
-
     if len(generated) < 2 or (not isinstance(reference, dict) and len(reference) < 2):
         return None
     try:
-        from fcd_torch.utils import calculate_frechet_distance
+        from fcd_torch.utils import calculate_frechet_distance  # here: a broken fcd_torch costs only the FCD
 
         ref = reference if isinstance(reference, dict) else chemnet_stats(reference)
         gen = chemnet_stats(generated)
@@ -275,16 +258,12 @@ def fcd_score(generated: Sequence[str], reference) -> float | None:
 
 
 def morgan_fingerprints(mols) -> list:
-    from rdkit.Chem import rdFingerprintGenerator
-
     gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
     return [gen.GetFingerprint(m) for m in mols]
 
 
 def snn_score(gen_fps: list, ref_fps: list) -> float | None:
     """Mean over the samples of the largest Tanimoto similarity to a reference molecule."""
-    from rdkit import DataStructs
-
     if not gen_fps or not ref_fps:
         return None
     return sum(max(DataStructs.BulkTanimotoSimilarity(fp, ref_fps)) for fp in gen_fps) / len(gen_fps)
@@ -292,11 +271,6 @@ def snn_score(gen_fps: list, ref_fps: list) -> float | None:
 
 def fragment_counts(mols):
     """BRICS fragments (as MOSES cuts them), counted over the molecules."""
-    from collections import Counter
-
-    from rdkit import Chem
-    from rdkit.Chem import AllChem
-
     counts = Counter()
     for m in mols:
         counts.update(Chem.MolToSmiles(AllChem.FragmentOnBRICSBonds(m)).split("."))
@@ -305,11 +279,6 @@ def fragment_counts(mols):
 
 def scaffold_counts(mols, min_rings: int = 2):
     """Bemis-Murcko scaffolds of at least ``min_rings`` rings, counted over the molecules."""
-    from collections import Counter
-
-    from rdkit import Chem
-    from rdkit.Chem.Scaffolds import MurckoScaffold
-
     counts = Counter()
     for m in mols:
         try:
@@ -335,8 +304,6 @@ class ReferenceSet:
     once; several seeds' samples are scored against it)."""
 
     def __init__(self, smiles: Sequence[str]):
-        from rdkit import Chem
-
         self.smiles = list(smiles)
         mols = [m for m in (Chem.MolFromSmiles(s) for s in self.smiles) if m is not None]
         self.fps = morgan_fingerprints(mols)

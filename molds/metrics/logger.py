@@ -11,6 +11,12 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from ..runtime.atomic import write_text
+
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, without sparsity).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -21,8 +27,6 @@ def device_peak_tflops(device, override: float | None, precision=None) -> tuple[
     rate measured at start for the chosen precision (``precision``: molds.recipe.precision's)."""
     if override:
         return override, f"logging.peak_tflops={override}"
-    import torch
-
     if device.type != "cuda":
         if precision is not None and precision.peak_gflops > 0:
             m, k, n = precision.shape
@@ -61,8 +65,6 @@ class MetricsLogger:
         self._open(start_step)
 
     def _open(self, start_step: int | None) -> None:
-        from ..runtime.atomic import write_text
-
         path = os.path.join(self.output_dir, "metrics.jsonl")
         if start_step is None:
             write_text(path, "")
@@ -71,8 +73,6 @@ class MetricsLogger:
             write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.jsonl = open(path, "a", encoding="utf-8")
         if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             purge = None if start_step is None else start_step + 1
             self.writer = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=purge)
 
@@ -102,9 +102,8 @@ class MetricsLogger:
         ``legends``)."""
         if self.writer is None or n <= 0:
             return
-        import numpy as np
-        from rdkit import Chem
-        from rdkit.Chem import Draw
+        from rdkit import Chem  # here: a rank that only trains loads no RDKit
+        from rdkit.Chem import Draw  # here: a rank that only trains loads no RDKit
 
         mols, names = [], []
         for i, s in enumerate(smiles):
@@ -120,16 +119,12 @@ class MetricsLogger:
 
     def histogram(self, tag: str, values, step: int) -> None:
         if self.writer is not None and len(values):
-            import numpy as np
-
             self.writer.add_histogram(tag, np.asarray(values), step)
 
     def counts(self, tag: str, counts: list, step: int) -> None:
         """A histogram given as counts per integer bucket 0, 1, ... (tokens per expert)."""
         if self.writer is None or not counts or not sum(counts):
             return
-        import numpy as np
-
         c = np.asarray(counts, dtype=np.float64)
         ids = np.arange(len(c), dtype=np.float64)
         self.writer.add_histogram_raw(tag, min=0.0, max=float(len(c) - 1), num=float(c.sum()),
@@ -141,8 +136,6 @@ class MetricsLogger:
         ``molds.metrics.distribution``)."""
         if self.writer is None or not shares or not sum(shares):
             return
-        import numpy as np
-
         e, c = np.asarray(edges, dtype=np.float64), np.asarray(shares, dtype=np.float64)
         mid = (e[:-1] + e[1:]) / 2
         self.writer.add_histogram_raw(tag, min=float(e[0]), max=float(e[-1]), num=float(c.sum()),

@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from rdkit.ML.Scoring.Scoring import CalcBEDROC, CalcEnrichment
+from scipy.stats import spearmanr
+from sklearn.metrics import average_precision_score, roc_auc_score
 
 
 def _ranked(scores: np.ndarray, labels: np.ndarray) -> list[list[float]]:
@@ -22,14 +25,10 @@ def _ranked(scores: np.ndarray, labels: np.ndarray) -> list[list[float]]:
 
 
 def bedroc(scores, labels, alpha: float = 20.0) -> float:
-    from rdkit.ML.Scoring.Scoring import CalcBEDROC
-
     return float(CalcBEDROC(_ranked(np.asarray(scores, float), np.asarray(labels, float)), 1, alpha))
 
 
 def enrichment_factor(scores, labels, fraction: float = 0.01) -> float:
-    from rdkit.ML.Scoring.Scoring import CalcEnrichment
-
     return float(CalcEnrichment(_ranked(np.asarray(scores, float), np.asarray(labels, float)), 1, [fraction])[0])
 
 
@@ -55,8 +54,6 @@ def _tasks(labels, outputs, task_names):
 
 def classification_metrics(labels, scores, task_names=None) -> dict:
     """``labels`` [N, T] in {0, 1, NaN}; ``scores`` [N, T] (probabilities or logits)."""
-    from sklearn.metrics import average_precision_score, roc_auc_score
-
     per_task = {}
     for name, yt, st in _tasks(labels, scores, task_names):
         m = {"n": len(yt), "positives": int((yt == 1).sum())}
@@ -72,8 +69,6 @@ def classification_metrics(labels, scores, task_names=None) -> dict:
 
 
 def regression_metrics(labels, preds, task_names=None) -> dict:
-    from scipy.stats import spearmanr
-
     per_task = {}
     for name, yt, pt in _tasks(labels, preds, task_names):
         m = {"n": len(yt)}

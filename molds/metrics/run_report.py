@@ -9,8 +9,17 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import resource
 import sys
 import time
+
+import torch
+from tqdm import tqdm
+
+from molds.engines.optim import warmup_steps
+from molds.kernels.fp8_select import Fp8Choice
+from molds.metrics.logger import device_peak_tflops
+from molds.runtime.distributed import all_reduce_mean, all_reduce_sum
 
 
 def new_window() -> dict:
@@ -35,11 +44,6 @@ def count(window: dict, micro: list) -> None:
 
 
 def log_window(run, window: dict, result, bar) -> None:
-    import torch
-
-    from molds.metrics.logger import device_peak_tflops
-    from molds.runtime.distributed import all_reduce_mean, all_reduce_sum
-
     dist = run.dist
     totals = run.loader.totals()
     flops = sum(c * window["stats"].get(k, 0.0) for k, c in run.flops.items())
@@ -61,8 +65,6 @@ def log_window(run, window: dict, result, bar) -> None:
     if dist.device.type == "cuda":
         values["train/peak_memory_mb"] = torch.cuda.max_memory_allocated(dist.device) / 2**20
     else:  # the peak resident memory of this process (rank 0)
-        import resource
-
         values["train/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     values.update(result.extras)
     values.update(run.engine.extras())  # moe/*, pipeline/* (a collective)
@@ -74,8 +76,6 @@ def log_window(run, window: dict, result, bar) -> None:
 def progress_bar(run):
     if not (run.dist.is_main and run.recipe.logging.progress):
         return None
-    from tqdm import tqdm
-
     h = run.plan.horizon
     return tqdm(total=None if h.timed else h.max_steps, initial=run.step, desc="train", file=sys.stderr,
                 dynamic_ncols=True)
@@ -90,8 +90,6 @@ def start_summary(run, parameters: int) -> None:
         run.log.scalars(run.step, {"data/skipped_shards": skipped["shards"], "data/skipped_rows": skipped["rows"]})
         run.log.text("data/skipped_shards", "\n".join(skipped["reasons"]))
     run.log.text("run/recipe", "```\n" + json.dumps(recipe.to_dict(), indent=2) + "\n```")
-    from molds.metrics.logger import device_peak_tflops
-
     run.log.text("run/mfu_peak", device_peak_tflops(run.dist.device, recipe.logging.peak_tflops,
                                                     run.plan.precision)[1])
     run.log.text("run/precision", run.plan.precision.describe())
@@ -123,8 +121,6 @@ def start_summary(run, parameters: int) -> None:
     if run.lineage["kernels"]:
         print(f"[molds] kernels: {run.lineage['kernels']}", file=sys.stderr)
     if "fp8_products" in run.lineage:
-        from molds.kernels.fp8_select import Fp8Choice
-
         print(f"[molds] {Fp8Choice(**run.lineage['fp8_products']).describe()}", file=sys.stderr)
     if run.loader.randomized_note:
         print(f"[molds] {run.loader.randomized_note}", file=sys.stderr)
@@ -149,8 +145,6 @@ def warmup_warning(recipe, horizon) -> str | None:
     """A warm-up as long as the run (a step-count run: a budget's warm-up is a fraction): the
     learning rate never reaches ``optim.lr``. Said, not refused: short test runs of a recipe
     (``--trainer.max_steps 5``) do this on purpose."""
-    from molds.engines.optim import warmup_steps
-
     if horizon.timed:
         return None
     warm = warmup_steps(recipe.optim, horizon.max_steps)

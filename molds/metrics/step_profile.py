@@ -5,18 +5,19 @@ and ``benchmarks/cpu_step.py`` report as ``profile_ms_per_step``."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def _sync() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -42,9 +43,6 @@ class StepProfile:
         self._prof = None
 
     def start(self):
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._prof = profile(activities=acts)
         self._prof.__enter__()
@@ -52,14 +50,10 @@ class StepProfile:
         self._t0 = time.perf_counter()
 
     def stop(self):
-        import torch
-
         _sync()
         self.wall += time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
         if self.trace:
-            import os
-
             os.makedirs(os.path.dirname(os.path.abspath(self.trace)), exist_ok=True)
             self._prof.export_chrome_trace(self.trace)
         cuda = torch.cuda.is_available()
@@ -105,8 +99,6 @@ class ProfileWindow:
     line says where their time went."""
 
     def __init__(self, count: int, start_step: int, interval: int, output_dir: str):
-        import os
-
         self.first = start_step + interval + 1
         self.last = self.first + count - 1
         self.profile = StepProfile(trace=os.path.join(output_dir, "profile", f"steps-{self.first}-{self.last}.json"))
@@ -136,8 +128,6 @@ class ProfileWindow:
 
     def close(self, step: int, log) -> None:
         """The window ends at ``step`` (also when the data ran out inside it)."""
-        import sys
-
         if not self.active:
             return
         self.profile.stop()

@@ -12,14 +12,20 @@ May import the packages below it in molds' stack: ``errors``, ``runtime``, ``che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
+import torch
+
+from ..recipe.sections import ModelConfig
+from .decoder import CausalDecoder, DecoderConfig
+from .moe import MoEConfig, make_moe_layer
+from .seq2seq import Seq2SeqConfig, Seq2SeqModel
 
 
 def _as_dict(model) -> dict:
     if dataclasses.is_dataclass(model):
         return dataclasses.asdict(model)
-    from ..recipe.sections import ModelConfig
-
     # a recipe stored by an older molds may lack newer keys: their defaults apply
     return {**dataclasses.asdict(ModelConfig()), **model}
 
@@ -32,25 +38,19 @@ def family_config(model, tokenizer):
                   num_heads=m["num_heads"], intermediate_size=m["intermediate_size"],
                   max_position_embeddings=m["max_position_embeddings"])
     if m["family"] == "decoder":
-        from .decoder import DecoderConfig
-
         moe = None
         if m.get("num_experts"):
-            from .moe import MoEConfig
-
             moe = MoEConfig.from_model_section(m)
         return DecoderConfig(num_kv_heads=m["num_kv_heads"], rope_theta=m["rope_theta"],
                              tie_word_embeddings=m.get("tie_embeddings", True), moe=moe, qk_norm=moe is not None,
                              **common)
     if m["family"] == "encoder":
-        from .encoder import EncoderConfig
+        from .encoder import EncoderConfig  # here: a rank that only trains loads no transformers or SciPy
 
         return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
                              pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
                              **common)
     if m["family"] == "seq2seq":
-        from .seq2seq import Seq2SeqConfig
-
         return Seq2SeqConfig(vocab_size=tokenizer.vocab_size, hidden_size=m["hidden_size"],
                              encoder_layers=m["num_layers"], decoder_layers=m.get("decoder_layers") or m["num_layers"],
                              num_heads=m["num_heads"], intermediate_size=m["intermediate_size"] or 4 * m["hidden_size"],
@@ -64,35 +64,23 @@ def build_model(model, tokenizer, *, seed: int = 0, device=None):
     (the same on every rank: replicas start equal). ``device="meta"`` (decoders): the
     structure without storage, for an engine that materializes only its own part of it
     (the pipeline's stages, ``molds.models.decoder.materialize_part``)."""
-    import contextlib
-
-    import torch
-
     cfg = family_config(model, tokenizer)
     torch.manual_seed(seed)
     if isinstance(cfg, _decoder_config()):
-        from .decoder import CausalDecoder
-
         with torch.device(device) if device is not None else contextlib.nullcontext():
             if cfg.moe is not None:
-                from .moe import make_moe_layer
-
                 return CausalDecoder(cfg, make_layer=make_moe_layer)
             return CausalDecoder(cfg)
     if device is not None and str(device) != "cpu":
         raise ValueError(f"the {cfg.__class__.__name__} is built on the CPU only (asked: {device})")
-    from .seq2seq import Seq2SeqConfig, Seq2SeqModel
-
     if isinstance(cfg, Seq2SeqConfig):
         return Seq2SeqModel(cfg)
-    from .encoder import MoleculeEncoder
+    from .encoder import MoleculeEncoder  # here: a rank that only trains loads no transformers or SciPy
 
     return MoleculeEncoder(cfg)
 
 
 def _decoder_config():
-    from .decoder import DecoderConfig
-
     return DecoderConfig
 
 

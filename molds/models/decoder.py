@@ -16,6 +16,7 @@ packed row computes exactly what each molecule alone would.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -310,8 +311,6 @@ def part_seed(base: int, *key) -> int:
     """The seed of one part of a model (the embeddings, block i, the head): each part's
     initialization depends on the run's seed and the part's name only, so a model built
     whole and one built stage by stage (a pipeline) start from the same weights."""
-    import hashlib
-
     return int.from_bytes(hashlib.sha256(repr((base, *key)).encode()).digest()[:8], "little") % (2**63 - 1)
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import RobertaConfig, RobertaForMaskedLM
+from transformers.models.roberta.modeling_roberta import RobertaClassificationHead
 
 
 @dataclass
@@ -36,8 +38,6 @@ class EncoderConfig:
     eos_token_id: int = 3
 
     def hf_config(self):
-        from transformers import RobertaConfig
-
         return RobertaConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads, intermediate_size=self.intermediate_size or 4 * self.hidden_size,
@@ -57,9 +57,6 @@ class MoleculeEncoder(nn.Module):
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        from transformers import RobertaForMaskedLM
-        from transformers.models.roberta.modeling_roberta import RobertaClassificationHead
-
         self.config = cfg
         hf = cfg.hf_config()
         self.mlm = RobertaForMaskedLM(hf)

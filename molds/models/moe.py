@@ -41,13 +41,17 @@ the expert-parallel layout.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
-from .decoder import Attention, DecoderConfig, DecoderLayer, RMSNorm, swiglu
+from .decoder import Attention, DecoderConfig, DecoderLayer, RMSNorm, part_seed, swiglu
 
 
 @dataclass
@@ -158,8 +162,6 @@ class Experts(nn.Module):
     def init_weights(self, std: float, base: int, key: tuple) -> None:
         """Expert g's weights depend on (seed, layer, g) only: the same whatever the
         expert-parallel layout that holds it."""
-        from .decoder import part_seed
-
         with torch.no_grad():
             for e in range(self.num_local):
                 gen = torch.Generator().manual_seed(part_seed(base, *key, "expert", self.offset + e))
@@ -330,8 +332,6 @@ class MoEDecoderLayer(nn.Module):
     # all-to-alls itself, asynchronously: molds.engines.chunks)
     def exchange_counts(self, st: RoutingState) -> None:
         """How many rows each rank sends each of this rank's experts (a small all-to-all)."""
-        import torch.distributed as dist
-
         send = st.counts.view(self.ep_size, self.mlp.experts.num_local)  # per destination rank, per its expert
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.reshape(-1).contiguous(), group=self.ep_group)
@@ -413,11 +413,8 @@ def _differentiable_all_to_all():
     """torch's autograd-aware ``all_to_all_single`` (its backward is the reverse exchange)
     as ``(x, output_split_sizes, input_split_sizes, group=)``; torch 2.13 marks the public
     module deprecated in favour of a private one, so the warning is silenced here, once."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        from torch.distributed.nn.functional import all_to_all_single
     exchange = _quiet(all_to_all_single)
 
     def rows(x, out_splits, in_splits, group=None):
@@ -428,9 +425,6 @@ def _differentiable_all_to_all():
 
 
 def _quiet(fn):
-    import functools
-    import warnings
-
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with warnings.catch_warnings():
@@ -484,8 +478,6 @@ def collect_stats(layers, group=None) -> dict:
     scalars = torch.tensor([[l.stats["aux_loss"], l.stats["z_loss"], l.stats["micro_batches"], l.stats["dropped"],
                              l.stats["pairs"]] for l in layers], dtype=torch.float64)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(counts, group=group)
         dist.all_reduce(scalars, group=group)
     n = scalars[:, 2].clamp(min=1)

@@ -42,6 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import Experts, Router
+
 _capturing: list | None = None  # the group the running backward fills (None: nothing is deferred)
 
 
@@ -190,8 +192,6 @@ def defer_weight_grads(model: nn.Module) -> nn.Module:
     """Make the weight gradients of ``model``'s linears and experts deferrable (in place;
     parameters, state dict and results unchanged). The FP8 ones of ``molds.kernels``
     (``kernels.fp8``) defer through ``WeightGradStore`` already and are left as they are."""
-    from .moe import Experts, Router
-
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = DeferrableLinear

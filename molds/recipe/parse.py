@@ -9,13 +9,18 @@ wrong types, values outside a field's declared range and impossible combinations
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
 from ..errors import RecipeError
+from .budget import parse_duration
 from .goal import GoalConfig
 from .sections import (
     CheckpointConfig,
@@ -64,8 +69,6 @@ Resume and fork:
 
 
 def build_parser(prog: str = "molds-train"):
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
     # no value in a recipe may name something to import (jsonargparse's class_path)
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"])
     parser = ArgumentParser(prog=prog, description="Train a chemical language model from a JSON recipe.",
@@ -91,9 +94,6 @@ def _one_line(exc: Exception) -> str:
 
 def parse_recipe(argv: list[str] | None = None) -> Recipe:
     """The recipe from ``argv`` (``--recipe FILE`` and overrides); ranges checked."""
-    import argparse
-    import sys
-
     argv = expand_short_forms(list(sys.argv[1:] if argv is None else argv))
     for i, a in enumerate(argv):
         if a == "--recipe" and i + 1 < len(argv):
@@ -318,8 +318,6 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
 
 def check_horizon(recipe: Recipe) -> None:
     """A run's length is steps or a time budget; one warm-up knob; an average that can be made."""
-    from .budget import parse_duration
-
     t, o, c = recipe.trainer, recipe.optim, recipe.checkpoint
     if t.max_time is not None:
         try:
@@ -402,7 +400,7 @@ def check_machine(recipe: Recipe, argv: list[str]) -> None:
     need = recipe.run.min_gpus
     if not need:
         return
-    import torch
+    import torch  # here: molds-eval --help loads no torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have >= need:

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .parse import Batching
+from ..runtime.distributed import all_reduce_sum
+from .budget import horizon_of
+from .parse import Batching, deepspeed_config, validate
+from .precision import gemm_shape, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,6 @@ class Plan:
         ranks agree on the measurement): its precision and DeepSpeed config.
         ``resumed_dtype``: what the checkpoint a resume continues computed in (its lineage's
         ``plan.dtype``), which ``trainer.precision=auto`` keeps."""
-        from ..runtime.distributed import all_reduce_sum
-        from .parse import deepspeed_config
-        from .precision import gemm_shape, resolve_precision
-
         def mean_over_ranks(values):
             return [v / dist.world_size for v in all_reduce_sum(values, dist)]
 
@@ -70,9 +69,6 @@ class Plan:
 
 def resolve_plan(recipe, world_size: int) -> Plan:
     """Check the recipe for ``world_size`` ranks (no process group needed) and resolve it."""
-    from .budget import horizon_of
-    from .parse import validate
-
     batching = validate(recipe, world_size)
     p = recipe.parallel
     return Plan(world_size=world_size, engine=p.engine, schedule=p.schedule if p.engine == "pipeline" else "none",

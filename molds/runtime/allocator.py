@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -85,8 +86,6 @@ def rerun_with_malloc_cache() -> str:
     arrive: something in between resets ``GLIBC_TUNABLES``; it goes on, never loops) or
     ``"unavailable (...)"`` (not glibc, or the command cannot be re-run as it started).
     Only for a command's own process: a caller in Python keeps its process's settings."""
-    import platform
-
     rerun = os.environ.pop(_RERUN, None)  # not handed on to the workers
     current = os.environ.get("GLIBC_TUNABLES", "")
     if TCACHE_TUNABLE in current.split(":"):

@@ -14,14 +14,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import io
 import os
 import socket
 import sys
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import distributed_c10d
 
 from ..errors import CollectiveTimeout
+from .heartbeat import start_heartbeat
 
 
 @dataclass
@@ -52,8 +55,6 @@ def free_port() -> int:
 
 def set_default_timeout(timeout_s: float) -> None:
     """Groups created later without an explicit timeout (DeepSpeed's) get this one."""
-    from torch.distributed import distributed_c10d
-
     td = datetime.timedelta(seconds=timeout_s)
     distributed_c10d.default_pg_timeout = td
     if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
@@ -93,8 +94,6 @@ def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> D
         atexit.register(release_deepspeed_shm, rank)
     heartbeat = None
     if world > 1:
-        from .heartbeat import start_heartbeat
-
         heartbeat = start_heartbeat(rank, world)
     return DistInfo(rank, world, local_rank, device, backend, timeout_s, heartbeat)
 
@@ -149,8 +148,6 @@ def quiet_on_other_ranks(dist: DistInfo):
     if dist.is_main:
         yield
         return
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()):
         yield
 

@@ -18,12 +18,15 @@ count, so an elastic restart starts fresh counters.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
 import sys
 import threading
 import time
+
+import torch.distributed as td
 
 
 class Heartbeat:
@@ -39,14 +42,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="molds-heartbeat", daemon=True)
         self._thread.start()
-        import atexit
-
         atexit.register(self.stop)
 
     def _client(self, timeout_s: float = 30.0):
         """A client connection of its own (a loaded machine can take seconds to accept one)."""
-        import torch.distributed as td
-
         return td.TCPStore(self.host, self.port, is_master=False,
                            timeout=datetime.timedelta(seconds=max(timeout_s, 3 * self.interval_s)))
 

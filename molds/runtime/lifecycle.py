@@ -5,13 +5,20 @@ seeds per rank, library chatter filtered, the code version and machine for the l
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import platform
+import random
+import subprocess
+import sys
+import warnings
+
+from molds import __version__
 
 
 def leave_process_group(dist=None) -> None:
-    import gc
-
-    import torch
+    import torch  # here: molds-predict --help loads no torch
 
     if dist is not None and dist.heartbeat is not None:
         dist.heartbeat.stop()
@@ -26,8 +33,6 @@ def _forget_deepspeed_groups() -> None:
     parallel groups, the ``mpu``) in module globals, and a later engine in the same process
     (``molds-eval --recipe`` trains one per seed) would use them after their process group
     is gone ("Group ... is not registered"). They are dropped with the group."""
-    import sys
-
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is None:
         return
@@ -40,10 +45,8 @@ def _forget_deepspeed_groups() -> None:
 def seed_rank(seed: int, rank: int) -> None:
     """Initialization is the same on every rank; what comes after (dropout, sampling)
     must not be: each rank's generators are seeded from (seed, rank)."""
-    import random
-
-    import numpy as np
-    import torch
+    import numpy as np  # here: molds-predict --help loads no NumPy
+    import torch  # here: molds-predict --help loads no torch
 
     s = (seed * 1_000_003 + rank * 7_919 + 1) % 2**31
     torch.manual_seed(s)
@@ -52,10 +55,6 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 def code_version() -> str:
-    import subprocess
-
-    from molds import __version__
-
     if os.environ.get("MOLDS_NO_GIT"):
         return __version__
     try:
@@ -68,9 +67,6 @@ def code_version() -> str:
 
 def quiet_third_party() -> None:
     """Known-harmless warnings of DeepSpeed and torch on CPU, filtered once per process."""
-    import logging
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated.*")
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated.*")
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
@@ -80,7 +76,7 @@ def quiet_third_party() -> None:
 
 
 def cuda() -> bool:
-    import torch
+    import torch  # here: molds-predict --help loads no torch
 
     return torch.cuda.is_available()
 
@@ -88,7 +84,7 @@ def cuda() -> bool:
 def machine(device) -> str:
     """What the run ran on, named in the lineage (a figure that does not name its CPU class
     cannot be re-run)."""
-    import torch
+    import torch  # here: molds-predict --help loads no torch
 
     gpu = f"{torch.cuda.get_device_name(device)}; " if device.type == "cuda" else ""
     return f"{gpu}{cpu_description()}; torch {torch.__version__}"
@@ -103,8 +99,6 @@ def cpu_description() -> str:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             info = fh.read()
     except OSError:
-        import platform
-
         return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     lines = info.splitlines()
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")

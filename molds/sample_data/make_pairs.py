@@ -41,7 +41,14 @@ import io
 import os
 import random
 from collections import defaultdict
+from itertools import permutations
 from multiprocessing import Pool
+
+from rdkit import Chem, RDLogger
+from rdkit.Chem import rdChemReactions, rdMMPA
+
+from molds.errors import MoldsError
+from molds.eval.evaluate import smiles_cells
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -122,8 +129,6 @@ _COMPILED = {}
 
 
 def _templates():
-    from rdkit.Chem import rdChemReactions
-
     if not _COMPILED:
         for name, (retro, forward, _) in CLASSES.items():
             _COMPILED[name] = (rdChemReactions.ReactionFromSmarts(retro), rdChemReactions.ReactionFromSmarts(forward))
@@ -134,8 +139,6 @@ def reactions_of(product: str, sites: int = 2) -> list[tuple[str, str, str]]:
     """(class, reactants, product) for each class that disconnects ``product`` (up to ``sites``
     different disconnections a class), each checked by running the class's forward template
     on the reactants: the product must be among what it makes. All SMILES are RDKit's."""
-    from rdkit import Chem
-
     mol = Chem.MolFromSmiles(product)
     if mol is None:
         return []
@@ -167,10 +170,6 @@ def reactions_of(product: str, sites: int = 2) -> list[tuple[str, str, str]]:
 
 def _makes(forward, reactants, product: str) -> bool:
     """Whether the forward template, run on the reactants in either order, makes ``product``."""
-    from itertools import permutations
-
-    from rdkit import Chem
-
     n = forward.GetNumReactantTemplates()
     if len(reactants) != n:
         return False
@@ -212,9 +211,6 @@ def make_reactions(smiles: list[str], seed: int = 0, workers: int = 1) -> list[l
 def _cuts(smiles: str, max_variable: int) -> list[tuple[str, str, str]]:
     """(core, variable part, molecule) of each single acyclic cut of ``smiles``, the variable
     part the smaller side, of at most ``max_variable`` heavy atoms."""
-    from rdkit import Chem
-    from rdkit.Chem import rdMMPA
-
     mol = Chem.MolFromSmiles(smiles)
     if mol is None:
         return []
@@ -253,8 +249,6 @@ def pair_molecules(path: str) -> set[str]:
     """Canonical SMILES (atom maps removed) of every molecule in a pair file's ``source`` /
     ``target`` columns and its reaction columns (a header holding ``>``:
     ``reactants>reagents>products``)."""
-    from rdkit import Chem, RDLogger
-
     RDLogger.DisableLog("rdApp.*")
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as fh:
@@ -278,8 +272,6 @@ def pair_molecules(path: str) -> set[str]:
 
 
 def _canonical(smi: str) -> str | None:
-    from rdkit import Chem, RDLogger
-
     RDLogger.DisableLog("rdApp.*")
     mol = Chem.MolFromSmiles(smi) if smi else None
     return Chem.MolToSmiles(mol) if mol is not None else None
@@ -329,9 +321,6 @@ def main(argv: list[str] | None = None) -> None:
     if (args.kind == "molecules") != (args.exclude is not None):
         p.error("--exclude goes with molecules, and molecules needs it")
     if args.kind == "molecules":  # any SMILES file molds-eval reads: .csv / .tsv by --smiles_column, else lines
-        from molds.errors import MoldsError
-        from molds.eval.evaluate import smiles_cells
-
         try:
             table, cells = smiles_cells(args.input, "molecules", need_column=False, column=args.smiles_column)
         except MoldsError as exc:

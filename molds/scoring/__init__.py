@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RecipeError
+from . import components, external, transforms
 
 
 @dataclass
@@ -59,9 +60,7 @@ class Scores:
 
 class Scorer:
     def __init__(self, definition, where: str = "scoring"):
-        from rdkit import RDLogger
-
-        from . import components, external, transforms
+        from rdkit import RDLogger  # here: molds-score --help loads no RDKit
 
         RDLogger.DisableLog("rdApp.*")  # a SMARTS RDKit cannot read is said once, by the refusal
 
@@ -71,7 +70,7 @@ class Scorer:
             raise RecipeError(f"{where}: a scoring definition is an object (components and an aggregate) or "
                               f"{{'oracle': NAME}}")
         if "oracle" in definition:
-            from .pmo import oracle_definition
+            from .pmo import oracle_definition  # here: molds-score --help loads no torch or RDKit
 
             if set(definition) != {"oracle"}:
                 raise RecipeError(f"{where}: an oracle is named alone ({{'oracle': NAME}}), got {sorted(definition)}")
@@ -109,7 +108,7 @@ class Scorer:
         self.definition = definition
 
     def __call__(self, smiles: list) -> Scores:
-        from rdkit import Chem, RDLogger
+        from rdkit import Chem, RDLogger  # here: molds-score --help loads no RDKit
 
         RDLogger.DisableLog("rdApp.*")
         smiles = list(smiles)

@@ -13,10 +13,17 @@ Tanimoto on counts (sum of minima over sum of maxima).
 
 from __future__ import annotations
 
+import gzip
 import math
+import os
+import pickle
 import re
 
 import numpy as np
+from rdkit import Chem, DataStructs
+from rdkit.Chem import QED as qed, Crippen, Descriptors, Lipinski, rdFingerprintGenerator as gen, rdMolDescriptors
+from rdkit.Chem.Pharm2D import Generate, Gobbi_Pharm2D
+from rdkit.Contrib.SA_Score import sascorer
 
 from ..errors import RecipeError
 
@@ -24,11 +31,7 @@ FINGERPRINTS = ("ECFP4", "ECFP6", "FCFP4", "FCFP6", "AP", "PHCO")
 
 
 def fingerprint(mol, kind: str):
-    from rdkit.Chem import rdFingerprintGenerator as gen
-
     if kind == "PHCO":
-        from rdkit.Chem.Pharm2D import Generate, Gobbi_Pharm2D
-
         return Generate.Gen2DFingerprint(mol, Gobbi_Pharm2D.factory)
     if kind == "AP":
         return _generator("AP", lambda: gen.GetAtomPairGenerator(maxDistance=10)).GetSparseCountFingerprint(mol)
@@ -51,14 +54,10 @@ def _generator(kind, make):
 
 
 def tanimoto(a, b) -> float:
-    from rdkit import DataStructs
-
     return DataStructs.TanimotoSimilarity(a, b)
 
 
 def _mol(smiles: str, where: str):
-    from rdkit import Chem
-
     mol = Chem.MolFromSmiles(smiles) if isinstance(smiles, str) and smiles else None
     if mol is None:
         raise RecipeError(f"{where}: RDKit cannot read the SMILES {smiles!r}")
@@ -66,8 +65,6 @@ def _mol(smiles: str, where: str):
 
 
 def _smarts(pattern, where: str):
-    from rdkit import Chem
-
     q = Chem.MolFromSmarts(pattern) if isinstance(pattern, str) and pattern else None
     if q is None:
         raise RecipeError(f"{where}: RDKit cannot read the SMARTS {pattern!r}")
@@ -115,8 +112,6 @@ class Component:
 
 class QED(Component):
     def one(self, mol):
-        from rdkit.Chem import QED as qed
-
         return qed.qed(mol)
 
 
@@ -172,8 +167,6 @@ class Substructure(Component):
 
 def _count_atoms(symbol):
     def count(mol):
-        from rdkit import Chem
-
         if symbol == "H":
             mol = Chem.AddHs(mol)
         return sum(1 for a in mol.GetAtoms() if a.GetSymbol() == symbol)
@@ -182,8 +175,6 @@ def _count_atoms(symbol):
 
 
 def _properties():
-    from rdkit.Chem import Crippen, Descriptors, Lipinski, rdMolDescriptors
-
     return {
         "mw": Descriptors.MolWt, "exact_mw": Descriptors.ExactMolWt, "logp": Crippen.MolLogP,
         "tpsa": Descriptors.TPSA, "hbd": Lipinski.NumHDonors, "hba": Lipinski.NumHAcceptors,
@@ -224,8 +215,6 @@ class Property(Component):
 
 
 def parse_formula(formula: str, where: str) -> list[tuple[str, int]]:
-    from rdkit import Chem
-
     parts = re.findall(r"([A-Z][a-z]?)(\d*)", formula or "") if isinstance(formula, str) else []
     table = Chem.GetPeriodicTable()
     elements = {table.GetElementSymbol(z) for z in range(1, 119)}
@@ -248,8 +237,6 @@ class Isomer(Component):
         self.total = sum(n for _, n in self.elements)
 
     def one(self, mol):
-        from rdkit import Chem
-
         full = Chem.AddHs(mol)
         counts = {}
         for atom in full.GetAtoms():
@@ -282,12 +269,6 @@ def _sascorer():
     ``pickle.load``."""
     global _SASCORER
     if _SASCORER is None:
-        import gzip
-        import os
-        import pickle
-
-        from rdkit.Contrib.SA_Score import sascorer
-
         class NumbersOnly(pickle.Unpickler):
             def find_class(self, module, name):
                 raise pickle.UnpicklingError(f"fpscores.pkl.gz asks for {module}.{name}; refused")

@@ -5,9 +5,15 @@ Python package (an entry point named in the recipe; a recipe itself never runs c
 from __future__ import annotations
 
 import dataclasses
+from importlib.metadata import entry_points
 
 import numpy as np
+import torch
+from rdkit import Chem
 
+from ..checkpoint import open_checkpoint
+from ..chemistry.canonical import Canonicalizer, ChemOptions
+from ..chemistry.representation import of_manifest
 from ..errors import MoldsError, RecipeError
 from .components import Component
 
@@ -26,12 +32,6 @@ class PropertyModel(Component):
 
     def __init__(self, spec, where):
         super().__init__(spec, where)
-        import torch
-
-        from ..checkpoint import open_checkpoint
-        from ..chemistry.canonical import Canonicalizer, ChemOptions
-        from ..chemistry.representation import of_manifest
-
         try:
             self.loaded = open_checkpoint(spec["checkpoint"])
         except MoldsError as exc:
@@ -58,8 +58,6 @@ class PropertyModel(Component):
         self.torch = torch
 
     def raw(self, mols):
-        from rdkit import Chem
-
         texts, where = [], []
         for i, mol in enumerate(mols):
             got = self.canonicalize(Chem.MolToSmiles(mol))
@@ -93,8 +91,6 @@ class Plugin(Component):
 
     def __init__(self, spec, where):
         super().__init__(spec, where)
-        from importlib.metadata import entry_points
-
         name = spec["entry_point"]
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
@@ -110,8 +106,6 @@ class Plugin(Component):
             raise RecipeError(f"{where}: the {name!r} component ({found[0].value}) failed to build: {exc}") from None
 
     def raw(self, mols):
-        from rdkit import Chem
-
         values = list(self.fn([Chem.MolToSmiles(m) for m in mols]))
         if len(values) != len(mols):
             raise MoldsError(f"{self.where}: the {self.spec['entry_point']!r} component returned {len(values)} "

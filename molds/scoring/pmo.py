@@ -12,6 +12,11 @@ oracle code on 1,000 MOSES molecules.
 
 from __future__ import annotations
 
+import copy
+
+from rdkit import Chem
+from rdkit.Chem import Crippen, Descriptors
+
 from ..errors import RecipeError
 
 # targets
@@ -47,9 +52,6 @@ def _prop(name, prop, transform):
 
 
 def _descriptor(smiles: str, which: str) -> float:
-    from rdkit import Chem
-    from rdkit.Chem import Crippen, Descriptors
-
     mol = Chem.MolFromSmiles(smiles)
     return float({"logp": Crippen.MolLogP, "tpsa": Descriptors.TPSA, "bertz": Descriptors.BertzCT}[which](mol))
 
@@ -138,8 +140,6 @@ _CACHE: dict = {}
 
 def oracle_definition(name: str, where: str = "oracle") -> dict:
     """The scoring definition of a PMO oracle (a fresh copy, safe to edit)."""
-    import copy
-
     if name not in ORACLES:
         raise RecipeError(f"{where}: {name!r} is not a PMO oracle molds has (one of {list(ORACLES)}; drd2, gsk3b "
                           f"and jnk3 need model files from the internet and are left out)")

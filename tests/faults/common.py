@@ -62,6 +62,24 @@ def died_by_sigkill_at(excinfo, out: str, point: str) -> None:
     assert open(out + ".killed").read() == point
 
 
+def patch_everywhere(original, replacement) -> None:
+    """Put ``replacement`` wherever molds holds ``original``: its own module and every module
+    that imported it by name (an import binds the function when the module loads, so patching
+    only the module that defines it would miss them). Modules imported later read it from
+    the patched ones."""
+    import sys
+
+    held = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "molds" or name.startswith("molds.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                held += 1
+    assert held, f"no molds module holds {original!r}"
+
+
 def train(rank, world, args):
     from molds.train import main
 
@@ -165,7 +183,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
             saves["n"] += 1
             return original_save(*a, **k)
 
-        ckpt.save_checkpoint = counting_save
+        patch_everywhere(original_save, counting_save)
         for module, name, point in ((state, "write_model", "model"), (state, "write_optimizer", "optimizer"),
                                     (ckpt, "write_complete_marker", "marker"), (ckpt, "write_latest", "latest")):
             original = getattr(module, name)
@@ -176,7 +194,7 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
                 kill_if(f"after-{_point}")
                 return result
 
-            setattr(module, name, wrapped)
+            patch_everywhere(original, wrapped)
         import molds.runtime.atomic as atomic
 
         original_publish = atomic.publish_directory
@@ -186,5 +204,5 @@ def train_with(rank, world, args, fault: str, at: int = 0, who: int = 0):
             original_publish(*a, **k)
             kill_if("after-rename")
 
-        atomic.publish_directory = publish
+        patch_everywhere(original_publish, publish)
     return train_mod.main(args)

@@ -297,14 +297,14 @@ def test_unique_batches_the_likelihood_penalty_and_patience(prior, dataset, tmp_
     # every other sample replaced by one training molecule: the batch surely repeats a valid one
     known = pq.read_table(Manifest.load(dataset).shards("train")[0].path).column("token_ids")[0].as_py()
     drawn = sampling.sample_ids
-    monkeypatch.setattr(sampling, "sample_ids", lambda *a, **k: [
+    monkeypatch.setattr(goal_loop, "sample_ids", lambda *a, **k: [
         list(known) if i % 2 == 0 else s for i, s in enumerate(drawn(*a, **k))])
     runs = {}
     for name, extra in (("plain", ()), ("unique", ("--goal.unique_batch", "true")),
                         ("penalty", ("--goal.likelihood_penalty", "5000"))):
         main(goal_argv(prior, str(tmp_path / name), 3, *extra))
         runs[name] = [r for r in metrics(str(tmp_path / name)) if "train/loss" in r][0]  # the first step
-    monkeypatch.setattr(sampling, "sample_ids", drawn)
+    monkeypatch.setattr(goal_loop, "sample_ids", drawn)
     first = runs["plain"]
     # the same samples (same seeds; the agents equal the prior before the first update)
     assert runs["unique"]["goal/oracle_calls"] == runs["penalty"]["goal/oracle_calls"] == first["goal/oracle_calls"]

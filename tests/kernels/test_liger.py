@@ -44,10 +44,12 @@ def test_without_the_gpu_extra_a_recipe_that_needs_it_stops_naming_it(monkeypatc
     """A CPU install leaves Triton and Liger Kernel out (the gpu extra): kernels.triton on a
     GPU, Triton's interpreter asked for, or Liger asked for by name, stops with one line
     naming the extra; kernels.triton on a CPU takes each op's PyTorch path as before."""
+    import molds.kernels as kernels
     from molds.kernels import launch, liger
 
     monkeypatch.setattr(launch, "triton", None)  # what an install without triton imports
-    monkeypatch.setattr(liger, "liger_available", lambda: False)
+    for module in (liger, kernels):  # where it is defined, and where kernels' choice reads it
+        monkeypatch.setattr(module, "liger_available", lambda: False)
     monkeypatch.delenv("MOLDS_TRITON_INTERPRET", raising=False)
     model = apply_kernels(moe_model(), KernelsConfig(triton=True), CausalLMLoss(), "cpu")
     assert set(model.fused_backends.values()) == {"molds"}
