@@ -9,7 +9,9 @@
 - ``pairs``: reactions and molecule pairs made canonical (source, target) for pair tasks;
 - ``tokens``: token-level constants and the special-token ids of a tokenizer artifact.
 
-May import: ``molds.errors`` and ``molds.runtime``. RDKit is imported inside the functions that need it, so
-importing this package is cheap (the data plane and the losses import ``tokens`` on the
-training side).
+May import: ``molds.errors`` and ``molds.runtime``. ``canonical`` and ``representation``
+import RDKit inside the functions that need it (``molds-preprocess --help`` and a rank that
+only trains import them without it); ``conformers`` and ``pairs``, which nothing on those
+paths imports, at their top. Importing the package itself is cheap (the data plane and the
+losses import ``tokens`` on the training side).
 """
