@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from jsonargparse import ArgumentParser
+
 from ..errors import MoldsError
 
 CHECKPOINT_HELP = ("a checkpoint reference: a checkpoint directory (RUN/checkpoints/step-N or RUN/averaged), a run "
@@ -24,8 +26,6 @@ class UsageError(MoldsError):
 
 
 def new_parser(prog: str, description: str):
-    from jsonargparse import ArgumentParser  # here: molds-sample --help loads no jsonargparse
-
     return ArgumentParser(prog=prog, description=description, default_env=False, exit_on_error=False, allow_abbrev=False,
                           epilog="--debug shows the traceback of an error (also MOLDS_DEBUG=1).")
 

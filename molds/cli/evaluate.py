@@ -17,6 +17,7 @@ import os
 import sys
 
 from ..errors import run_cli
+from ..recipe.parse import SECTIONS
 from . import CHECKPOINT_HELP, UsageError, new_parser, parse
 
 
@@ -59,8 +60,6 @@ def build_parser():
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Recipe overrides (``--section.key[=value]``) for --recipe mode, and the rest."""
-    from ..recipe.parse import SECTIONS  # here: molds-eval --help loads no torch
-
     ours, overrides, i = [], [], 0
     while i < len(argv):
         a = argv[i]

@@ -19,6 +19,7 @@ import json
 import sys
 
 from ..errors import MoldsError, run_cli
+from ..runtime.atomic import write_text
 from . import UsageError, new_parser, parse
 
 
@@ -40,7 +41,7 @@ def read_smiles(path: str, column: str) -> list[str]:
     """The molecules of a .smi / .txt (first whitespace field; an empty line is an empty
     molecule) or .csv / .tsv file (``column``, matched exactly, else case-insensitively),
     gzipped or not: molds-eval's reader (``molds.eval.evaluate.smiles_cells``)."""
-    from ..eval.evaluate import smiles_cells  # here: molds-score --help loads no torch
+    from ..eval.evaluate import smiles_cells  # here: molds-score --help loads no NumPy
 
     table, cells = smiles_cells(path, "molecules", need_column=True, column=column)
     return cells if table else [(cell.split() or [""])[0] for cell in cells]
@@ -79,8 +80,6 @@ def run(argv: list[str]) -> int:
     if args.out == "-":
         sys.stdout.write(buf.getvalue())
     else:
-        from ..runtime.atomic import write_text  # here: molds-score --help loads no torch
-
         write_text(args.out, buf.getvalue())
     n, valid = len(rows), int(scores.valid.sum())
     best = max((r["total"] for r in rows), default=0.0)

@@ -12,6 +12,8 @@ import os
 import posixpath
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import ManifestError
 
 FORMAT_VERSION = 1
@@ -183,7 +185,7 @@ class Manifest:
         """Check a shard's sha256 and row count against the manifest and, with
         ``vocab_size``, that every token id lies in the vocabulary (``check_token_ids``)."""
         import fsspec  # here: molds-preprocess --help loads no fsspec
-        import pyarrow.parquet as pq  # here: molds-preprocess --help loads no pyarrow
+        import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
 
         digest = hashlib.sha256()
         try:
@@ -209,8 +211,7 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
     standard deviation 1, a task with none mean 0. What a regression model standardizes its
     labels by (``molds.models.encoder``)."""
     import fsspec  # here: molds-preprocess --help loads no fsspec
-    import numpy as np  # here: molds-preprocess --help loads no NumPy
-    import pyarrow.parquet as pq  # here: molds-preprocess --help loads no pyarrow
+    import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
 
     blocks = []
     for shard in manifest.shards(split):
@@ -233,7 +234,6 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
 def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
     """(row, id) of the first token id outside [0, vocab_size) in ``ids`` (a pyarrow list
     array of ints, one list per row), or None."""
-    import numpy as np  # here: molds-preprocess --help loads no NumPy
 
     values = ids.values.to_numpy(zero_copy_only=False)
     if not len(values):
