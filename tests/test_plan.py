@@ -14,6 +14,8 @@ RESOLVERS = ("validate", "resolve_batching", "deepspeed_config", "data_parallel_
 
 def _count_resolutions(rank, world, argv):
     import molds.recipe.parse as recipe_module
+    from molds.train import main
+    from tests.faults.common import patch_everywhere
 
     counts = {name: 0 for name in RESOLVERS}
     for name in RESOLVERS:
@@ -23,8 +25,7 @@ def _count_resolutions(rank, world, argv):
             counts[_n] += 1
             return _f(*args, **kwargs)
 
-        setattr(recipe_module, name, counted)
-    from molds.train import main
+        patch_everywhere(original, counted)
 
     result = main(argv)
     return counts, result["step"]

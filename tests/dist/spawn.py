@@ -1,20 +1,60 @@
-"""Run a function on N gloo ranks in fresh processes (CPU), and collect what they return."""
+"""Run a function on N gloo ranks in fresh processes (CPU), and collect what they return.
+
+The ranks are forked from a server process that has imported the heavy libraries once
+(``tests/dist/preload.py``: torch, DeepSpeed, transformers, RDKit and molds' training modules),
+so a rank starts in a tenth of a second where a spawned interpreter took 4-10 s to import
+them again (the suite starts some hundred groups of ranks). Each rank is still a process of
+its own that has run nothing but those imports, as a spawned one is: it gets the calling
+process's environment, working directory, standard output and error at the call (the server
+was started earlier, from another test), and unpickles the function and its arguments only
+then, so a module it imports for them reads that environment."""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import pickle
+import sys
 import tempfile
 import time
+from multiprocessing import reduction
 
 import torch
 
 from molds.runtime.distributed import free_port  # noqa: F401  (the tests' import)
 
+#: what the server imports before it forks a rank (one module that imports each heavy library
+#: and survives one that fails: the server dies on any other exception in a preloaded import)
+PRELOAD = ["tests.dist.preload"]
 
-def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict):
+
+class _Stream:
+    """One of the caller's file descriptors, handed to the rank through the server (a rank
+    forked from it would otherwise write to the server's stdout, which is whatever pytest
+    captured when the server started)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _Stream._opened, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _opened(dup) -> int:
+        return dup.detach()
+
+
+def _entry(rank: int, world: int, port: int, payload: bytes, out_dir: str, env: dict, streams: tuple):
+    for fd, target in zip(streams, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu", **env)
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
+    fn, args = pickle.loads(payload)  # after the environment: the modules it imports read this one
     result = fn(rank, world, *args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if torch.distributed.is_initialized():
@@ -23,11 +63,26 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict):
     # The rank has reported. Skip the interpreter's teardown of C++ state (gloo and DeepSpeed
     # op threads): CI once saw a ZeRO-3 rank abort there ("terminate called without an active
     # exception") after its result was written and its process group destroyed.
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _start_server() -> None:
+    """The fork server, started once a process: its imports see DeepSpeed's CPU accelerator,
+    as every rank sets it, whatever GPU the machine has."""
+    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+        return
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = before
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 600, env: dict | None = None) -> list:
@@ -35,8 +90,14 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 600, env: dict | None = 
     rank that raises fails the call; ranks still running after ``timeout_s`` are killed
     and the call fails."""
     out_dir = tempfile.mkdtemp(prefix="molds-dist-")
-    ctx = torch.multiprocessing.start_processes(_entry, args=(world, free_port(), fn, args, out_dir, env or {}),
-                                                nprocs=world, join=False, start_method="spawn")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _start_server()
+    payload = pickle.dumps((fn, args))
+    streams = (_Stream(1), _Stream(2))
+    ctx = torch.multiprocessing.start_processes(
+        _entry, args=(world, free_port(), payload, out_dir, {**os.environ, **(env or {})}, streams),
+        nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:

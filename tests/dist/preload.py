@@ -1,0 +1,13 @@
+"""What the fork server of ``tests/dist/spawn.py`` imports before it forks ranks: the
+libraries a rank of the tests loads, each where it imports (one that fails to import is left
+for the rank to import, and fail, itself)."""
+
+import importlib
+
+for _name in ("torch", "numpy", "pyarrow", "pyarrow.parquet", "deepspeed", "transformers", "safetensors.torch",
+              "rdkit.Chem", "molds.train", "molds.engines.ddp", "molds.engines.zero", "molds.engines.pipeline",
+              "molds.engines.dualpipev", "molds.checkpoint", "molds.eval.evaluate", "tests.faults.common"):
+    try:
+        importlib.import_module(_name)
+    except Exception:  # noqa: BLE001 - the rank meets the error itself, where it can be reported
+        pass
