@@ -216,6 +216,14 @@ def test_property_eval_over_training_seeds(dataset, tmp_path):
     assert per_task["y1"]["auroc"] is not None and per_task["y2"]["note"] == "labels are not 0/1"
     assert set(rep["metrics"]["auroc"]) == {"mean", "std", "values"}
     assert rep["per_seed"][0]["property"] != rep["per_seed"][1]["property"]  # two differently seeded trainings
+    # one picture per training seed, each that seed's ROC points, linked from eval.md
+    assert rep["figures"] == ["roc-seed0.png", "roc-seed1.png"]
+    md = open(os.path.join(out, "eval.md")).read()
+    for name in rep["figures"]:
+        with open(os.path.join(out, name), "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in md
+    assert rep["per_seed"][0]["property"]["roc"] != rep["per_seed"][1]["property"]["roc"]
 
 
 def test_encoder_eval_during_training_matches_molds_eval(dataset, tmp_path):

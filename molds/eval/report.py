@@ -45,19 +45,24 @@ def markdown(report: dict) -> str:
 
 def write_report(out: str, report: dict) -> None:
     """``eval.json``, ``eval.md`` and a property model's picture (``roc.png`` or
-    ``parity.png``, linked from ``eval.md``); the picture leaves the report (and a per-seed
-    report's, which is not drawn)."""
+    ``parity.png``, linked from ``eval.md``). A report over training seeds (``molds-eval
+    --recipe``) has one picture per seed (``roc-seed0.png``, ...). Pictures leave the report."""
     os.makedirs(out, exist_ok=True)
+    drawn = []
     figure = report.pop("_figure", None)
-    for each in report.get("per_seed") or []:
-        if isinstance(each, dict):
-            each.pop("_figure", None)
     if figure is not None:
+        drawn.append((f"{figure[0]}.png", figure[1]))
+    seeds = report.get("training_seeds") or []
+    for i, each in enumerate(report.get("per_seed") or []):
+        figure = each.pop("_figure", None) if isinstance(each, dict) else None
+        if figure is not None and i < len(seeds):
+            drawn.append((f"{figure[0]}-seed{seeds[i]}.png", figure[1]))
+    if drawn:
         from .plots import figure_png  # here: molds-eval --help loads no matplotlib or scikit-learn
 
-        name, fig = figure
-        write_bytes(os.path.join(out, f"{name}.png"), figure_png(fig))
-        report["figures"] = [f"{name}.png"]
+        for name, fig in drawn:
+            write_bytes(os.path.join(out, name), figure_png(fig))
+        report["figures"] = [name for name, _ in drawn]
     write_text(os.path.join(out, "eval.json"), json.dumps(report, indent=2))
     write_text(os.path.join(out, "eval.md"), markdown(report))
 
