@@ -50,7 +50,9 @@ else differs between sets).
 One JSON line: per set the rows kept and refused, per split its sizes, per model the score of
 every seed, mean and standard deviation and the seconds (``train_s``: training; for molds the
 fine-tuning, with ``select_s`` the scoring of its checkpoints on the validation split;
-``predict_s``: the test molecules); and the pretraining's cost. Every
+``predict_s``: the test molecules); for molds also the chosen checkpoint (``chosen``) and its
+score on the validation split (``valid_roc_auc`` or ``valid_rmse``), by which settings are
+compared: the test scores are never used to choose; and the pretraining's cost. Every
 stage's output stays under ``--output-dir`` and a rerun reuses what is complete.
 """
 
@@ -465,7 +467,11 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                    args.nproc)
     predict_s = time.perf_counter() - t0
     return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs, "select_s": select_s,
-                                                   "chosen": os.path.basename(best), "valid_scores": scored}
+                                                   "chosen": os.path.basename(best), "valid_scores": scored,
+                                                   "valid": None if best_score is None else (
+                                                       {"valid_roc_auc": best_score}
+                                                       if s["task_type"] == "classification"
+                                                       else {"valid_rmse": -best_score})}
 
 
 def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augment: int, seed: int,
@@ -546,7 +552,9 @@ def run_set(args, s: dict, pretrained: str) -> dict:
                               "train_s": None if train_s is None else round(train_s, 1),
                               "predict_s": round(predict_s, 1)}
                     if extra:
-                        result.update(chosen=extra["chosen"], select_s=round(extra["select_s"], 1))
+                        # the chosen checkpoint's score on the validation split: what settings are compared by
+                        result.update(chosen=extra["chosen"], select_s=round(extra["select_s"], 1),
+                                      **(extra["valid"] or {}))
                     runs[model].append(result)
                     print(f"[moleculenet] {s['name']} {method}-{split_seed} {model} seed {seed}: "
                           f"{json.dumps(result)}", file=sys.stderr, flush=True)

@@ -171,3 +171,24 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     salts_in_test = [r for r in preds if any(t in r["canonical"] for t in ("Na+", "K+", "Br-"))]
     assert salts_in_test and all(r["lipophilic"] != "" for r in salts_in_test)
     assert set(result["headline"]["scaffold_random"]["roc_auc"]) == {"molds", "rf"}
+    # what settings are compared by: the chosen checkpoint's validation score, again from its
+    # predictions of the validation molecules in peers.csv, scored by scikit-learn
+    from sklearn.metrics import roc_auc_score
+
+    from molds.checkpoint import open_checkpoint
+    from molds.eval.properties import predict_properties
+
+    run = split["molds"]["runs"][0]
+    with open(out / "set" / "scaffold_random-0" / "peers.csv", newline="") as fh:
+        valid = [r for r in csv.DictReader(fh) if r["split"] == "val"]
+    chosen = open_checkpoint(str(out / "set" / "scaffold_random-0" / "molds-0" / "checkpoints" / run["chosen"]))
+    found = predict_properties(chosen, [r["smiles"] for r in valid], augment=2, seed=0)
+    per_task = []
+    for t, task in enumerate(("lipophilic", "polar")):  # the mean over tasks whose labels hold both classes
+        seen = [i for i, r in enumerate(valid) if r[task] != ""]
+        labels = [float(valid[i][task]) for i in seen]
+        if len(set(labels)) == 2:
+            per_task.append(roc_auc_score(labels, [found.values[i][t] for i in seen]))
+    want = sum(per_task) / len(per_task)
+    assert run["valid_roc_auc"] == pytest.approx(want, abs=1e-9)
+    assert split["molds"]["valid_roc_auc"]["mean"] == pytest.approx(want, abs=1e-4)
