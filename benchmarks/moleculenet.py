@@ -626,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
     result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
               "augment": args.augment, "nproc": args.nproc}
+    # the code this run loaded (read at the start: a long run outlives later commits)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     t0 = time.perf_counter()
     everything = sets if args.input else [describe_set(n, os.path.join(args.data_dir, f), c, None, None)
                                           for n, (f, c) in SETS.items() if os.path.exists(os.path.join(args.data_dir, f))]
@@ -646,8 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     from molds.runtime.lifecycle import cpu_description
 
     result["cpu"] = cpu_description()
-    result["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip()
+    result["commit"] = commit
     print(json.dumps(result))
     return 0
 
