@@ -3,7 +3,7 @@
 The ranks are forked from a server process that has imported the heavy libraries once
 (``tests/dist/preload.py``: torch, DeepSpeed, transformers, RDKit and molds' training modules),
 so a rank starts in a tenth of a second where a spawned interpreter took 4-10 s to import
-them again (the suite starts some hundred groups of ranks). Each rank is still a process of
+them again (the suite starts many groups of ranks). Each rank is still a process of
 its own that has run nothing but those imports, as a spawned one is: it gets the calling
 process's environment, working directory, standard output and error at the call (the server
 was started earlier, from another test), and unpickles the function and its arguments only
@@ -45,14 +45,15 @@ class _Stream:
         return dup.detach()
 
 
-def _entry(rank: int, world: int, port: int, payload: bytes, out_dir: str, env: dict, streams: tuple):
+def _entry(rank: int, world: int, port: int, payload: bytes, out_dir: str, environ: dict, env: dict,
+           streams: tuple):
     for fd, target in zip(streams, (1, 2)):
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(environ)  # the caller's, at the call
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu", **env)
     torch.set_num_threads(1)
     fn, args = pickle.loads(payload)  # after the environment: the modules it imports read this one
     result = fn(rank, world, *args)
@@ -71,8 +72,8 @@ def _entry(rank: int, world: int, port: int, payload: bytes, out_dir: str, env: 
 def _start_server() -> None:
     """The fork server, started once a process: its imports see DeepSpeed's CPU accelerator,
     as every rank sets it, whatever GPU the machine has."""
-    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
-        return
+    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return  # (ensure_running below is idempotent too; this only spares the environment's round trip)
     multiprocessing.set_forkserver_preload(PRELOAD)
     before = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -96,7 +97,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 600, env: dict | None = 
     payload = pickle.dumps((fn, args))
     streams = (_Stream(1), _Stream(2))
     ctx = torch.multiprocessing.start_processes(
-        _entry, args=(world, free_port(), payload, out_dir, {**os.environ, **(env or {})}, streams),
+        _entry, args=(world, free_port(), payload, out_dir, dict(os.environ), env or {}, streams),
         nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
