@@ -363,8 +363,6 @@ def chemprop(args, peers: str, data: dict, labels: list[str], task_type: str, se
     """(test predictions, train seconds, predict seconds) of Chemprop's CLI at its defaults. A
     rerun into the same output directory reuses a finished run (``finished.json``: its
     seconds), as it reuses molds' fine-tuning."""
-    import numpy as np
-
     cli = [args.chemprop_python, "-c", "import sys; from chemprop.cli.main import main; sys.exit(main())"]
     test_in, preds = os.path.join(out, "test.csv"), os.path.join(out, "test_predictions.csv")
     finished = os.path.join(out, "finished.json")
@@ -442,7 +440,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.checkpoint import open_checkpoint
     from molds.eval.properties import predict_properties
 
-    best, best_score, scored = None, None, {}
+    best, best_score = None, None
     checkpoints = complete_checkpoints(checkpoints_dir(out))
     for ckpt in checkpoints:  # in this process (molds-predict's function), not a command per checkpoint
         found = predict_properties(open_checkpoint(ckpt), data["valid"][0], augment=args.augment, seed=seed)
@@ -455,7 +453,6 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
         else:
             score = regression_metrics(data["valid"][1], pred, s["labels"])["macro"]["rmse"]
             score = None if score is None else -score
-        scored[os.path.basename(ckpt)] = score
         if score is not None and (best_score is None or score > best_score):
             best, best_score = ckpt, score
     best = best or checkpoints[-1]
@@ -467,7 +464,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                    args.nproc)
     predict_s = time.perf_counter() - t0
     return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs, "select_s": select_s,
-                                                   "chosen": os.path.basename(best), "valid_scores": scored,
+                                                   "chosen": os.path.basename(best),
                                                    "valid": None if best_score is None else (
                                                        {"valid_roc_auc": best_score}
                                                        if s["task_type"] == "classification"
