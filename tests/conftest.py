@@ -10,7 +10,17 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # the suite's own, never a user's ~/.cache
 os.environ.setdefault("MOLDS_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="molds-test-cache-"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # .ci/run's first phase: two workers on two cores, each meant to use one. torch's OpenMP
+    # threads (one per core by default, in the worker and in every process it starts) spin
+    # while the other worker holds the core: the phase took 1,005 s with them, 743 s without
+    # (2-core EPYC, the same commit, one run after the other). The serial phase keeps torch's default.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else 1)
 
 if not torch.cuda.is_available():
     # Triton decides at import whether its kernels (its own tl.max too) are compiled or
