@@ -5,7 +5,8 @@ fingerprint random forest, on the very same splits, molecules and labels.
         | --input FILE [--smiles-column C] [--label-columns A,B] [--task-type T] [--name N]
         [--splits scaffold scaffold_random] [--seeds 0 1 2] [--models molds chemprop rf]
         [--corpus moses_train.csv.gz --corpus-every 4 --pretrain-time 50m | --pretrained RUN]
-        [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--augment 1] [--nproc 2]
+        [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--finetune KEY=VALUE ...]
+        [--augment 1] [--nproc 2]
         [--output-dir runs/moleculenet]
 
 Any CSV of the kind works: a SMILES column and label columns (by default every other column;
@@ -39,9 +40,10 @@ else differs between sets).
      another RDKit than molds'), on the CPU, with ``--nproc`` threads;
    - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads
      (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, 10
-     checkpoints); the checkpoint with the best validation score is kept (early stopping on
-     the validation split) and ``molds-predict`` scores the test molecules, the mean over
-     ``--augment`` spellings.
+     checkpoints; ``--finetune KEY=VALUE ...`` overrides the recipe's keys, the same for every
+     set); the checkpoint with the best validation score is kept (early stopping on the
+     validation split) and ``molds-predict`` scores the test molecules, the mean over
+     ``--augment`` spellings. A rerun into a folder fine-tuned with other settings stops.
 4. **Scores**, by ``molds.metrics.property`` for every model alike, on the test molecules of
    ``peers.csv``: ROC-AUC (the mean over tasks whose test labels hold both classes) and
    PRC-AUC for classification, RMSE in the label's own units for regression; the mean and
@@ -403,12 +405,19 @@ def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
     return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
 
 
-def steps_per_epoch(manifest: str, nproc: int, recipe: str = RECIPE) -> int:
-    """Optimizer steps in one pass over the training split, as the recipe batches it."""
+def steps_per_epoch(manifest: str, nproc: int, recipe: str = RECIPE, overrides: dict | None = None) -> int:
+    """Optimizer steps in one pass over the training split, as the recipe batches it (with
+    ``overrides``' ``data.`` keys, as ``--finetune`` gives them)."""
     from molds.data.loader import MoleculeLoader
     from molds.eval.scoring import split_data_config
 
     data = json.load(open(recipe))["data"]
+    for key, value in (overrides or {}).items():
+        if key.startswith("data."):
+            try:
+                data[key[len("data."):]] = json.loads(value)
+            except ValueError:
+                data[key[len("data."):]] = value
     cfg = dataclasses.replace(split_data_config(data, manifest, "train", mode="bucketed", with_labels=True),
                               shuffle=bool(data.get("shuffle", True)))
     return max(1, len(list(iter(MoleculeLoader(cfg, rank=0, world_size=nproc)))))
@@ -422,7 +431,8 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.checkpoint import checkpoints_dir, complete_checkpoints
     from molds.metrics.property import classification_metrics, regression_metrics
 
-    steps = steps_per_epoch(manifest, args.nproc) * args.epochs
+    overrides = finetune_overrides(args.finetune)
+    steps = steps_per_epoch(manifest, args.nproc, overrides=overrides) * args.epochs
     finished = os.path.join(out, "finished.json")
     if not os.path.exists(finished):
         t0 = time.perf_counter()
@@ -430,11 +440,15 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
             "--recipe", RECIPE, "--data.manifest", manifest, "--checkpoint.resume", pretrained,
             "--checkpoint.fork", "true", "--model.num_tasks", str(len(s["labels"])),
             "--model.task_type", s["task_type"], "--run.seed", str(seed), "--data.seed", str(seed),
-            "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true"],
-            out + ".log")
+            "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true",
+            *[a for k, v in overrides.items() for a in ("--" + k, v)]], out + ".log")
         with open(finished, "w") as fh:
-            json.dump({"steps": steps, "train_s": time.perf_counter() - t0}, fh)
-    train_s = json.load(open(finished)).get("train_s")  # a rerun reuses the fine-tuned run and its time
+            json.dump({"steps": steps, "finetune": overrides, "train_s": time.perf_counter() - t0}, fh)
+    done = json.load(open(finished))  # a rerun reuses the fine-tuned run and its time, if made so
+    if (done.get("steps"), done.get("finetune", {})) != (steps, overrides):
+        raise SystemExit(f"{out}: fine-tuned with {done.get('steps')} steps and {done.get('finetune', {})}, not "
+                         f"{steps} and {overrides}: give another --output-dir (or delete the run)")
+    train_s = done.get("train_s")
     t0 = time.perf_counter()
     # early stopping: the checkpoint whose validation score is best
     from molds.checkpoint import open_checkpoint
@@ -471,6 +485,20 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                                                        else {"valid_rmse": -best_score})}
 
 
+def finetune_overrides(pairs: list[str]) -> dict:
+    """``--finetune KEY=VALUE`` pairs as recipe overrides of molds' fine-tuning (``optim.lr=5e-4``)."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise SystemExit(f"--finetune {pair!r}: give KEY=VALUE, a recipe key such as optim.lr=5e-4")
+        if key in ("checkpoint.resume", "checkpoint.fork", "model.num_tasks", "model.task_type", "run.seed",
+                   "data.seed", "data.manifest", "trainer.max_steps", "run.output_dir"):
+            raise SystemExit(f"--finetune {pair!r}: the benchmark sets {key} itself")
+        out[key] = value
+    return out
+
+
 def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augment: int, seed: int,
             threads: int = 1):
     """``molds-predict`` on a SMILES file: predictions [N, T], every molecule predicted."""
@@ -504,7 +532,7 @@ def summarize(runs: list[dict]) -> dict:
     out = {}
     for key in runs[0]:
         vals = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and r[key] is not None]
-        if vals and key not in ("seed", "tasks_scored"):
+        if vals and key not in ("seed", "tasks_scored", "steps"):
             out[key] = {"mean": round(float(np.mean(vals)), 4), "std": round(float(np.std(vals)), 4)}
     return out
 
@@ -550,7 +578,8 @@ def run_set(args, s: dict, pretrained: str) -> dict:
                               "predict_s": round(predict_s, 1)}
                     if extra:
                         # the chosen checkpoint's score on the validation split: what settings are compared by
-                        result.update(chosen=extra["chosen"], select_s=round(extra["select_s"], 1),
+                        result.update(chosen=extra["chosen"], steps=extra["steps"],
+                                      select_s=round(extra["select_s"], 1),
                                       **(extra["valid"] or {}))
                     runs[model].append(result)
                     print(f"[moleculenet] {s['name']} {method}-{split_seed} {model} seed {seed}: "
@@ -604,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pretrained", help="a run pretrained so already (skips step 1)")
     ap.add_argument("--pretrain-only", action="store_true", help="stop after step 1")
     ap.add_argument("--epochs", type=int, default=20, help="passes over a set's training split in fine-tuning")
+    ap.add_argument("--finetune", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="molds: recipe overrides of the fine-tuning (optim.lr=5e-4 data.max_tokens_per_batch=1024); "
+                         "compare settings by the validation scores, the same for every set")
     ap.add_argument("--augment", type=int, default=1, help="molds: predict the mean over this many spellings")
     ap.add_argument("--chemprop-python", help="a Python with chemprop 2.3.1 (its own virtual environment)")
     ap.add_argument("--chemprop-venv", help="else: a virtual environment for chemprop, made here (python -m venv, "
@@ -622,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     if "chemprop" in args.models and not args.chemprop_python:
         args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
     result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
-              "augment": args.augment, "nproc": args.nproc}
+              "finetune": finetune_overrides(args.finetune), "augment": args.augment, "nproc": args.nproc}
     # the code this run loaded (read at the start: a long run outlives later commits)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

@@ -5,6 +5,7 @@ scores every test molecule of a set whose salts and metals the pretraining vocab
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -140,6 +141,17 @@ def test_a_finished_chemprop_run_is_reused_and_a_cut_one_started_again(tmp_path,
     assert again[1:] == pytest.approx(first[1:])
 
 
+def test_finetune_overrides_are_recipe_keys_the_benchmark_does_not_set_itself():
+    bench = benchmark_script("moleculenet")
+    assert bench.finetune_overrides(["optim.lr=5e-4", "data.randomized_smiles=1.0"]) == {
+        "optim.lr": "5e-4", "data.randomized_smiles": "1.0"}
+    for bad, said in (("optim.lr", "give KEY=VALUE"), ("--optim.lr=1", "give KEY=VALUE"),
+                      ("model.num_tasks=3", "the benchmark sets model.num_tasks"),
+                      ("trainer.max_steps=9", "the benchmark sets trainer.max_steps")):
+        with pytest.raises(SystemExit, match=said):
+            bench.finetune_overrides([bad])
+
+
 @pytest.mark.slow
 def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary_lacks(tmp_path):
     """Pretrained for seconds on 500 MOSES molecules, forked onto a set with ions and metals:
@@ -152,10 +164,31 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "moleculenet.py"), "--input", str(src),
                            "--smiles-column", "SMILES", "--splits", "scaffold_random", "--seeds", "0",
                            "--models", "molds", "rf", "--corpus-every", "40", "--pretrain-time", "8s", "--epochs", "2",
+                           "--finetune", "optim.lr=3e-4", "data.max_tokens_per_batch=1024",
                            "--augment", "2", "--nproc", "1", "--output-dir", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # --finetune's overrides reach the fine-tuning, and its length counts the batches they make
+    assert result["finetune"] == {"optim.lr": "3e-4", "data.max_tokens_per_batch": "1024"}
+    run_dir = out / "set" / "scaffold_random-0" / "molds-0"
+    recipe = json.load(open(run_dir / "recipe.json"))
+    assert recipe["optim"]["lr"] == 3e-4 and recipe["data"]["max_tokens_per_batch"] == 1024
+    from molds.data.loader import MoleculeLoader
+    from molds.eval.scoring import split_data_config
+
+    cfg = dataclasses.replace(split_data_config(recipe["data"], str(out / "set" / "scaffold_random-0" / "data"),
+                                                "train", mode="bucketed", with_labels=True), shuffle=True)
+    per_pass = len(list(iter(MoleculeLoader(cfg, rank=0, world_size=1))))
+    assert recipe["trainer"]["max_steps"] == 2 * per_pass == result["sets"]["set"]["splits"]["scaffold_random"][
+        "molds"]["runs"][0]["steps"]
+    # a rerun into the same folder with other settings is refused, not given the old run's scores
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "moleculenet.py"), "--input", str(src),
+                            "--smiles-column", "SMILES", "--splits", "scaffold_random", "--seeds", "0",
+                            "--models", "molds", "--corpus-every", "40", "--pretrain-time", "8s", "--epochs", "2",
+                            "--nproc", "1", "--output-dir", str(out)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode != 0 and "give another --output-dir" in again.stderr, again.stderr[-2000:]
     entry = result["sets"]["set"]
     assert entry["rows"]["in"] == held["rows"] and entry["rows"]["kept"] == held["rows"] - 2
     assert entry["rows"]["tokens_added"] > 0
