@@ -405,21 +405,16 @@ def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
     return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
 
 
-def steps_per_epoch(manifest: str, nproc: int, recipe: str = RECIPE, overrides: dict | None = None) -> int:
-    """Optimizer steps in one pass over the training split, as the recipe batches it (with
-    ``overrides``' ``data.`` keys, as ``--finetune`` gives them)."""
+def steps_per_epoch(manifest: str, nproc: int, overrides: dict | None = None) -> int:
+    """Optimizer steps in one pass over the training split, as the recipe batches it with
+    ``--finetune``'s overrides (parsed as the training parses them)."""
     from molds.data.loader import MoleculeLoader
     from molds.eval.scoring import split_data_config
+    from molds.recipe.parse import parse_recipe
 
-    data = json.load(open(recipe))["data"]
-    for key, value in (overrides or {}).items():
-        if key.startswith("data."):
-            try:
-                data[key[len("data."):]] = json.loads(value)
-            except ValueError:
-                data[key[len("data."):]] = value
-    cfg = dataclasses.replace(split_data_config(data, manifest, "train", mode="bucketed", with_labels=True),
-                              shuffle=bool(data.get("shuffle", True)))
+    data = parse_recipe(["--recipe", RECIPE, "--data.manifest", manifest, *override_args(overrides or {})]).data
+    cfg = dataclasses.replace(split_data_config(dataclasses.asdict(data), manifest, "train", mode="bucketed",
+                                                with_labels=True), shuffle=data.shuffle)
     return max(1, len(list(iter(MoleculeLoader(cfg, rank=0, world_size=nproc)))))
 
 
@@ -431,8 +426,8 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.checkpoint import checkpoints_dir, complete_checkpoints
     from molds.metrics.property import classification_metrics, regression_metrics
 
-    overrides = finetune_overrides(args.finetune)
-    steps = steps_per_epoch(manifest, args.nproc, overrides=overrides) * args.epochs
+    overrides = args.overrides
+    steps = steps_per_epoch(manifest, args.nproc, overrides) * args.epochs
     finished = os.path.join(out, "finished.json")
     if not os.path.exists(finished):
         t0 = time.perf_counter()
@@ -441,7 +436,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
             "--checkpoint.fork", "true", "--model.num_tasks", str(len(s["labels"])),
             "--model.task_type", s["task_type"], "--run.seed", str(seed), "--data.seed", str(seed),
             "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true",
-            *[a for k, v in overrides.items() for a in ("--" + k, v)]], out + ".log")
+            *override_args(overrides)], out + ".log")
         with open(finished, "w") as fh:
             json.dump({"steps": steps, "finetune": overrides, "train_s": time.perf_counter() - t0}, fh)
     done = json.load(open(finished))  # a rerun reuses the fine-tuned run and its time, if made so
@@ -497,6 +492,11 @@ def finetune_overrides(pairs: list[str]) -> dict:
             raise SystemExit(f"--finetune {pair!r}: the benchmark sets {key} itself")
         out[key] = value
     return out
+
+
+def override_args(overrides: dict) -> list[str]:
+    """``--finetune``'s overrides as the training's command-line arguments."""
+    return [a for k, v in overrides.items() for a in ("--" + k, v)]
 
 
 def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augment: int, seed: int,
@@ -643,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "moleculenet"))
     args = ap.parse_args(argv)
+    args.overrides = finetune_overrides(args.finetune)
     if args.input:
         sets = [describe_set(args.name or os.path.basename(args.input).split(".")[0], args.input, args.smiles_column,
                              args.label_columns.split(",") if args.label_columns else None, args.task_type)]
@@ -654,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     if "chemprop" in args.models and not args.chemprop_python:
         args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
     result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
-              "finetune": finetune_overrides(args.finetune), "augment": args.augment, "nproc": args.nproc}
+              "finetune": args.overrides, "augment": args.augment, "nproc": args.nproc}
     # the code this run loaded (read at the start: a long run outlives later commits)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

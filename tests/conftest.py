@@ -19,9 +19,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else 1)
-
 if not torch.cuda.is_available():
     # Triton decides at import whether its kernels (its own tl.max too) are compiled or
     # interpreted, and torch.compile imports it; without a GPU only the interpreter runs, so
