@@ -112,7 +112,9 @@ def start_summary(run, parameters: int) -> None:
     if run.dist.device.type == "cpu":
         cls = run.plan.precision.cpu_class
         expected = recipe.run.expect.get(cls)
-        print(f"[molds] CPU class {cls}" + (f": this recipe reaches {expected}" if expected else ""), file=sys.stderr)
+        threads = torch.get_num_threads()  # molds.runtime.distributed.share_cores: the rank's share of the cores
+        print(f"[molds] CPU class {cls} ({threads} torch thread{'s' if threads > 1 else ''} per rank)"
+              + (f": this recipe reaches {expected}" if expected else ""), file=sys.stderr)
     warning = run.plan.precision.warning()
     if warning:
         notes.append(warning)

@@ -6,7 +6,9 @@ creates (the default group, DeepSpeed's data/expert/pipeline groups: they are cr
 with torch's default timeout, which is set here), so a hung or dead peer ends the job
 instead of hanging it; ``collective(op)`` turns such a failure into a one-line error
 naming the rank, the operation and the rank that was lost (``molds.runtime.heartbeat``). A single ``python`` process that needs a process
-group (DeepSpeed engines) gets a one-rank gloo group on a free local port.
+group (DeepSpeed engines) gets a one-rank gloo group on a free local port. On CPU ranks
+each rank's torch threads share the machine's cores with the other ranks on it
+(``share_cores``), unless ``OMP_NUM_THREADS`` says how many.
 """
 
 from __future__ import annotations
@@ -61,6 +63,41 @@ def set_default_timeout(timeout_s: float) -> None:
         distributed_c10d.default_pg_nccl_timeout = td
 
 
+def local_ranks() -> int:
+    """How many ranks this machine runs: torchrun and molds' own one-process runs set
+    ``LOCAL_WORLD_SIZE``, DeepSpeed's launcher ``LOCAL_SIZE``."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or numactl's
+    share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def share_cores() -> int:
+    """Give this CPU rank, one of several on the machine, its share of the cores as torch
+    threads; returns the count it runs with. ``OMP_NUM_THREADS``, where set, decides
+    (torchrun sets it to 1 for more than one rank). DeepSpeed's launcher sets nothing
+    (unless ``--bind_cores_to_rank``), and each rank then ran one OpenMP thread per core:
+    ``deepspeed --num_gpus 4`` on 2 cores ran 8 threads, each spinning while another rank
+    held its core (tests/engines/test_moe_fp8_run.py, four ranks: 114 s with them, 87 s at
+    one thread per rank; 2-core EPYC, one run after the other)."""
+    ranks = local_ranks()
+    if ranks > 1 and not os.environ.get("OMP_NUM_THREADS"):  # one rank: torch's own choice, or its caller's
+        threads = max(1, usable_cores() // ranks)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> DistInfo:
     """Join (or create) the process group. ``need_group``: create a one-rank group even
     for a single process (DeepSpeed's engines want one)."""
@@ -92,6 +129,7 @@ def init_distributed(timeout_s: float = 600.0, *, need_group: bool = False) -> D
         backend = torch.distributed.get_backend()
     if not cuda:  # DeepSpeed maps one for a single rank too
         atexit.register(release_deepspeed_shm, rank)
+        share_cores()
     heartbeat = None
     if world > 1:
         heartbeat = start_heartbeat(rank, world)

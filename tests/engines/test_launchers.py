@@ -10,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from tests.dist.spawn import free_port
 
@@ -88,3 +89,31 @@ def test_deepspeed_cpu_run_leaves_no_shared_memory(dataset, tmp_path):
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert seen, "DeepSpeed no longer makes these segments (or names them otherwise): revisit molds.runtime.distributed"
     assert not [s for s in segments if os.path.exists(s)]
+    # DeepSpeed's launcher leaves OMP_NUM_THREADS unset: each of the two ranks runs on its
+    # share of the cores, not on all of them
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"({threads} torch thread{'s' if threads > 1 else ''} per rank)" in log.read_text()
+
+
+@pytest.mark.parametrize("environ,want", [
+    ({"LOCAL_SIZE": "4"}, "share of 4"),  # DeepSpeed's launcher, four ranks
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "8"}, "share of 2"),  # torch's name first
+    ({"LOCAL_SIZE": "4", "OMP_NUM_THREADS": "2"}, "default"),  # the user's count (torch reads it) wins
+    ({"LOCAL_SIZE": "1"}, "default"),  # one rank: torch's own choice
+    ({}, "default"),  # no launcher
+])
+def test_a_cpu_rank_takes_its_share_of_the_cores(environ, want):
+    """molds.runtime.distributed.share_cores, in a fresh process as a launcher starts it."""
+    code = ("import os, torch; default = torch.get_num_threads()\n"
+            "from molds.runtime.distributed import share_cores\n"
+            "print(default, share_cores(), torch.get_num_threads(), len(os.sched_getaffinity(0)))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **environ}, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    default, returned, running, cores = map(int, out)
+    assert returned == running
+    if want == "default":
+        assert running == default
+    else:
+        assert running == max(1, cores // int(want.split()[-1]))
