@@ -93,7 +93,9 @@ class PreprocessConfig:
     molecule by molecule (the options above), atom maps removed, its molecules put in canonical
     order; pairs are deduplicated as pairs; the split groups are the product side's scaffolds
     (``--split random``: the product side itself), and a target in two splits stays only in
-    the first (the others counted as ``target_in_two_splits``). SMILES only: no
+    the first (the others counted as ``target_in_two_splits``). ``--split given`` keeps a
+    published split whole: only training pairs are deduplicated, and what the evaluation
+    splits share with training is counted (``shared_with_train``), not removed. SMILES only: no
     ``--representation`` or conformers. ``--randomized_variants K`` stores K root-aligned
     spellings of each training pair (R-SMILES)."""
 

@@ -16,8 +16,9 @@ from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, plan_split
-from .stages import (NUM_BUCKETS, StageOptions, finalize_partition, load_group_table, partition_smiles,
-                     partition_targets, partition_token_counts, reduce_partition, targets_in_two_splits, write_shard)
+from .stages import (NUM_BUCKETS, StageOptions, evaluation_kept_whole, finalize_partition, load_group_table,
+                     partition_smiles, partition_targets, partition_token_counts, partition_train_hashes,
+                     reduce_partition, targets_in_two_splits, training_hashes, write_shard)
 from .tokenizer import (GRAMMARS, SPECIAL_TOKENS, build_regex_tokenizer, load_external_tokenizer, regex_vocabulary,
                         respelling_tokens, save_tokenizer, train_bpe_tokenizer, vocab_from_counts)
 
@@ -397,7 +398,11 @@ def run(cfg: PreprocessConfig) -> str:
 
         thresholds = None if cfg.split == "given" else plan_split(tables, kept, cfg.split_fractions)
         targets_first = {}  # pairs: each target held by two splits -> the first one, where it stays
-        if options.pairs is not None:
+        train_hashes = None  # pairs in a given split: the training pairs' hashes, to count what evaluation shares
+        if evaluation_kept_whole(options):
+            train_hashes = training_hashes(engine.run_tasks(
+                partition_train_hashes, [(p["staged"], p["groups"], cfg.split, thresholds) for p in parts]))
+        elif options.pairs is not None:
             targets_first = targets_in_two_splits(engine.run_tasks(
                 partition_targets, [(p["staged"], p["groups"], cfg.split, thresholds) for p in parts]))
         timings["split_s"] = time.time() - t
@@ -408,7 +413,8 @@ def run(cfg: PreprocessConfig) -> str:
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
                                                         cfg.vocab_from, work_dir, spelled,
-                                                        (cfg.randomized_variants, cfg.seed), targets_first)
+                                                        (cfg.randomized_variants, cfg.seed), targets_first,
+                                                        train_hashes)
                                                        for p in parts])
         for f in finals:
             stats.merge(f["stats"])

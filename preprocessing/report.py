@@ -53,6 +53,10 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             **({"rows_with_added_tokens": sum(f["added_rows"][i] for f in finals)}
                if "extends" in tok_info else {}),
         }
+        if i and any("shared_with_train" in f for f in finals):  # a given split's evaluation pairs, kept whole
+            split_stats[name]["shared_with_train"] = {
+                kind: sum(f["shared_with_train"][i][kind] for f in finals if "shared_with_train" in f)
+                for kind in ("pairs", "sources", "targets")}
     manifest = {
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -103,8 +107,12 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
         manifest["pairs"] = {**PairOptions(cfg.task, cfg.reagents).describe(),
                              "read_from": ("source and target columns" if cfg.target_column is not None
                                            else "reaction SMILES (reactants>reagents>products)"),
-                             "targets": "each target in one split: a pair whose target an earlier split holds is "
-                                        "refused (target_in_two_splits)"}
+                             "targets": ("the given split kept whole: only the training pairs are deduplicated; "
+                                         "what an evaluation split shares with training is counted in "
+                                         "stats.splits.<split>.shared_with_train, not removed"
+                                         if cfg.split == "given" else
+                                         "each target in one split: a pair whose target an earlier split holds is "
+                                         "refused (target_in_two_splits)")}
         if cfg.target_column is not None:
             del manifest["pairs"]["reagents"]
         manifest["length_buckets"]["measure"] = "token_length = source_length + target_length"
@@ -210,6 +218,13 @@ def _report(m, stats, finals, timings, cfg) -> str:
         lines.append(f"| {name} | {st['rows']:,} | {st['tokens']:,} | {st['groups']:,} | {len(m['splits'][name])} | "
                      f"{st['rows_with_unknown_tokens']:,} |"
                      + (f" {st['rows_with_added_tokens']:,} |" if grown else ""))
+    shared = [(name, s["splits"][name]["shared_with_train"]) for name in SPLITS
+              if "shared_with_train" in s["splits"][name]]
+    if shared:
+        lines += ["", "Kept as the input split them (`--split given`: only training pairs are deduplicated); "
+                      "evaluation rows that share with a training pair:", "",
+                  "| split | the same pair | the same source | the same target |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['pairs']:,} | {c['sources']:,} | {c['targets']:,} |" for name, c in shared]
     lines += ["", "## Rejected rows", ""]
     if not s["rejected"]:
         lines.append("None.")

@@ -203,11 +203,20 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
     dedupe_here = stage == "regroup" or not options.two_stage
     if dedupe_here:
         key = "dedupe_key" if options.chem.dedupe_key != "canonical" else "canonical_smiles"
+        whole = evaluation_kept_whole(options) and "given_split" in table.column_names
+        if whole:  # each evaluation row its own key: only the training split is deduplicated
+            table = table.append_column("_dedupe", pc.if_else(
+                pc.equal(table.column("given_split"), 0), table.column(key),
+                pc.binary_join_element_wise(table.column(key), pc.cast(table.column("order"), pa.string()),
+                                            "\x1f")))
+            key = "_dedupe"
         if options.per_molecule == 1:
             conflicts = _label_conflicts(table, key)
         table, duplicates = _first_of_each(table, key, options.per_molecule,
                                            "text" if options.per_molecule != 1 else None,
                                            "rank" if "rank" in table.column_names else None)
+        if whole:
+            table = table.drop_columns(["_dedupe"])
     if stage == "regroup":
         buckets = (table.column("group_hash").to_numpy() >> BUCKET_SHIFT).astype(np.uint16)
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket", pa.array(buckets))
@@ -222,6 +231,15 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
     np.savez(groups, hash=hashes, size=sizes.astype(np.int64))
     return {"index": index, "rows": len(table), "duplicates": duplicates, "label_conflicts": conflicts,
             "staged": staged, "groups": groups}
+
+
+def evaluation_kept_whole(options: StageOptions) -> bool:
+    """Pairs in a given split (``--split given``, a published benchmark's): the evaluation
+    splits stay as published, every row of them kept where the publisher put it, so that a
+    score is over the whole published split. Only the training split is deduplicated; a pair
+    or target that an evaluation split shares with training is counted
+    (``overlap_counts``), not refused."""
+    return options.pairs is not None and options.split_from is not None
 
 
 def load_group_table(path: str, method: str):
@@ -263,6 +281,39 @@ def partition_targets(staged: str, groups: str, method: str, thresholds) -> tupl
     which = partition_splits(table, groups, method, thresholds).astype(np.uint64)
     both = np.unique(np.stack([table.column("target_hash").to_numpy(), which], axis=1), axis=0)
     return both[:, 0], both[:, 1].astype(np.int8)
+
+
+def _pair_hashes(table: pa.Table) -> dict:
+    """{"pairs", "sources", "targets": 64-bit hashes} of a pair table's rows (what
+    ``overlap_counts`` compares)."""
+    sources, targets = table.column("source_smiles").to_pylist(), table.column("target_smiles").to_pylist()
+    return {"pairs": hash64([f"{a}>>{b}" for a, b in zip(sources, targets)], 0),
+            "sources": hash64(sources, 0), "targets": hash64(targets, 0)}
+
+
+def partition_train_hashes(staged: str, groups: str, method: str, thresholds) -> dict:
+    """The hashes (``_pair_hashes``) of a partition's training pairs."""
+    table = read_ipc(staged)
+    train = pa.array(partition_splits(table, groups, method, thresholds) == 0)
+    return _pair_hashes(table.select(["source_smiles", "target_smiles"]).filter(train))
+
+
+def training_hashes(found: list[dict]) -> dict:
+    """Every partition's ``partition_train_hashes`` as one sorted array per kind."""
+    return {kind: np.unique(np.concatenate([f[kind] for f in found] or [np.zeros(0, np.uint64)]))
+            for kind in ("pairs", "sources", "targets")}
+
+
+def overlap_counts(table: pa.Table, split: np.ndarray, keep: np.ndarray, train: dict) -> dict:
+    """{split index: {kind: rows}}: how many kept rows of each evaluation split share their
+    pair, their source or their target with a training pair (``train``: ``training_hashes``)."""
+    hashes = _pair_hashes(table)
+    out = {}
+    for i in (1, 2):
+        rows = keep & (split == i)
+        out[i] = {kind: int(np.count_nonzero(rows & np.isin(hashes[kind], train[kind])))
+                  for kind in ("pairs", "sources", "targets")}
+    return out
 
 
 def targets_in_two_splits(found) -> dict:
@@ -390,11 +441,13 @@ def _encode(encoder, texts: list[str]) -> tuple[pa.ListArray, np.ndarray, np.nda
 
 def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
                        work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0),
-                       targets_first: dict | None = None) -> dict:
+                       targets_first: dict | None = None, train_hashes: dict | None = None) -> dict:
     """Tokenize, check the round trip, bucket by length and order a reduced partition
     (``randomized``: (K, seed), K randomized spellings of each training molecule too). Pairs:
     both sides tokenized, and a pair whose target ``targets_first`` (target hash -> split)
-    puts in an earlier split is refused (``target_in_two_splits``)."""
+    puts in an earlier split is refused (``target_in_two_splits``); with ``train_hashes``
+    (``evaluation_kept_whole``) nothing is refused for it and the evaluation rows that share
+    their pair, source or target with training are counted (``shared_with_train``)."""
     encoder = make_encoder(encoder_spec)
     table = read_ipc(result["staged"])
     n = len(table)
@@ -437,6 +490,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
             for i in np.flatnonzero(later).tolist():
                 stats.reject("target_in_two_splits", sources[i], raws[i])
             ok &= ~later
+    shared = overlap_counts(table, split, ok, train_hashes) if pairs and train_hashes is not None else None
     variants = None
     if randomized[0] and pairs:  # source and target rooted at matching atoms (R-SMILES)
         variants, failed = aligned_pair_variants(table.column("source_smiles").to_pylist(),
@@ -500,6 +554,7 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
                      + (2 * len(out.column("randomized_token_ids").combine_chunks().flatten().flatten())
                         if "randomized_token_ids" in out.column_names else 0)),
         "length_hist": {k: np.bincount(tl[s == k]).tolist() for k in range(3)},
+        **({"shared_with_train": shared} if shared is not None else {}),
         "unknown_rows": {k: int(np.count_nonzero(out.column("_unk").to_numpy(zero_copy_only=False) & (s == k)))
                          for k in range(3)},
         "groups": {k: int(len(np.unique(out.column("_group_hash").to_numpy()[s == k]))) for k in range(3)},

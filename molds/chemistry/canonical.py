@@ -26,7 +26,8 @@ PAIR_REASONS = {
     "no_op_reaction": "every product is also a reactant or reagent: nothing reacts",
     "target_in_two_splits": "the pair's target is also the target of a pair in an earlier split (train before "
                             "valid before test): kept only there, so no target is learnt in one split and "
-                            "scored in another",
+                            "scored in another (a given split, --split given, is kept whole instead: its "
+                            "overlaps are counted, not refused)",
 }
 
 REJECT_REASONS = {
@@ -35,8 +36,8 @@ REJECT_REASONS = {
     "non_utf8": "a field holds bytes that are not valid UTF-8",
     "missing_field": "the record has no SMILES field (JSONL / Parquet null)",
     "empty": "the SMILES field is empty or whitespace",
-    "too_long": "the SMILES string is longer than max_smiles_length (checked before parsing; for an SD record, "
-                "its canonical SMILES)",
+    "too_long": "the SMILES string, less its atom-map numbers, is longer than max_smiles_length (checked before "
+                "parsing; for an SD record, its canonical SMILES)",
     "too_many_heavy_atoms": "more heavy atoms than max_heavy_atoms (estimated before parsing, exact after)",
     "parse_error": "RDKit cannot parse the SMILES (syntax, unclosed ring, embedded whitespace that does not open "
                    "a CXSMILES extension)",
@@ -75,6 +76,9 @@ MAX_SMILES_LENGTH_CAP = 20000
 # ([H], [2H], [H+]) but not [Hg]/[He]/[Hf]/[Ho]/[Hs].
 _HEAVY_ATOM_TOKEN = re.compile(r"\[(?!\d*H(?![a-z]))[^\]]*\]|Br|Cl|[BCNOSPFIbcnosp]")
 _WHITESPACE = re.compile(r"\s")
+#: an atom-map number (``[CH3:14]``): an annotation, not part of the molecule, and not counted
+#: against max_smiles_length (a mapped reaction's SMILES is about twice its unmapped length)
+_ATOM_MAP = re.compile(r":\d+\]")
 # ``SMILES |extension|``: ChemAxon's CXSMILES (enhanced stereo, atom labels, radicals,
 # coordinates), as Enamine, PubChem and ChemAxon tools export. The extension holds no whitespace.
 _CXSMILES = re.compile(r"(\S+)[ \t]+(\|[^\s|]*\|)")
@@ -201,7 +205,7 @@ class Canonicalizer:
             smiles, cx, rest = split_cxsmiles(smiles)
             if cx is None or rest:
                 return "parse_error"  # RDKit would silently read the text after a space as a name
-        if len(smiles) > opts.max_smiles_length:
+        if len(smiles) > opts.max_smiles_length and len(_ATOM_MAP.sub("]", smiles)) > opts.max_smiles_length:
             return "too_long"
         if len(smiles) > opts.max_heavy_atoms and len(_HEAVY_ATOM_TOKEN.findall(smiles)) > opts.max_heavy_atoms:
             return "too_many_heavy_atoms"

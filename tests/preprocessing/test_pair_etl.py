@@ -134,6 +134,8 @@ def uspto_50k(reactions, tmp_path_factory):
     rows["val"].append(["unparsable", "1", "C1CC.CCO>>CCOC"])
     rows["test"].append(["noop", "1", "CCO.CC(=O)O>>CCO"])
     rows["test"].append(["leak", "1", written({**first, "reagents": "CN(C)C=O"}, rng, mapped=False)])
+    again = next(r for i, r in enumerate(reactions) if i % 10 == 8)
+    rows["val"].append(["valdup", "1", written(again, rng, mapped=False)])  # the first validation pair twice
     for split, body in rows.items():
         with open(d / f"raw_{split}.csv", "w", newline="") as fh:
             w = csv.writer(fh)
@@ -151,12 +153,25 @@ def test_uspto_50k_layout_each_side_equals_rdkit_and_every_row_is_accounted(uspt
                 split="given")
     assert accounted(m)
     rejected = m["stats"]["rejected"]
-    assert rejected == {"not_a_reaction": 1, "empty_side": 1, "parse_error": 1, "no_op_reaction": 1,
-                        **({"target_in_two_splits": 1} if task == "forward" else {})}, rejected
-    # the duplicate; for retro the leak is one more (its reagents are dropped: the same pair as R0)
-    assert m["stats"]["duplicates"] == (1 if task == "forward" else 2)
+    assert rejected == {"not_a_reaction": 1, "empty_side": 1, "parse_error": 1, "no_op_reaction": 1}, rejected
+    # the published split kept whole: only training's duplicate goes; the validation pair given
+    # twice and the test reaction that repeats a training one stay where the files put them
+    assert m["stats"]["duplicates"] == 1
     got = {r["compound_id"]: r for r in shard_rows(out, m)}
-    assert "dup" not in got and "leak" not in got
+    assert "dup" not in got and got["leak"]["split"] == "test" and got["valdup"]["split"] == "valid"
+    assert m["stats"]["splits"]["valid"]["rows"] == sum(r[0] in got for r in rows["val"]) == len(rows["val"]) - 2
+    # what each evaluation split shares with training, counted from the shards' own rows
+    train = [(r["source_smiles"], r["target_smiles"]) for r in got.values() if r["split"] == "train"]
+    for split in ("valid", "test"):
+        rows_here = [(r["source_smiles"], r["target_smiles"]) for r in got.values() if r["split"] == split]
+        assert m["stats"]["splits"][split]["shared_with_train"] == {
+            "pairs": sum(p in set(train) for p in rows_here),
+            "sources": sum(a in {x for x, _ in train} for a, _ in rows_here),
+            "targets": sum(b in {y for _, y in train} for _, b in rows_here)}, split
+    # the leak: for retro the same pair as R0 (its reagents are dropped), for forward R0's product
+    assert m["stats"]["splits"]["test"]["shared_with_train"]["targets"] >= 1
+    assert m["stats"]["splits"]["test"]["shared_with_train"]["pairs"] >= (1 if task == "retro" else 0)
+    assert "shared_with_train" not in m["stats"]["splits"]["train"]
     split_name = {"train": "train", "val": "valid", "test": "test"}
     for rid, (split, r) in expected.items():
         row = got[rid]
@@ -194,7 +209,7 @@ def test_uspto_mit_lines_reactions_with_edits(reactions, tmp_path):
     for name, part in (("train", reactions[:60]), ("valid", reactions[60:70]), ("test", reactions[70:80])):
         for r in part:
             pair = (side(r["reactants"], r["reagents"]), side(r["product"]))
-            if pair not in seen:  # a pair in an earlier split stays there
+            if name != "train" or pair not in seen:  # training deduplicated; the published evaluation kept whole
                 seen.add(pair)
                 want.append((name, *pair))
     assert got == sorted(want)
