@@ -206,7 +206,7 @@ def reduce_partition(pieces, options: StageOptions, work_dir: str, index: int, s
         whole = evaluation_kept_whole(options) and "given_split" in table.column_names
         if whole:  # each evaluation row its own key: only the training split is deduplicated
             table = table.append_column("_dedupe", pc.if_else(
-                pc.equal(table.column("given_split"), 0), table.column(key),
+                pc.fill_null(pc.equal(table.column("given_split"), 0), False), table.column(key),
                 pc.binary_join_element_wise(table.column(key), pc.cast(table.column("order"), pa.string()),
                                             "\x1f")))
             key = "_dedupe"
