@@ -285,17 +285,17 @@ def partition_targets(staged: str, groups: str, method: str, thresholds) -> tupl
 
 def _pair_hashes(table: pa.Table) -> dict:
     """{"pairs", "sources", "targets": 64-bit hashes} of a pair table's rows (what
-    ``overlap_counts`` compares)."""
-    sources, targets = table.column("source_smiles").to_pylist(), table.column("target_smiles").to_pylist()
-    return {"pairs": hash64([f"{a}>>{b}" for a, b in zip(sources, targets)], 0),
-            "sources": hash64(sources, 0), "targets": hash64(targets, 0)}
+    ``overlap_counts`` compares): the map stage's ``row_hash`` (of the pair, the dedupe key)
+    and ``target_hash``, and the source side's hashed here."""
+    return {"pairs": table.column("row_hash").to_numpy(), "targets": table.column("target_hash").to_numpy(),
+            "sources": hash64(table.column("source_smiles").to_pylist(), 0)}
 
 
 def partition_train_hashes(staged: str, groups: str, method: str, thresholds) -> dict:
     """The hashes (``_pair_hashes``) of a partition's training pairs."""
     table = read_ipc(staged)
     train = pa.array(partition_splits(table, groups, method, thresholds) == 0)
-    return _pair_hashes(table.select(["source_smiles", "target_smiles"]).filter(train))
+    return _pair_hashes(table.select(["row_hash", "target_hash", "source_smiles"]).filter(train))
 
 
 def training_hashes(found: list[dict]) -> dict:
