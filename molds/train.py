@@ -40,6 +40,7 @@ from molds.checkpoint.resume import (
     resumed_fp8_products,
 )
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
+from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
 from molds.data.manifest import Manifest, label_moments
 from molds.engines import build_engine
@@ -334,6 +335,7 @@ def setup(recipe, plan=None) -> Run:
         **({"vocab_extends": {k: manifest.data["tokenizer"]["extends"][k] for k in ("vocab_hash", "vocab_size")}}
            if "extends" in manifest.data["tokenizer"] else {}),
         "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
+        "pairs": lineage_block(manifest.pairs),  # the direction and formats molds-predict holds inputs to
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,

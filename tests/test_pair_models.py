@@ -173,6 +173,71 @@ def test_augmented_predictions_search_each_spelling_and_vote(trained):
             [(p.side, pytest.approx(p.score, abs=1e-5)) for p in got]
 
 
+def test_a_checkpoint_refuses_input_of_another_direction_in_one_line(trained, tmp_path, capsys):
+    """The checkpoint keeps its task and formats; molds-predict refuses another --task and a
+    file of whole reactions, removes atom maps and says so (the same beams as the unmapped
+    source); molds-eval refuses a manifest of another direction with the same vocabulary."""
+    from molds.checkpoint import read_lineage
+    from molds.cli.evaluate import main as eval_cli
+    from molds.cli.predict import main as predict_cli
+    from molds.data.manifest import Manifest
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run as preprocess
+
+    d, data, checkpoint = trained
+    block = read_lineage(checkpoint)["pairs"]
+    assert block["task"] == "retro" and block["source_format"] == "a product" and block["target_format"] == "reactants"
+
+    def refused(argv):
+        capsys.readouterr()
+        assert predict_cli(argv) != 0
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1, err
+        return err[0]
+
+    source = pq.read_table(Manifest.load(data).shards("test")[0].path).column("source_smiles")[0].as_py()
+    plain = tmp_path / "plain.smi"
+    plain.write_text(source + "\n")
+    line = refused([checkpoint, "--input", str(plain), "--task", "forward", "--out", str(tmp_path / "x.csv")])
+    assert "is a retro (a product -> reactants) model, not a forward one" in line, line
+    whole = tmp_path / "reactions.smi"
+    whole.write_text(f"{source}\nCC(=O)O.OCC>>CC(=O)OCC\nCCN>O>CCNC=O\n")
+    line = refused([checkpoint, "--input", str(whole), "--out", str(tmp_path / "x.csv")])
+    assert f"{whole} line 2: 'CC(=O)O.OCC>>CC(=O)OCC' is a whole reaction (2 of 3 sources are)" in line, line
+    assert "give it a product alone" in line, line
+    assert not (tmp_path / "x.csv").exists()
+
+    mol = Chem.MolFromSmiles(source)
+    for atom in mol.GetAtoms():
+        atom.SetAtomMapNum(atom.GetIdx() + 1)
+    mapped = tmp_path / "mapped.smi"
+    mapped.write_text(Chem.MolToSmiles(mol) + "\n")
+    assert ":1]" in mapped.read_text()
+    outs = {}
+    for name, path in (("plain", plain), ("mapped", mapped)):
+        capsys.readouterr()
+        assert predict_cli([checkpoint, "--input", str(path), "--beams", "2", "--max_tokens", "30", "--task", "retro",
+                            "--out", str(tmp_path / f"{name}.csv")]) == 0
+        err = capsys.readouterr().err
+        summary = json.loads(err.strip().splitlines()[-1].removeprefix("[molds] "))
+        assert summary["atom_maps_removed"] == (name == "mapped") and summary["reads"] == "a product", summary
+        assert (f"{path}: atom maps removed from 1 of 1 sources" in err) == (name == "mapped"), err
+        outs[name] = [(r["rank"], r["text"], r["score"]) for r in csv.DictReader(open(tmp_path / f"{name}.csv"))]
+    assert outs["mapped"] == outs["plain"] and len(outs["plain"]) == 2
+
+    forward = str(tmp_path / "forward")
+    preprocess(PreprocessConfig(input=[str(d / "reactions.csv")], output=forward,
+                                smiles_column="reactants>reagents>production", id_column="id", task="forward",
+                                tokenizer=os.path.join(data, "tokenizer"), grow_vocab=False, workers=1,
+                                progress=False))
+    assert Manifest.load(forward).data["tokenizer"]["vocab_hash"] == Manifest.load(data).data["tokenizer"]["vocab_hash"]
+    capsys.readouterr()
+    assert eval_cli([checkpoint, "--manifest", forward, "--num", "2", "--out", str(tmp_path / "ev")]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "was trained on retro (a product -> reactants)" in err[0], err
+    assert forward in err[0] and "holds forward (reactants and reagents, one '.'-joined side -> products)" in err[0], err
+
+
 def test_sampling_a_pair_model_is_refused(trained):
     from molds.cli.sample import run as sample
     from molds.errors import MoldsError

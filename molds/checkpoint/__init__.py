@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chemistry.tasks import direction, same_direction
 from ..chemistry.tokens import tokenizer_info
 from ..data.manifest import Manifest
 from ..errors import CheckpointError, MoldsError
@@ -196,6 +197,10 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
     if info.vocab_hash != lineage.get("vocab_hash"):
         raise CheckpointError(f"{manifest.path} has another tokenizer than {checkpoint} was trained with "
                               f"(vocab_hash {info.vocab_hash[:12]} != {str(lineage.get('vocab_hash'))[:12]})")
+    if "pairs" in lineage and not same_direction(lineage["pairs"], manifest.pairs):
+        # (a checkpoint written before lineages kept their direction is taken as its manifest says)
+        raise CheckpointError(f"{checkpoint} was trained on {direction(lineage['pairs'])}; {manifest.path} holds "
+                              f"{direction(manifest.pairs)}: give a manifest of the checkpoint's own task")
     model = build_model(recipe["model"], info, seed=0)
     load_canonical(model, read_model(checkpoint), checkpoint)
     model.to(device).eval()

@@ -7,11 +7,13 @@
 - ``conformers``: conformer units (a molecule and one 3D conformer as one string), and the
   bond-length check of decoded ones;
 - ``pairs``: reactions and molecule pairs made canonical (source, target) for pair tasks;
+- ``tasks``: the pair tasks and their options in words (what a model of each reads and
+  writes), without RDKit: a checkpoint's lineage keeps them;
 - ``tokens``: token-level constants and the special-token ids of a tokenizer artifact.
 
 May import: ``molds.errors`` and ``molds.runtime``. ``canonical`` and ``representation``
 import RDKit inside the functions that need it (``molds-preprocess --help`` and a rank that
 only trains import them without it); ``conformers`` and ``pairs``, which nothing on those
-paths imports, at their top. Importing the package itself is cheap (the data plane and the
+paths imports, at their top; ``tasks`` never. Importing the package itself is cheap (the data plane and the
 losses import ``tokens`` on the training side).
 """

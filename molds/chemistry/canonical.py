@@ -78,7 +78,7 @@ _HEAVY_ATOM_TOKEN = re.compile(r"\[(?!\d*H(?![a-z]))[^\]]*\]|Br|Cl|[BCNOSPFIbcno
 _WHITESPACE = re.compile(r"\s")
 #: an atom-map number (``[CH3:14]``): an annotation, not part of the molecule, and not counted
 #: against max_smiles_length (a mapped reaction's SMILES is about twice its unmapped length)
-_ATOM_MAP = re.compile(r":\d+\]")
+ATOM_MAP = re.compile(r":\d+\]")
 # ``SMILES |extension|``: ChemAxon's CXSMILES (enhanced stereo, atom labels, radicals,
 # coordinates), as Enamine, PubChem and ChemAxon tools export. The extension holds no whitespace.
 _CXSMILES = re.compile(r"(\S+)[ \t]+(\|[^\s|]*\|)")
@@ -205,7 +205,7 @@ class Canonicalizer:
             smiles, cx, rest = split_cxsmiles(smiles)
             if cx is None or rest:
                 return "parse_error"  # RDKit would silently read the text after a space as a name
-        if len(smiles) > opts.max_smiles_length and len(_ATOM_MAP.sub("]", smiles)) > opts.max_smiles_length:
+        if len(smiles) > opts.max_smiles_length and len(ATOM_MAP.sub("]", smiles)) > opts.max_smiles_length:
             return "too_long"
         if len(smiles) > opts.max_heavy_atoms and len(_HEAVY_ATOM_TOKEN.findall(smiles)) > opts.max_heavy_atoms:
             return "too_many_heavy_atoms"

@@ -33,40 +33,10 @@ from rdkit import Chem
 from rdkit.Chem import rdFMCS
 
 from .canonical import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
-
-TASKS = ("forward", "retro", "mol2mol")
-REAGENT_POLICIES = ("auto", "mix", "separate", "drop")
-
+from .tasks import REAGENT_POLICIES, TASKS, PairOptions  # noqa: F401 (the ETL reads them from here)
 
 # a trailing CXSMILES extension (``|f:0.1|``: USPTO's fragment groups), read as nothing more
 _TRAILING_EXTENSION = re.compile(r"^(\S+)[ \t]+\|[^\s|]*\|\s*$")
-
-
-@dataclass(frozen=True)
-class PairOptions:
-    """What makes a pair of a record; recorded in the manifest."""
-
-    task: str = "forward"
-    reagents: str = "auto"
-
-    def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.reagents not in REAGENT_POLICIES:
-            raise ValueError(f"reagents must be one of {', '.join(REAGENT_POLICIES)}, got {self.reagents!r}")
-
-    @property
-    def reagent_policy(self) -> str:
-        """The policy ``auto`` stands for with this task."""
-        if self.reagents != "auto":
-            return self.reagents
-        return "mix" if self.task == "forward" else "drop"
-
-    def describe(self) -> dict:
-        """The manifest's ``pairs`` block."""
-        product = "source" if self.task == "retro" else "target"
-        return {"task": self.task, "reagents": self.reagent_policy, "product_side": product,
-                "atom_maps": "removed", "side_order": "sorted canonical SMILES"}
 
 
 @dataclass

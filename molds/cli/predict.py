@@ -29,6 +29,8 @@ import io
 import json
 import sys
 
+from ..chemistry.canonical import ATOM_MAP
+from ..chemistry.tasks import TASKS, direction, lineage_block
 from ..errors import MoldsError, run_cli
 from ..runtime.atomic import write_text
 from . import CHECKPOINT_HELP, new_parser, parse
@@ -51,6 +53,9 @@ def build_parser():
                         "rank the predictions by their votes, R-SMILES's test-time augmentation; score is then the "
                         "vote (1: the source alone)")
     p.add_argument("--seed", type=int, default=0, help="with --augment: the draw of the other spellings")
+    p.add_argument("--task", default=None, choices=TASKS,
+                   help="the direction you expect the checkpoint to predict in: refused in one line when it was "
+                        "trained for another (default: whatever it was trained for, said on the summary line)")
     p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
     p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
     return p
@@ -79,6 +84,19 @@ def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]
         return [(n, row[at].strip()) for n, row in enumerate(reader, 2) if len(row) > at]
 
 
+def refuse_whole_reactions(path: str, sources: list[tuple[int, str]], checkpoint: str, trained: dict) -> None:
+    """A whole reaction (``reactants>reagents>products``) where a model reads one side is a
+    file of the wrong kind: refused in one line that names the first such row, how many
+    there are and what the model reads."""
+    whole = [(row, text) for row, text in sources if text.count(">") >= 2]
+    if whole:
+        row, text = whole[0]
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise MoldsError(f"{path} line {row}: {shown!r} is a whole reaction ({len(whole)} of {len(sources)} sources "
+                         f"are); {checkpoint} is a {direction(trained)} model: give it {trained['source_format']} "
+                         f"alone, one a line")
+
+
 def run(argv: list[str]) -> int:
     args = parse(build_parser(), argv)
     from ..checkpoint import open_checkpoint  # after the parse: --help loads no torch
@@ -102,12 +120,22 @@ def run(argv: list[str]) -> int:
         raise MoldsError(f"{loaded.checkpoint} is no pair model (its manifest {loaded.manifest.path} holds molecules"
                          f"{'' if info is None else ', its family is ' + loaded.family}); molds-sample samples a "
                          f"molecule model")
+    trained = loaded.lineage.get("pairs") or lineage_block(info)
+    if args.task is not None and args.task != trained["task"]:
+        raise MoldsError(f"{loaded.checkpoint} is a {direction(trained)} model, not a {args.task} one: "
+                         f"give a checkpoint trained with molds-preprocess --task {args.task}")
     sides = sides_of(loaded.manifest)
     sp, tok = loaded.specials, loaded.tokenizer
     limit = loaded.model.config.max_position_embeddings
     seq2seq = encoder_decoder(loaded.model)
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
     sources = read_sources(args.input, args.column)
+    refuse_whole_reactions(args.input, sources, loaded.checkpoint, trained)
+    mapped = sum(1 for _, text in sources if ATOM_MAP.search(text))
+    if mapped:
+        print(f"[molds] {args.input}: atom maps removed from {mapped} of {len(sources)} sources (the model reads "
+              f"{trained['source_format']} without them, as molds-preprocess wrote its training pairs)",
+              file=sys.stderr)
     notes, ids, texts = {}, {}, {}
     for row, text in sources:
         canonical, reason = sides.source(text)
@@ -145,7 +173,8 @@ def run(argv: list[str]) -> int:
             w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text,
                         "" if p.side else ("unfinished" if not p.ended else "invalid")])
     _write_out(args.out, buf.getvalue())
-    summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "inputs": len(sources),
+    summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "reads": trained["source_format"],
+               "writes": trained["target_format"], "inputs": len(sources), "atom_maps_removed": mapped,
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
                "beams": args.beams, "augment": args.augment, "out": args.out}

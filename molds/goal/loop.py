@@ -44,6 +44,7 @@ from ..checkpoint.resume import check_resume, resumed_dtype, resumed_fp8_product
 from ..checkpoint.rundir import plan_resume, prepare_output_dir
 from ..checkpoint.state import load_canonical, read_model
 from ..chemistry.representation import of_manifest
+from ..chemistry.tasks import lineage_block
 from ..chemistry.tokens import IGNORE_INDEX
 from ..engines import build_engine
 from ..errors import CheckpointError, MoldsError, RecipeError
@@ -147,6 +148,7 @@ def setup_goal(recipe, scorers) -> GoalRun:
         "recipe": recipe.to_dict(), "manifest_hash": prior.manifest.hash, "manifest": prior.manifest.path,
         "vocab_hash": prior.specials.vocab_hash,
         "canonicalization_hash": prior.manifest.data["canonicalization"].get("hash"),
+        "pairs": lineage_block(prior.manifest.pairs),
         "code_version": code_version(), "engine": engine.name, "world_topology": engine.topology.as_dict(),
         "world_size": dist.world_size, "global_batch_sequences": recipe.goal.batch_size, "grad_accum": 1,
         "parameters": parameters, "kernels": kernels, "plan": plan.summary(), "precision": plan.precision.describe(),
