@@ -16,8 +16,8 @@ files as Chemprop's repository ships them (``SETS``: the file, its SMILES column
 else differs between sets).
 
 1. **Pretraining, once.** The molecules of ``--corpus`` (MOSES: every ``--corpus-every``-th),
-   less every molecule of the benchmark's files (compared as RDKit's non-isomeric canonical
-   SMILES, of the whole molecule and of its largest fragment), are preprocessed
+   less every molecule of the benchmark's files (compared by their parents, as the ETL's
+   standardization makes molecules one: ``molds.chemistry.overlap``), are preprocessed
    (``molds-preprocess``, regex tokenizer) and ``recipes/cpu_property.json`` pretrains an
    encoder on them by masked-token loss alone (``--model.num_tasks 0``, 15 % masking, lr
    1e-3) for ``--pretrain-time``. ``--pretrained RUN`` takes a run made so instead.
@@ -119,33 +119,46 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
 
 # --- the pretraining corpus, less the benchmark's molecules ---------------------------------
 
-def exclusion_keys(smiles: str) -> tuple[str, ...]:
-    """What a molecule is compared by: RDKit's non-isomeric canonical SMILES of it and of its
-    largest fragment (by heavy atoms); () when RDKit cannot read it."""
-    from rdkit import Chem, RDLogger
+_PARENTS = None
 
-    RDLogger.DisableLog("rdApp.*")
-    mol = Chem.MolFromSmiles(smiles) if smiles else None
-    if mol is None or mol.GetNumAtoms() == 0:
-        return ()
-    whole = Chem.MolToSmiles(mol, isomericSmiles=False)
-    frags = Chem.GetMolFrags(mol, asMols=True, sanitizeFrags=False)
-    largest = max(frags, key=lambda m: m.GetNumHeavyAtoms())
-    return (whole, Chem.MolToSmiles(largest, isomericSmiles=False))
+
+def _parents():
+    global _PARENTS
+    if _PARENTS is None:  # once per process (a worker of the pool too)
+        from molds.chemistry.overlap import Parents
+
+        _PARENTS = Parents()
+    return _PARENTS
+
+
+def exclusion_keys(smiles: str) -> tuple[str, ...]:
+    """What a benchmark molecule is left out by: the parent (``molds.chemistry.overlap``: as
+    the ETL's standardization makes molecules one) of each of its fragments; () when RDKit
+    cannot read it."""
+    return tuple(_parents().of_side(smiles))
+
+
+def corpus_key(smiles: str) -> str | None:
+    """What a corpus molecule is compared by: its parent (its largest fragment's)."""
+    return _parents().of(smiles)
 
 
 def _keys_of_chunk(smiles: list[str]) -> list[tuple[str, ...]]:
     return [exclusion_keys(s) for s in smiles]
 
 
-def _map_chunks(smiles: list[str], workers: int) -> list[tuple[str, ...]]:
+def _corpus_keys_of_chunk(smiles: list[str]) -> list[str | None]:
+    return [corpus_key(s) for s in smiles]
+
+
+def _map_chunks(smiles: list[str], workers: int, of=_keys_of_chunk) -> list:
     chunks = [smiles[i:i + 5000] for i in range(0, len(smiles), 5000)]
     if workers <= 1 or len(chunks) <= 1:
-        return [k for c in chunks for k in _keys_of_chunk(c)]
+        return [k for c in chunks for k in of(c)]
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(workers) as pool:
-        return [k for part in pool.map(_keys_of_chunk, chunks) for k in part]
+        return [k for part in pool.map(of, chunks) for k in part]
 
 
 def read_column(path: str, column: str) -> list[str]:
@@ -167,8 +180,8 @@ def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
         for keys in _map_chunks(read_column(s["path"], s["smiles_column"]), args.nproc):
             exclude.update(keys)
     smiles = read_column(args.corpus, args.corpus_column)[::args.corpus_every]
-    keys = _map_chunks(smiles, args.nproc)
-    kept = [s for s, k in zip(smiles, keys) if not (set(k) & exclude)]
+    keys = _map_chunks(smiles, args.nproc, _corpus_keys_of_chunk)
+    kept = [s for s, k in zip(smiles, keys) if k not in exclude]
     tmp = out + ".tmp"
     with gzip.open(tmp, "wt", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")

@@ -122,3 +122,57 @@ def test_pretraining_molecules_leave_out_every_molecule_of_the_pairs(tmp_path, l
     assert kept == expected
     assert "C1CCCCC1" in kept and "C1CC(" in kept and "OC(C)=O" not in kept
     assert ("O=CN(C)C" in kept) == (layout == "columns")  # a reagent of the reaction, not in the two columns
+
+
+def _parent_by_rdkit(smiles: str) -> str:
+    """A molecule's parent made with RDKit's standardizer directly: the normal form, the
+    charge parent (largest fragment, uncharged), no stereo."""
+    from rdkit.Chem.MolStandardize import rdMolStandardize
+
+    mol = rdMolStandardize.ChargeParent(rdMolStandardize.Normalize(Chem.MolFromSmiles(smiles)))
+    Chem.RemoveStereochemistry(mol)
+    return Chem.MolToSmiles(mol)
+
+
+def test_pretraining_molecules_leave_out_what_the_etl_makes_one_molecule_in_every_file(tmp_path):
+    """Two split files given (``--exclude`` twice, as every split of a published set is):
+    a corpus molecule is left out when it is a molecule of either file in another drawing that
+    the ETL's standardization makes one (a salt, a charged form, a sulfoxide drawn
+    charge-separated, another stereoisomer), checked against RDKit's standardizer called here; the
+    others are kept."""
+    train, test = tmp_path / "raw_train.csv", tmp_path / "raw_test.csv"
+    train.write_text("id,class,reactants>reagents>production\n"
+                     "t1,UNK,[CH3:1][C:2](=O)[OH:3].[NH2:4]CCc1ccccc1>>[CH3:1][C:2](=O)[NH:4]CCc1ccccc1\n")
+    test.write_text("id,class,reactants>reagents>production\n"
+                    "v1,UNK,CS(=O)c1ccc(Br)cc1.OB(O)c1ccccc1>[Pd]>CS(=O)c1ccc(-c2ccccc2)cc1\n"
+                    "v2,UNK,C[C@H](N)C(=O)OC>>C[C@H](N)C(=O)O\n")
+    corpus = {
+        "CC(=O)[O-].[Na+]": False,  # the acid of t1, as its sodium salt
+        "[NH3+]CCc1ccccc1": False,  # the amine of t1, protonated
+        "C[S+]([O-])c1ccc(-c2ccccc2)cc1": False,  # v1's product, its sulfoxide drawn charge-separated
+        "C[C@@H](N)C(=O)O": False,  # v2's product, the other enantiomer
+        "OB(O)c1ccccc1": False,  # a reactant of the second file as written
+        "C1CCCCC1": True, "CC(=O)NCCc1ccccn1": True, "CCCCBr": True,
+    }
+    (tmp_path / "corpus.csv").write_text("SMILES\n" + "".join(f"{s}\n" for s in corpus))
+    out = tmp_path / "kept.csv"
+    make_pairs.main(["molecules", "--input", str(tmp_path / "corpus.csv"), "--exclude", str(train),
+                     "--exclude", str(test), "--out", str(out), "--workers", "1"])
+    kept = [line.strip() for line in out.read_text().splitlines()][1:]
+    assert kept == [s for s, keep in corpus.items() if keep]
+    in_files = set()
+    for path in (train, test):
+        for row in csv.DictReader(path.open()):
+            for side in row["reactants>reagents>production"].split(">"):
+                mol = Chem.MolFromSmiles(side) if side else None
+                if mol is None:
+                    continue
+                for atom in mol.GetAtoms():
+                    atom.SetAtomMapNum(0)
+                in_files.update(_parent_by_rdkit(Chem.MolToSmiles(f)) for f in Chem.GetMolFrags(mol, asMols=True))
+    for s, keep in corpus.items():
+        assert (_parent_by_rdkit(s) not in in_files) == keep, s
+    # and the RDKit canonical forms alone would have let the first four through
+    plain = {Chem.CanonSmiles(m) for p in (train, test) for row in csv.DictReader(p.open())
+             for side in row["reactants>reagents>production"].split(">") for m in side.split(".") if m}
+    assert sum(Chem.CanonSmiles(s) not in plain for s, keep in corpus.items() if not keep) >= 4

@@ -7,6 +7,8 @@
 - ``conformers``: conformer units (a molecule and one 3D conformer as one string), and the
   bond-length check of decoded ones;
 - ``pairs``: reactions and molecule pairs made canonical (source, target) for pair tasks;
+- ``overlap``: which molecules of a corpus a set of files holds, compared by their parents
+  (as the ETL's standardization makes molecules one);
 - ``tasks``: the pair tasks and their options in words (what a model of each reads and
   writes), without RDKit: a checkpoint's lineage keeps them;
 - ``tokens``: token-level constants and the special-token ids of a tokenizer artifact.

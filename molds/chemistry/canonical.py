@@ -238,20 +238,9 @@ class Canonicalizer:
         is held to it before parsing). ``keep_mol``: the standardized molecule (with the
         record's coordinates) goes with the result as ``Molecule.mol``."""
         opts, Chem = self.options, self._chem
-        if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:  # exact, before the costly steps (the scaffold
-            return "too_many_heavy_atoms"  # of a huge molecule takes RDKit time cubic in its size)
-        if self._steps:
-            try:
-                for step in self._steps:
-                    mol = step(mol)
-            except Exception:
-                return "standardize_error"
-            if mol is None:
-                return "standardize_error"
-        if not opts.keep_stereo:
-            Chem.RemoveStereochemistry(mol)
-        if mol.GetNumAtoms() == 0:
-            return "empty_molecule"
+        mol = self.standardize(mol)
+        if isinstance(mol, str):
+            return mol
         if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:
             return "too_many_heavy_atoms"
         canonical = Chem.MolToSmiles(mol)
@@ -273,6 +262,25 @@ class Canonicalizer:
         else:
             key = canonical
         return Molecule(canonical, scaffold, key, mol if keep_mol else None)
+
+    def standardize(self, mol):
+        """The options' standardization steps and stereo removal on a parsed molecule, or the
+        reason it is refused (``from_mol``'s first steps)."""
+        if mol.GetNumHeavyAtoms() > self.options.max_heavy_atoms:  # exact, before the costly steps (the
+            return "too_many_heavy_atoms"  # scaffold of a huge molecule takes RDKit time cubic in its size)
+        if self._steps:
+            try:
+                for step in self._steps:
+                    mol = step(mol)
+            except Exception:
+                return "standardize_error"
+            if mol is None:
+                return "standardize_error"
+        if not self.options.keep_stereo:
+            self._chem.RemoveStereochemistry(mol)
+        if mol.GetNumAtoms() == 0:
+            return "empty_molecule"
+        return mol
 
     def _classify_failure(self, smiles: str) -> str:
         """Only failed rows pay for this second, unsanitized parse."""

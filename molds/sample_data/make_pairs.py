@@ -10,8 +10,8 @@
   small substituent (at most ``--max_variable`` heavy atoms) are pairs, both ways:
   ``source,target,core``.
 - ``molecules``: the input's molecules that are in no pair of ``--exclude`` (on either side,
-  any molecule of a multi-molecule side; compared as RDKit canonical SMILES), as a
-  ``SMILES`` CSV: a denoising pretraining set for the encoder-decoder that holds no product
+  any molecule of a multi-molecule side; compared by their parents, as the ETL's
+  standardization makes them one: ``molds.chemistry.overlap``), as a ``SMILES`` CSV: a denoising pretraining set for the encoder-decoder that holds no product
   or reactant of the pairs, so no test answer is seen in pretraining.
 
 No reaction data set ships on the package index; USPTO-50k and USPTO-MIT are public
@@ -47,6 +47,7 @@ from multiprocessing import Pool
 from rdkit import Chem, RDLogger
 from rdkit.Chem import rdChemReactions, rdMMPA
 
+from molds.chemistry.overlap import Parents
 from molds.errors import MoldsError
 from molds.eval.evaluate import smiles_cells
 
@@ -246,14 +247,14 @@ def make_mmp(smiles: list[str], max_variable: int = 8, per_core: int = 10, seed:
 
 
 def pair_molecules(path: str) -> set[str]:
-    """Canonical SMILES (atom maps removed) of every molecule in a pair file's ``source`` /
-    ``target`` columns and its reaction columns (a header holding ``>``:
-    ``reactants>reagents>products``)."""
-    RDLogger.DisableLog("rdApp.*")
+    """The parent (``molds.chemistry.overlap``) of every molecule in a pair file's ``source``
+    / ``target`` columns and its reaction columns (a header holding ``>``:
+    ``reactants>reagents>products``): each molecule of each side, atom maps removed."""
     opener = gzip.open if path.endswith(".gz") else open
+    parents = Parents()
     with opener(path, "rt") as fh:
         rows = csv.reader(fh)
-        header = next(rows)
+        header = next(rows, None) or []
         cols = [i for i, h in enumerate(header) if ">" in h or h.strip().lower() in ("source", "target")]
         if not cols:
             raise SystemExit(f"{path}: no pair column (source, target, or a reaction column such as "
@@ -261,31 +262,30 @@ def pair_molecules(path: str) -> set[str]:
         found = set()
         for row in rows:
             for i in cols:
-                for side in (row[i] if i < len(row) else "").split(">"):
-                    for part in side.split("."):
-                        mol = Chem.MolFromSmiles(part) if part else None
-                        if mol is not None:
-                            for atom in mol.GetAtoms():
-                                atom.SetAtomMapNum(0)
-                            found.add(Chem.MolToSmiles(mol))
+                found.update(parents.of_side(row[i] if i < len(row) else ""))
     return found
 
 
-def _canonical(smi: str) -> str | None:
-    RDLogger.DisableLog("rdApp.*")
-    mol = Chem.MolFromSmiles(smi) if smi else None
-    return Chem.MolToSmiles(mol) if mol is not None else None
+_PARENTS = None
+
+
+def _parents_of(smiles: list[str]) -> list[str | None]:
+    global _PARENTS
+    if _PARENTS is None:  # once per process (a worker of the pool too)
+        _PARENTS = Parents()
+    return [_PARENTS.of(s) for s in smiles]
 
 
 def molecules_not_in(smiles: list[str], exclude: set[str], workers: int = 1) -> list[list[str]]:
-    """The molecules (as given) whose canonical SMILES is not in ``exclude``; unreadable ones
-    are kept for the ETL to reject and count."""
-    if workers > 1 and len(smiles) > 10000:
+    """The molecules (as given) whose parent is not in ``exclude``; unreadable ones are kept
+    for the ETL to reject and count."""
+    chunks = [smiles[i:i + 2000] for i in range(0, len(smiles), 2000)]
+    if workers > 1 and len(chunks) > 1:
         with Pool(workers) as pool:
-            canonical = pool.map(_canonical, smiles, chunksize=2000)
+            parents = [p for part in pool.map(_parents_of, chunks) for p in part]
     else:
-        canonical = [_canonical(smi) for smi in smiles]
-    return [[smi] for smi, can in zip(smiles, canonical) if can is None or can not in exclude]
+        parents = [p for c in chunks for p in _parents_of(c)]
+    return [[smi] for smi, parent in zip(smiles, parents) if parent is None or parent not in exclude]
 
 
 def _write(path: str, header: list[str], rows: list[list[str]]) -> None:
