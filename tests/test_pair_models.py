@@ -389,3 +389,71 @@ def test_the_split_loss_is_the_mean_over_target_tokens_of_each_pair_run_alone(tr
             count += len(want)
     report = evaluate_checkpoint(checkpoint, split="valid", num=2, beams=1)
     assert report["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_eval_top_k_equals_one_computed_from_transformers_beams_and_the_shards(tmp_path):
+    """molds-eval's top-1 and top-3 on a model that learned its task (copying 600 of the
+    sample's molecules, mol2mol, trained until about half its first beams are right) equal
+    a top-k computed here without molds' search or scoring: transformers' ``generate`` with
+    beams on the exported model, the pairs read from the test shards, every beam and target
+    compared as RDKit canonical SMILES. A misalignment of beams and targets would show; it
+    could hide behind a model that scores near zero."""
+    import gzip
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molds.cli.evaluate import main as eval_cli
+    from molds.data.manifest import Manifest
+    from molds.export import export
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run as preprocess
+    from molds.train import main as train
+
+    with gzip.open(os.path.join(os.path.dirname(__file__), "..", "molds", "sample_data", "moses_sample.csv.gz"),
+                   "rt") as fh:
+        smiles = sorted((line.split(",")[0].strip() for line in list(fh)[1:]), key=len)[:600]
+    (tmp_path / "copy.csv").write_text("source,target\n" + "".join(f"{s},{s}\n" for s in smiles))
+    data = str(tmp_path / "pairs")
+    preprocess(PreprocessConfig(input=[str(tmp_path / "copy.csv")], output=data, smiles_column="source",
+                                target_column="target", task="mol2mol", workers=1, progress=False))
+    out = str(tmp_path / "run")
+    train(["--data.manifest", data, "--data.too_long", "reject", "--data.mode", "packed", "--data.seq_len", "192",
+           "--data.micro_batch_size", "8", "--data.lookahead", "64", "--model.family", "decoder",
+           "--model.hidden_size", "64", "--model.num_layers", "2", "--model.num_heads", "4",
+           "--model.num_kv_heads", "2", "--model.max_position_embeddings", "256", "--parallel.engine", "ddp",
+           "--optim.lr", "3e-3", "--optim.warmup_steps", "20", "--trainer.max_steps", "900",
+           "--trainer.precision", "fp32", "--checkpoint.interval_steps", "900", "--eval.interval_steps", "0",
+           "--eval.full_interval_steps", "0", "--logging.tensorboard", "false", "--logging.progress", "false",
+           "--run.output_dir", out])
+    n, beams = 40, 3
+    assert eval_cli([out, "--split", "test", "--num", str(n), "--beams", str(beams), "--out", str(tmp_path / "ev")]) == 0
+    report = json.load(open(tmp_path / "ev" / "eval.json"))
+    pairs = report["pairs"]
+
+    rows = [r for s in Manifest.load(data).shards("test") for r in pq.read_table(s.path).to_pylist()][:n]
+    hf_dir = export(out, str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    special = {tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    bos, sep, eos, pad = tok.bos_token_id, tok.sep_token_id, tok.eos_token_id, tok.pad_token_id
+    hits = {1: 0, 3: 0}
+    for r in rows:
+        prompt = torch.tensor([[bos, *r["source_token_ids"], sep]])
+        got = hf.generate(prompt, num_beams=beams, num_return_sequences=beams, max_new_tokens=pairs["max_tokens"],
+                          do_sample=False, length_penalty=1.0, early_stopping=False, eos_token_id=eos,
+                          pad_token_id=pad, suppress_tokens=sorted(special - {eos}))
+        answers = []
+        for seq in got[:, prompt.shape[1]:].tolist():
+            if eos not in seq:
+                answers.append(None)
+                continue
+            mol = Chem.MolFromSmiles("".join(tok.convert_ids_to_tokens(seq[:seq.index(eos)])))
+            answers.append(Chem.MolToSmiles(mol) if mol is not None else None)
+        want = Chem.MolToSmiles(Chem.MolFromSmiles(r["target_smiles"]))
+        for k in hits:
+            hits[k] += want in answers[:k]
+    assert pairs["inputs"] == n and report["metrics"]["top1"] == pairs["top1"]
+    assert pairs["top1"] == pytest.approx(hits[1] / n) and pairs["top3"] == pytest.approx(hits[3] / n), (pairs, hits)
+    assert 0.2 <= pairs["top1"] < 1, pairs  # learned, not perfectly: a misalignment would show
