@@ -457,3 +457,23 @@ def test_eval_top_k_equals_one_computed_from_transformers_beams_and_the_shards(t
     assert pairs["inputs"] == n and report["metrics"]["top1"] == pairs["top1"]
     assert pairs["top1"] == pytest.approx(hits[1] / n) and pairs["top3"] == pytest.approx(hits[3] / n), (pairs, hits)
     assert 0.2 <= pairs["top1"] < 1, pairs  # learned, not perfectly: a misalignment would show
+
+
+def test_the_predict_speed_benchmark_times_both_searches_on_the_same_beams(trained, capsys):
+    """``benchmarks/predict_speed.py``: molds' search and transformers' ``generate`` on the
+    export find the same top k for every source, and the line's rates are its seconds'."""
+    import statistics
+
+    from benchmarks.predict_speed import main as bench
+
+    _, _, checkpoint = trained
+    capsys.readouterr()
+    assert bench(["--run", checkpoint, "--num", "4", "--beams", "3", "--rounds", "2", "--max_tokens", "20"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["sources"] == 4 and line["beams"] == 3 and line["same_products"] == 4, line
+    assert line["exported_as"] in ("LlamaForCausalLM", "BartForConditionalGeneration")
+    for name in ("molds", "transformers"):
+        assert len(line["seconds"][name]) == 2
+        assert line["products_per_s"][name] == pytest.approx(12 / statistics.median(line["seconds"][name]), rel=1e-2)
+    assert line["molds_over_transformers"] == pytest.approx(
+        line["products_per_s"]["molds"] / line["products_per_s"]["transformers"], rel=1e-2)
