@@ -477,3 +477,87 @@ def test_the_predict_speed_benchmark_times_both_searches_on_the_same_beams(train
         assert line["products_per_s"][name] == pytest.approx(12 / statistics.median(line["seconds"][name]), rel=1e-2)
     assert line["molds_over_transformers"] == pytest.approx(
         line["products_per_s"]["molds"] / line["products_per_s"]["transformers"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_a_round_trip_gives_each_retro_prediction_to_the_forward_model(tmp_path, capsys):
+    """``--verify_with``: each retro prediction's reactants go to a forward model, whose first
+    prediction is checked here with transformers' greedy ``generate`` on its export and
+    compared with the input product as RDKit canonical SMILES; molds-eval's round-trip
+    accuracy is the share molds-predict's rows give; a round trip the other way is refused.
+    Two copy models (each side is the other), so that most round trips succeed and some fail."""
+    import gzip
+
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from molds.cli.evaluate import main as eval_cli
+    from molds.cli.predict import main as predict_cli
+    from molds.data.manifest import Manifest
+    from molds.export import export
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run as preprocess
+    from molds.train import main as train
+
+    with gzip.open(os.path.join(os.path.dirname(__file__), "..", "molds", "sample_data", "moses_sample.csv.gz"),
+                   "rt") as fh:
+        smiles = sorted((line.split(",")[0].strip() for line in list(fh)[1:]), key=len)[:600]
+    (tmp_path / "copy.csv").write_text("source,target\n" + "".join(f"{s},{s}\n" for s in smiles))
+    runs = {}
+    for task in ("retro", "forward"):
+        data = str(tmp_path / f"pairs-{task}")
+        preprocess(PreprocessConfig(input=[str(tmp_path / "copy.csv")], output=data, smiles_column="source",
+                                    target_column="target", task=task, workers=1, progress=False))
+        runs[task] = str(tmp_path / f"run-{task}")
+        train(["--data.manifest", data, "--data.too_long", "reject", "--data.mode", "bucketed",
+               "--data.max_length", "192", "--data.max_tokens_per_batch", "768", "--data.bucket_pool", "64",
+               "--model.family", "seq2seq", "--model.hidden_size", "64", "--model.num_layers", "2",
+               "--model.num_heads", "4", "--model.max_position_embeddings", "256", "--model.dropout", "0.0",
+               "--parallel.engine", "ddp", "--optim.lr", "3e-3", "--optim.warmup_steps", "20",
+               "--trainer.max_steps", "300" if task == "retro" else "200", "--trainer.precision", "fp32",
+               "--checkpoint.interval_steps", "300", "--eval.interval_steps", "0", "--eval.full_interval_steps", "0",
+               "--logging.tensorboard", "false", "--logging.progress", "false", "--run.output_dir", runs[task]])
+    n = 30
+    products = [r["source_smiles"] for s in Manifest.load(str(tmp_path / "pairs-retro")).shards("test")
+                for r in pq.read_table(s.path).to_pylist()][:n]
+    (tmp_path / "products.smi").write_text("".join(f"{p}\n" for p in products))
+    out = tmp_path / "pred.csv"
+    capsys.readouterr()
+    assert predict_cli([runs["retro"], "--input", str(tmp_path / "products.smi"), "--beams", "2",
+                        "--verify_with", runs["forward"], "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1].removeprefix("[molds] "))
+    table = list(csv.DictReader(open(out)))
+    assert len(table) == 2 * n
+
+    hf_dir = export(runs["forward"], str(tmp_path / "hf"))
+    hf = AutoModelForSeq2SeqLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    checked = 0
+    for r in table:
+        if not r["prediction"]:
+            assert r["round_trip"] == "", r
+            continue
+        ids = [tok.bos_token_id, *tok(r["prediction"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([ids]), num_beams=1, do_sample=False, max_new_tokens=100)[0, 1:].tolist()
+        seq = seq[:seq.index(tok.eos_token_id)] if tok.eos_token_id in seq else None
+        mol = Chem.MolFromSmiles("".join(tok.convert_ids_to_tokens(seq))) if seq else None
+        back = Chem.MolToSmiles(mol) if mol is not None else ""
+        assert r["forward_prediction"] == back, r
+        assert r["round_trip"] == ("yes" if back == Chem.MolToSmiles(Chem.MolFromSmiles(r["input"])) else "no"), r
+        checked += 1
+    firsts = [r["round_trip"] == "yes" for r in table if r["rank"] == "1"]
+    share = sum(firsts) / n
+    assert checked >= n and 0.3 <= share < 1, (checked, share)  # most come back, not all
+    assert summary["round_trip_top1"] == pytest.approx(share)
+    assert summary["round_trip_beams"] == pytest.approx(sum(r["round_trip"] == "yes" for r in table) / (2 * n))
+
+    assert eval_cli([runs["retro"], "--split", "test", "--num", str(n), "--beams", "2", "--verify_with",
+                     runs["forward"], "--out", str(tmp_path / "ev")]) == 0
+    report = json.load(open(tmp_path / "ev" / "eval.json"))
+    assert report["metrics"]["round_trip_top1"] == pytest.approx(share)
+    capsys.readouterr()
+    assert predict_cli([runs["forward"], "--input", str(tmp_path / "products.smi"), "--verify_with", runs["retro"],
+                        "--out", str(tmp_path / "x.csv")]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "checks a retro model's predictions with a forward model" in err[0], err

@@ -31,6 +31,10 @@ def build_parser():
                                                           "(a pair model: molds-preprocess --task)")
     p.add_argument("--beams", type=int, default=10,
                    help="a pair model: beam width, and the largest k of the top-k accuracy reported")
+    p.add_argument("--verify_with", type=str, default=None,
+                   help="a forward model's run or checkpoint: each retro prediction's reactants are given to it, and "
+                        "the report adds round_trip_top1 and round_trip_beams (the shares it turns back into the "
+                        "product; Schwaller et al. 2020's round-trip accuracy)")
     p.add_argument("--augment", type=int, default=1,
                    help="a pair model: search each source in this many spellings (itself and others rooted at "
                         "other atoms) and rank the predictions by their votes (R-SMILES's test-time augmentation; "
@@ -94,7 +98,9 @@ def run(argv: list[str]) -> int:
     common = dict(manifest_dir=args.manifest, split=args.split, num=args.num, temperature=args.temperature,
                   top_k=args.top_k, max_batches=args.max_batches, fcd=args.fcd, moses=args.moses,
                   reference_file=args.reference, conformers=args.conformers, beams=args.beams,
-                  augment=args.augment)
+                  augment=args.augment, verify_with=args.verify_with)
+    if args.samples and args.verify_with:
+        raise UsageError("--verify_with checks a retro model's predictions: give its CHECKPOINT, not --samples")
     if args.samples:
         if args.checkpoint or args.recipe or not args.manifest:
             raise UsageError("--samples takes --manifest and neither a CHECKPOINT nor --recipe")

@@ -56,6 +56,10 @@ def build_parser():
     p.add_argument("--task", default=None, choices=TASKS,
                    help="the direction you expect the checkpoint to predict in: refused in one line when it was "
                         "trained for another (default: whatever it was trained for, said on the summary line)")
+    p.add_argument("--verify_with", type=str, default=None,
+                   help="a forward model's run or checkpoint (the model a retro one is checked with): each "
+                        "prediction's reactants are given to it, and the rows gain round_trip (yes: its first "
+                        "prediction is the input product), forward_prediction and forward_score")
     p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
     p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
     return p
@@ -106,8 +110,10 @@ def run(argv: list[str]) -> int:
         predict,
         predict_augmented,
         read_back,
+        round_trip,
         sides_of,
         target_budget,
+        verifier,
     )
 
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
@@ -124,6 +130,10 @@ def run(argv: list[str]) -> int:
     if args.task is not None and args.task != trained["task"]:
         raise MoldsError(f"{loaded.checkpoint} is a {direction(trained)} model, not a {args.task} one: "
                          f"give a checkpoint trained with molds-preprocess --task {args.task}")
+    verify = None
+    if args.verify_with:
+        verify = open_checkpoint(args.verify_with)
+        verifier(loaded, verify)
     sides = sides_of(loaded.manifest)
     sp, tok = loaded.specials, loaded.tokenizer
     limit = loaded.model.config.max_position_embeddings
@@ -162,15 +172,24 @@ def run(argv: list[str]) -> int:
                                                 seq2seq),
                        length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
         found = dict(zip(rows, read_back(tok, hyps, sides)))
+    checks = {}
+    if verify is not None:  # each prediction's reactants through the forward model
+        checks = dict(zip(rows, round_trip(verify, [texts[r] for r in rows], [found[r] for r in rows],
+                                           batch_size=args.batch_size)))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["row", "input", "rank", "prediction", "score", "text", "note"])
+    extra = ["round_trip", "forward_prediction", "forward_score"] if verify is not None else []
+    w.writerow(["row", "input", "rank", "prediction", "score", "text", *extra, "note"])
     for row, text in sources:
         if row in notes:
-            w.writerow([row, text, "", "", "", "", notes[row]])
+            w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
             continue
         for rank, p in enumerate(found[row], 1):
-            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text,
+            more = []
+            if verify is not None:
+                c = checks[row][rank - 1]
+                more = ["", "", ""] if c is None else ["yes" if c.back else "no", c.product or "", f"{c.score:.6f}"]
+            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more,
                         "" if p.side else ("unfinished" if not p.ended else "invalid")])
     _write_out(args.out, buf.getvalue())
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "reads": trained["source_format"],
@@ -178,6 +197,10 @@ def run(argv: list[str]) -> int:
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
                "beams": args.beams, "augment": args.augment, "out": args.out}
+    if verify is not None:
+        from ..eval.pairs import round_trip_accuracy  # after the parse: --help loads no torch
+
+        summary.update(verified_with=verify.checkpoint, **round_trip_accuracy([checks[r] for r in rows]))
     print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
     return 0
 
@@ -194,6 +217,8 @@ def _properties(args, loaded) -> int:
     """An encoder's property predictions, one row per input."""
     from ..eval.properties import predict_properties  # torch and transformers: loaded only to predict
 
+    if args.verify_with:
+        raise MoldsError(f"--verify_with checks a retro model's predictions; {loaded.checkpoint} is a property model")
     if not int(loaded.recipe["model"].get("num_tasks") or 0):
         raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
                          f"no property; fork it with labels first (docs/tutorials/fine-tune.md)")

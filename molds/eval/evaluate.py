@@ -101,7 +101,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
                         num: int = 10000, seeds=(0,), temperature: float = 1.0, top_k: int = 0,
                         max_batches: int = 0, fcd: bool = False, batch_size: int = 512, moses: bool = False,
                         reference_file: str | None = None, conformers: bool = False, beams: int = 10,
-                        augment: int = 1) -> dict:
+                        augment: int = 1, verify_with: str | None = None) -> dict:
     import numpy as np  # here: molds-eval --help loads no NumPy
 
     from ..checkpoint import open_checkpoint  # here: molds-eval --help loads no torch or NumPy
@@ -125,6 +125,8 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         raise MoldsError(f"{m.path} has no rows in split {split!r}")
     model_cfg = loaded.recipe["model"]
     forward = model_forward(loaded.model, build_loss(model_cfg))
+    if verify_with and m.pairs is None:
+        raise MoldsError(f"--verify_with checks a retro model's predictions; {loaded.checkpoint} is no pair model")
     if m.pairs is not None:  # a pair model (a decoder, or the encoder-decoder): its loss, and the top-k of its beams
         from .pairs import evaluate_pairs  # here: molds-eval --help loads no torch or NumPy
 
@@ -134,8 +136,9 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
         report["loss"] = total / count
         report["perplexity"] = math.exp(min(report["loss"], 50.0))
         report["pairs"] = evaluate_pairs(loaded, split, num=num, beams=beams, batch_size=min(batch_size, 64),
-                                         augment=augment, seed=seeds[0])
-        scored = ("top", "invalid", "similarity", "returns", "delta", "abs_delta")
+                                         augment=augment, seed=seeds[0],
+                                         verify=open_checkpoint(verify_with) if verify_with else None)
+        scored = ("top", "invalid", "similarity", "returns", "delta", "abs_delta", "round_trip")
         report["metrics"] = {k: v for k, v in report["pairs"].items() if k.startswith(scored)}
     elif loaded.family == "decoder":
         from ..metrics.generation import generation_metrics  # here: molds-eval --help loads no RDKit or pyarrow

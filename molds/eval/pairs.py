@@ -12,12 +12,15 @@ it spells the same molecules in any order or spelling. One that does not parse i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..chemistry.canonical import ChemOptions
+from ..chemistry.tasks import direction
+from ..errors import MoldsError
 from .beam import DecoderSteps, Hypothesis, Seq2SeqSteps, beam_search
 from .sampling import ids_to_texts
 
@@ -189,6 +192,69 @@ def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TO
     return out
 
 
+@dataclass
+class RoundTrip:
+    """A retrosynthesis prediction given to a forward model: the forward model's first
+    product (None: no molecule), its score, and whether it is the product asked for."""
+
+    product: str | None
+    score: float
+    back: bool
+
+
+def verifier(retro, forward) -> None:
+    """Refuse, in one line, a round trip that is not retro then forward."""
+    tasks = [(x.manifest.pairs or {}).get("task") for x in (retro, forward)]
+    if tasks != ["retro", "forward"]:
+        raise MoldsError(f"a round trip checks a retro model's predictions with a forward model: {retro.checkpoint} is "
+                         f"{direction(retro.manifest.pairs)}, {forward.checkpoint} is {direction(forward.manifest.pairs)}")
+
+
+def round_trip(forward, products: list[str], predictions: list[list[Prediction]], *, batch_size: int = 64,
+               max_tokens: int = 0) -> list[list[RoundTrip | None]]:
+    """Schwaller et al. (2020)'s check of retrosynthesis: each predicted set of reactants is
+    given to a forward model (``forward``: ``open_checkpoint`` of a ``forward`` pair model,
+    its own vocabulary and canonicalization), and its first prediction (greedy: one beam) is
+    compared with the product. Per prediction: a ``RoundTrip``, or None where the prediction
+    is no molecule or the forward model cannot read it (a token its vocabulary lacks, too
+    long)."""
+    fsides, tok, sp = sides_of(forward.manifest), forward.tokenizer, forward.specials
+    jobs: dict[str, list[int]] = {}
+    for preds in predictions:
+        for p in preds:
+            if p.side and p.side not in jobs:
+                source, reason = fsides.source(p.side)
+                ids = tok(source, add_special_tokens=False)["input_ids"] if reason is None else None
+                if ids and sp.unk not in ids and fits(forward.model, ids):
+                    jobs[p.side] = ids
+    first: dict[str, Prediction] = {}
+    if jobs:
+        keys = list(jobs)
+        longest = max(int(s.get("max_token_length", 0)) for s in forward.manifest.data["stats"]["splits"].values())
+        budget = target_budget(max(len(v) for v in jobs.values()), longest,
+                               forward.model.config.max_position_embeddings, max_tokens, encoder_decoder(forward.model))
+        hyps = predict(forward.model, sp, [jobs[k] for k in keys], beams=1, max_tokens=budget, batch_size=batch_size)
+        first = {k: preds[0] for k, preds in zip(keys, read_back(tok, hyps, fsides))}
+    out = []
+    for product, preds in zip(products, predictions):
+        got = fsides.molecules(product)
+        want = ".".join(got[0]) if not isinstance(got, str) else None
+        out.append([None if p.side not in first else
+                    RoundTrip(first[p.side].side, first[p.side].score,
+                              want is not None and first[p.side].side == want) for p in preds])
+    return out
+
+
+def round_trip_accuracy(checks: list[list[RoundTrip | None]]) -> dict:
+    """``round_trip_top1``: the share of inputs whose first prediction the forward model turns
+    back into the product; ``round_trip_beams``: the share of all predictions that do (a
+    prediction that is no molecule, or that the forward model cannot read, does not)."""
+    n = max(1, len(checks))
+    beams = [c for row in checks for c in row]
+    return {"round_trip_top1": sum(bool(row) and row[0] is not None and row[0].back for row in checks) / n,
+            "round_trip_beams": sum(c is not None and c.back for c in beams) / max(1, len(beams))}
+
+
 def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *, augment: int, beams: int,
                       longest_target: int, max_tokens: int = 0, length_penalty: float = 1.0, batch_size: int = 64,
                       seed: int = 0, sides=None) -> tuple[list[list[Prediction]], list[list[Prediction]], list[int], int]:
@@ -275,7 +341,8 @@ def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]
 
 
 def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_tokens: int = 0,
-                   length_penalty: float = 1.0, batch_size: int = 64, augment: int = 1, seed: int = 0) -> dict:
+                   length_penalty: float = 1.0, batch_size: int = 64, augment: int = 1, seed: int = 0,
+                   verify=None) -> dict:
     """Top-k accuracy of a pair checkpoint (``open_checkpoint``'s result) on ``num`` pairs of
     ``split``: its beams' canonical sides against each target. With ``augment`` > 1, each
     source is also searched in ``augment`` - 1 other spellings and its predictions are
@@ -305,6 +372,11 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
         accuracy = topk_accuracy(preds, targets, ks)
     report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
               "length_penalty": length_penalty, **accuracy}
+    if verify is not None:  # a forward model checks each retro prediction (round trip)
+        verifier(loaded, verify)
+        report.update(round_trip_accuracy(round_trip(verify, [r["source_smiles"] for r in rows], preds,
+                                                     batch_size=batch_size)),
+                      verified_with=os.path.abspath(verify.checkpoint))
     if info.get("task") == "mol2mol":
         report.update(similarity_to_source(preds, [r["source_smiles"] for r in rows]))
     report["examples"] = [{"source": r["source_smiles"], "target": r["target_smiles"],
