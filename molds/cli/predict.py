@@ -217,8 +217,9 @@ def _properties(args, loaded) -> int:
     """An encoder's property predictions, one row per input."""
     from ..eval.properties import predict_properties  # torch and transformers: loaded only to predict
 
-    if args.verify_with:
-        raise MoldsError(f"--verify_with checks a retro model's predictions; {loaded.checkpoint} is a property model")
+    if args.verify_with or args.task:
+        raise MoldsError(f"{'--verify_with' if args.verify_with else '--task'} is for pair models; "
+                         f"{loaded.checkpoint} is a property model")
     if not int(loaded.recipe["model"].get("num_tasks") or 0):
         raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
                          f"no property; fork it with labels first (docs/tutorials/fine-tune.md)")

@@ -350,6 +350,8 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
     spelling's beams, and ``top1_score`` is the first prediction's vote."""
     m = loaded.manifest
     info = m.pairs
+    if verify is not None:
+        verifier(loaded, verify)  # before the search: a wrong pair of models costs nothing
     rows = split_pairs(m, split, num)
     if not rows:
         raise ValueError(f"{m.path} has no pairs in split {split!r}")
@@ -373,7 +375,6 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
     report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
               "length_penalty": length_penalty, **accuracy}
     if verify is not None:  # a forward model checks each retro prediction (round trip)
-        verifier(loaded, verify)
         report.update(round_trip_accuracy(round_trip(verify, [r["source_smiles"] for r in rows], preds,
                                                      batch_size=batch_size)),
                       verified_with=os.path.abspath(verify.checkpoint))
