@@ -119,48 +119,6 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
 
 # --- the pretraining corpus, less the benchmark's molecules ---------------------------------
 
-_PARENTS = None
-
-
-def _parents():
-    global _PARENTS
-    if _PARENTS is None:  # once per process (a worker of the pool too)
-        from molds.chemistry.overlap import Parents
-
-        _PARENTS = Parents()
-    return _PARENTS
-
-
-def exclusion_keys(smiles: str) -> tuple[str, ...]:
-    """What a benchmark molecule is left out by: the parent (``molds.chemistry.overlap``: as
-    the ETL's standardization makes molecules one) of each of its fragments; () when RDKit
-    cannot read it."""
-    return tuple(_parents().of_side(smiles))
-
-
-def corpus_key(smiles: str) -> str | None:
-    """What a corpus molecule is compared by: its parent (its largest fragment's)."""
-    return _parents().of(smiles)
-
-
-def _keys_of_chunk(smiles: list[str]) -> list[tuple[str, ...]]:
-    return [exclusion_keys(s) for s in smiles]
-
-
-def _corpus_keys_of_chunk(smiles: list[str]) -> list[str | None]:
-    return [corpus_key(s) for s in smiles]
-
-
-def _map_chunks(smiles: list[str], workers: int, of=_keys_of_chunk) -> list:
-    chunks = [smiles[i:i + 5000] for i in range(0, len(smiles), 5000)]
-    if workers <= 1 or len(chunks) <= 1:
-        return [k for c in chunks for k in of(c)]
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return [k for part in pool.map(of, chunks) for k in part]
-
-
 def read_column(path: str, column: str) -> list[str]:
     with _open(path) as fh:
         reader = csv.DictReader(fh)
@@ -175,13 +133,15 @@ def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
     done = out + ".json"
     if os.path.exists(done):
         return json.load(open(done))
+    from molds.chemistry.overlap import parents  # here: --help loads no RDKit
+
     exclude = set()
     for s in sets:  # every set of --data-dir, not only those run: the model is reused for them
-        for keys in _map_chunks(read_column(s["path"], s["smiles_column"]), args.nproc):
+        # each fragment's parent of a benchmark molecule; a corpus molecule by its own parent
+        for keys in parents(read_column(s["path"], s["smiles_column"]), args.nproc, sides=True):
             exclude.update(keys)
     smiles = read_column(args.corpus, args.corpus_column)[::args.corpus_every]
-    keys = _map_chunks(smiles, args.nproc, _corpus_keys_of_chunk)
-    kept = [s for s, k in zip(smiles, keys) if k not in exclude]
+    kept = [s for s, k in zip(smiles, parents(smiles, args.nproc)) if k not in exclude]
     tmp = out + ".tmp"
     with gzip.open(tmp, "wt", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")

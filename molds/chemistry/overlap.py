@@ -62,3 +62,35 @@ class Parents:
                 if parent:
                     found.append(parent)
         return found
+
+
+_SHARED: Parents | None = None
+
+
+def _shared() -> Parents:
+    global _SHARED
+    if _SHARED is None:  # once per process (each worker of ``parents``' pool too)
+        _SHARED = Parents()
+    return _SHARED
+
+
+def _of_chunk(chunk: list[str]) -> list[str | None]:
+    return [_shared().of(s) for s in chunk]
+
+
+def _of_sides_chunk(chunk: list[str]) -> list[list[str]]:
+    return [_shared().of_side(s) for s in chunk]
+
+
+def parents(texts: list[str], workers: int = 1, *, sides: bool = False, chunk: int = 2000) -> list:
+    """``Parents.of`` of each text (``sides``: ``Parents.of_side``, a list each), in order, on
+    ``workers`` processes when there is more than one chunk of work."""
+    fn = _of_sides_chunk if sides else _of_chunk
+    chunks = [texts[i:i + chunk] for i in range(0, len(texts), chunk)]
+    if workers <= 1 or len(chunks) <= 1:
+        return [p for c in chunks for p in fn(c)]
+    import multiprocessing as mp  # here: a caller on one process starts no pool
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return [p for part in pool.map(fn, chunks) for p in part]
+

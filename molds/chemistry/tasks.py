@@ -57,10 +57,9 @@ def direction(block: dict | None) -> str:
     reactants)``; ``molecules`` where there is none."""
     if not block:
         return "molecules"
-    source, target = block.get("source_format"), block.get("target_format")
-    if source is None:
-        source, target = PairOptions(block.get("task", "forward"), block.get("reagents", "auto")).formats()
-    return f"{block.get('task')} ({source} -> {target})"
+    if "source_format" not in block:  # a manifest's block: its formats as a lineage keeps them
+        block = lineage_block(block)
+    return f"{block.get('task')} ({block['source_format']} -> {block['target_format']})"
 
 
 def same_direction(trained: dict | None, given: dict | None) -> bool:
@@ -76,8 +75,9 @@ def lineage_block(pairs: dict | None) -> dict | None:
     reagent policy, where the pairs were read from and what the model reads and writes."""
     if not pairs:
         return None
-    source, target = PairOptions(pairs.get("task", "forward"), pairs.get("reagents", "auto")).formats()
-    if "reagents" not in pairs:  # source and target columns: no reagents
+    if "reagents" in pairs:
+        source, target = PairOptions(pairs.get("task", "forward"), pairs["reagents"]).formats()
+    else:  # source and target columns: no reagents
         source, target = {"forward": ("reactants", "products"), "retro": ("a product", "reactants")}.get(
             pairs.get("task"), ("a molecule", "a molecule"))
     return {**{k: pairs[k] for k in ("task", "reagents", "read_from") if k in pairs},

@@ -44,10 +44,10 @@ from collections import defaultdict
 from itertools import permutations
 from multiprocessing import Pool
 
-from rdkit import Chem, RDLogger
+from rdkit import Chem
 from rdkit.Chem import rdChemReactions, rdMMPA
 
-from molds.chemistry.overlap import Parents
+from molds.chemistry.overlap import Parents, parents
 from molds.errors import MoldsError
 from molds.eval.evaluate import smiles_cells
 
@@ -266,26 +266,10 @@ def pair_molecules(path: str) -> set[str]:
     return found
 
 
-_PARENTS = None
-
-
-def _parents_of(smiles: list[str]) -> list[str | None]:
-    global _PARENTS
-    if _PARENTS is None:  # once per process (a worker of the pool too)
-        _PARENTS = Parents()
-    return [_PARENTS.of(s) for s in smiles]
-
-
 def molecules_not_in(smiles: list[str], exclude: set[str], workers: int = 1) -> list[list[str]]:
     """The molecules (as given) whose parent is not in ``exclude``; unreadable ones are kept
     for the ETL to reject and count."""
-    chunks = [smiles[i:i + 2000] for i in range(0, len(smiles), 2000)]
-    if workers > 1 and len(chunks) > 1:
-        with Pool(workers) as pool:
-            parents = [p for part in pool.map(_parents_of, chunks) for p in part]
-    else:
-        parents = [p for c in chunks for p in _parents_of(c)]
-    return [[smi] for smi, parent in zip(smiles, parents) if parent is None or parent not in exclude]
+    return [[smi] for smi, parent in zip(smiles, parents(smiles, workers)) if parent is None or parent not in exclude]
 
 
 def _write(path: str, header: list[str], rows: list[list[str]]) -> None:
