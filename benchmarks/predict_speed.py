@@ -5,11 +5,13 @@ same products, products per second.
     python benchmarks/predict_speed.py --run RUN [--num 64] [--beams 10] [--batch_size 64] [--rounds 3]
 
 RUN is a pair model's run or checkpoint (a decoder or the encoder-decoder; ``molds-train``
-on ``molds-preprocess --task ...``). The first ``--num`` sources of its manifest's test split
-are searched, each way once per round, the rounds interleaved so machine drift hits both:
+on ``molds-preprocess --task ...``). ``--num`` sources of its manifest's test split (evenly
+spread over it, as ``molds-eval --num`` takes them) are searched, each way once per round, the
+rounds interleaved so machine drift hits both:
 
-- ``molds``: ``molds.eval.pairs.predict``, sources of one length batched together
-  (``--batch_size`` at most), as ``molds-predict`` and ``molds-eval`` search;
+- ``molds``: ``molds.eval.pairs.predict``, ``--batch_size`` sources at a time, shortest
+  first, padded and masked, each input leaving the batch when its search ends, as
+  ``molds-predict`` and ``molds-eval`` search;
 - ``transformers``: ``generate(num_beams=k, num_return_sequences=k)`` on the export, one
   source a call (``molds.eval.pairs.generate_exported``, the call a user of the export writes;
   with padding, a batch of sources would not give the same beams: the positions and the

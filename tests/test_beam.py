@@ -79,6 +79,103 @@ def test_inputs_in_one_batch_decode_as_alone():
         assert [h.score for h in together[i]] == pytest.approx([h.score for h in alone], abs=1e-9)
 
 
+class TableSteps:
+    """A model stand-in for the search: each input's next-token logits depend on the input and
+    the step only (a fixed random table), and input i's end token is far likelier than any
+    other at step ``stop[i]`` and far less likely before it: its search ends there. Records how
+    many rows each step selects."""
+
+    def __init__(self, inputs: list[int], stop: list[int], vocab: int = 6):
+        self.inputs, self.stop, self.vocab, self.rows = torch.tensor(inputs), stop, vocab, []
+
+    def _logits(self, t: int) -> torch.Tensor:
+        out = []
+        for i in self.inputs.tolist():
+            row = torch.randn(self.vocab, generator=torch.Generator().manual_seed(100 * i + t), dtype=torch.float64)
+            row[EOS] = 8.0 if t == self.stop[i] else -8.0
+            out.append(row)
+        return torch.stack(out)
+
+    def first(self):
+        return self._logits(0)
+
+    def expand(self, beams):
+        self.inputs = self.inputs.repeat_interleave(beams)
+
+    def step(self, tokens, index):
+        return self._logits(index + 1)
+
+    def select(self, rows):
+        self.rows.append(rows.numel())
+        self.inputs = self.inputs.index_select(0, rows)
+
+
+@pytest.mark.parametrize("early_stopping", ["heuristic", "first"])
+def test_inputs_leave_the_batch_when_their_search_ends(early_stopping):
+    """Four inputs whose searches end at steps 2, 6, 1 and 4: each leaves the batch then
+    (later steps select fewer rows), and each finds what it finds searched alone."""
+    stop, beams = [2, 6, 1, 4], 3
+    steps = TableSteps([0, 1, 2, 3], stop)
+    together = beam_search(steps, beams=beams, eos=EOS, max_tokens=9, early_stopping=early_stopping)
+    # the first token (step 0) for all four; input 2 ends at step 1, 0 at 2, 3 at 4, 1 at 6
+    assert steps.rows == [4 * beams, 3 * beams, 2 * beams, 2 * beams, beams, beams], steps.rows
+    for i in range(4):
+        alone = beam_search(TableSteps([i], stop), beams=beams, eos=EOS, max_tokens=9,
+                            early_stopping=early_stopping)[0]
+        assert [(h.ids, h.ended) for h in together[i]] == [(h.ids, h.ended) for h in alone], i
+        assert [h.score for h in together[i]] == [h.score for h in alone]
+        assert all(h.ended and len(h.ids) == stop[i] for h in alone[:1]), alone
+
+
+def test_prompts_of_other_lengths_in_one_batch_decode_as_alone():
+    """Left-padded prompts of four lengths searched together (their pads masked, their
+    positions from 0) find the hypotheses and scores each finds alone; when an input leaves
+    the batch, its prompt's keys go and the others' next logits are unchanged."""
+    model = tiny(7, 5, scale=1.5)
+    pad_id, beams = 6, 3
+    prompts = [[BOS, 2, 3], [BOS, 5, 5, 2, 4, 4], [BOS, 3], [BOS, 4, 2, 2, 3]]
+    longest = max(map(len, prompts))
+    pads = torch.tensor([longest - len(p) for p in prompts])
+    padded = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    together = beam_search(DecoderSteps(model, padded, pads), beams=beams, eos=EOS, max_tokens=8)
+    for i, p in enumerate(prompts):
+        alone = beam_search(DecoderSteps(model, torch.tensor([p])), beams=beams, eos=EOS, max_tokens=8)[0]
+        assert [(h.ids, h.ended) for h in together[i]] == [(h.ids, h.ended) for h in alone], i
+        assert [h.score for h in together[i]] == pytest.approx([h.score for h in alone], abs=1e-9)
+    # one step of all four, then input 0 dropped (rows of inputs 1-3, in a new beam order)
+    with torch.no_grad():
+        steps = DecoderSteps(model, padded, pads)
+        steps.first()
+        steps.expand(beams)
+        steps.step(torch.tensor([2, 3, 4] * 4), 0)
+        rows = torch.tensor([4, 3, 5, 6, 6, 8, 11, 9, 10])
+        steps.select(rows)
+        got = steps.step(torch.tensor([5, 2, 3, 4, 2, 2, 3, 3, 5]), 1)
+        rest = DecoderSteps(model, padded[1:], pads[1:])
+        rest.first()
+        rest.expand(beams)
+        rest.step(torch.tensor([2, 3, 4] * 3), 0)
+        rest.select(rows - beams)
+        want = rest.step(torch.tensor([5, 2, 3, 4, 2, 2, 3, 3, 5]), 1)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_sources_of_other_lengths_predicted_together_as_alone():
+    """``molds.eval.pairs.predict`` batches sources of several lengths (an encoder-decoder's
+    right-padded and masked): each gets the hypotheses it gets alone."""
+    from molds.eval.pairs import predict
+    from tests.test_seq2seq import SPECIALS, tiny as tiny_seq2seq
+
+    model = tiny_seq2seq(3).double()
+    specials = SimpleNamespace(**vars(SPECIALS), sep=None, mask=None)
+    sources = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [6], [7, 7, 9, 20, 21]]
+    together = predict(model, specials, sources, beams=3, max_tokens=7)
+    for i, src in enumerate(sources):
+        alone = predict(model, specials, [src], beams=3, max_tokens=7)[0]
+        assert [(h.ids, h.ended) for h in together[i]] == [(h.ids, h.ended) for h in alone], i
+        assert [h.score for h in together[i]] == pytest.approx([h.score for h in alone], abs=1e-9)
+
+
 @pytest.mark.parametrize("length_penalty", [0.0, 0.8, 3.0])
 @pytest.mark.parametrize("early_stopping,hf", [("heuristic", False), ("never", "never"), ("first", True)])
 def test_the_same_top_k_as_transformers_generate(early_stopping, hf, length_penalty):

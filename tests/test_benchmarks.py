@@ -209,3 +209,44 @@ def test_gpt_moses_benchmark_scores_the_average_of_the_last_checkpoints(dataset,
     assert line["test_loss"] > 0
     assert line["representation"] == "smiles" and line["decodable"] == line["finished"]  # SMILES decode as written
     assert os.path.isfile(os.path.join(out, "averaged-last2", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(tmp_path):
+    """The bundled template reactions written as USPTO-50k's raw_train / raw_val files: the ETL
+    keeps the validation file whole as the split scored, a shortened recipe trains, and the line
+    holds the whole split's top-k, the augmented top-k, and one curve point per checkpoint."""
+    import csv
+    import gzip
+
+    with gzip.open(os.path.join(ROOT, "molds", "sample_data", "moses_sample_reactions.csv.gz"), "rt") as fh:
+        rows = list(csv.reader(fh))
+    header, body = rows[0], rows[1:]
+    files = {"train": body[:400], "val": body[400:460]}
+    for split, part in files.items():
+        with open(tmp_path / f"raw_{split}.csv", "w", newline="") as fh:
+            csv.writer(fh).writerows([header, *part])
+    run = tmp_path / "run"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "uspto50k.py"),
+                           "--input", str(tmp_path / "raw_*.csv"), "--nproc", "1", "--variants", "2", "--beams", "3",
+                           "--augment", "2", "--augment_num", "20", "--curve", "5", "--",
+                           "--data.manifest", str(tmp_path / "data"), "--run.output_dir", str(run),
+                           "--trainer.max_time", "null", "--trainer.max_steps", "6", "--model.hidden_size", "32",
+                           "--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_heads", "1",
+                           "--checkpoint.interval_fraction", "0", "--checkpoint.interval_steps", "3",
+                           "--checkpoint.average_last", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["split"] == "valid" and line["pairs"] == len(files["val"]) and line["steps"] == 6, line
+    assert line["model"].endswith("averaged"), line["model"]
+    for key in ("accuracy", "accuracy_subset", "accuracy_augmented"):
+        a = line[key]
+        assert 0 <= a["top1"] <= a["top3"] <= 1 and 0 <= a["invalid_top1"] <= 1, line
+    assert 1 < line["accuracy_augmented"]["spellings_per_source"] <= 2 and line["augment_pairs"] == 20, line
+    assert 0 <= line["accuracy_subset"]["top1"] <= 1, line  # the same 20 pairs without augmentation
+    assert [c["step"] for c in line["curve"]] == [3, 6] and all(0 <= c["top1"] <= 1 for c in line["curve"]), line
+    assert line["procedure_s"] == pytest.approx(line["etl_s"] + line["train_s"] + line["eval_s"], abs=0.2)
+    report = json.load(open(run / "checkpoints" / "step-00000003" / "curve-valid" / "eval.json"))
+    assert line["curve"][0]["top1"] == (report.get("pairs") or report)["top1"]

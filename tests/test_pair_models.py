@@ -291,11 +291,15 @@ def test_top_k_is_an_exact_match_of_canonical_sides():
         [pred(canon("c1ccccc1.CCO")), pred(None)],  # the same molecules, another order: a top-1 hit
         [pred(canon("CC(=O)OC")), pred(canon("OC(C)=O")), pred(None)],  # a hit at rank 2
         [pred(canon("CCO")), pred(canon("CCCN")), pred(canon("NCC"))],  # a hit at rank 3
+        # a repeated reactant set (another spelling) and a beam that is no molecule take no place: rank 2
+        [pred(canon("CCO")), pred(None), pred(canon("OCC")), pred(canon("ClCC"))],
     ]
+    targets.append(canon("CCCl"))
     got = topk_accuracy(predictions, targets, ks=(1, 2, 3))
-    assert got["top1"] == pytest.approx(1 / 3) and got["top2"] == pytest.approx(2 / 3) and got["top3"] == 1.0
-    assert got["invalid_beams"] == pytest.approx(2 / 8) and got["invalid_top1"] == 0.0
-    with pytest.raises(ValueError, match="2 predictions for 3 targets"):
+    assert got["top1"] == pytest.approx(1 / 4) and got["top2"] == pytest.approx(3 / 4) and got["top3"] == 1.0
+    assert got["invalid_beams"] == pytest.approx(3 / 12) and got["invalid_top1"] == 0.0
+    assert got["distinct_predictions"] == pytest.approx((1 + 2 + 3 + 2) / 4)
+    with pytest.raises(ValueError, match="2 predictions for 4 targets"):
         topk_accuracy(predictions[:2], targets)
 
 
@@ -396,9 +400,10 @@ def test_eval_top_k_equals_one_computed_from_transformers_beams_and_the_shards(t
     """molds-eval's top-1 and top-3 on a model that learned its task (copying 600 of the
     sample's molecules, mol2mol, trained until about half its first beams are right) equal
     a top-k computed here without molds' search or scoring: transformers' ``generate`` with
-    beams on the exported model, the pairs read from the test shards, every beam and target
-    compared as RDKit canonical SMILES. A misalignment of beams and targets would show; it
-    could hide behind a model that scores near zero."""
+    beams on the exported model, the pairs read from the test shards (evenly spaced), every
+    beam and target compared as RDKit canonical SMILES, each molecule counted at its first
+    beam. A misalignment of beams and targets would show; it could hide behind a model that
+    scores near zero."""
     import gzip
 
     import torch
@@ -432,7 +437,8 @@ def test_eval_top_k_equals_one_computed_from_transformers_beams_and_the_shards(t
     report = json.load(open(tmp_path / "ev" / "eval.json"))
     pairs = report["pairs"]
 
-    rows = [r for s in Manifest.load(data).shards("test") for r in pq.read_table(s.path).to_pylist()][:n]
+    rows = [r for s in Manifest.load(data).shards("test") for r in pq.read_table(s.path).to_pylist()]
+    rows = [rows[i * len(rows) // n] for i in range(n)]  # --num takes pairs evenly spaced through the split
     hf_dir = export(out, str(tmp_path / "hf"))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
@@ -446,11 +452,11 @@ def test_eval_top_k_equals_one_computed_from_transformers_beams_and_the_shards(t
                           pad_token_id=pad, suppress_tokens=sorted(special - {eos}))
         answers = []
         for seq in got[:, prompt.shape[1]:].tolist():
-            if eos not in seq:
-                answers.append(None)
+            if eos not in seq:  # never ended: no molecule, no place
                 continue
             mol = Chem.MolFromSmiles("".join(tok.convert_ids_to_tokens(seq[:seq.index(eos)])))
-            answers.append(Chem.MolToSmiles(mol) if mol is not None else None)
+            if mol is not None and Chem.MolToSmiles(mol) not in answers:  # each molecule once, as it first came
+                answers.append(Chem.MolToSmiles(mol))
         want = Chem.MolToSmiles(Chem.MolFromSmiles(r["target_smiles"]))
         for k in hits:
             hits[k] += want in answers[:k]
@@ -519,7 +525,9 @@ def test_a_round_trip_gives_each_retro_prediction_to_the_forward_model(tmp_path,
                "--logging.tensorboard", "false", "--logging.progress", "false", "--run.output_dir", runs[task]])
     n = 30
     products = [r["source_smiles"] for s in Manifest.load(str(tmp_path / "pairs-retro")).shards("test")
-                for r in pq.read_table(s.path).to_pylist()][:n]
+                for r in pq.read_table(s.path).to_pylist()]
+    assert len(products) > n
+    products = [products[i * len(products) // n] for i in range(n)]  # as molds-eval --num takes them
     (tmp_path / "products.smi").write_text("".join(f"{p}\n" for p in products))
     out = tmp_path / "pred.csv"
     capsys.readouterr()

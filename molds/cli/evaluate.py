@@ -28,7 +28,8 @@ def build_parser():
                    help="evaluate on this manifest (default: the one the checkpoint trained on)")
     p.add_argument("--split", type=str, default="test", help="the split scored")
     p.add_argument("--num", type=int, default=10000, help="samples per seed (decoders); pairs of the split scored "
-                                                          "(a pair model: molds-preprocess --task)")
+                                                          "(a pair model: molds-preprocess --task), evenly spread over "
+                                                          "it when it holds more")
     p.add_argument("--beams", type=int, default=10,
                    help="a pair model: beam width, and the largest k of the top-k accuracy reported")
     p.add_argument("--verify_with", type=str, default=None,

@@ -21,7 +21,9 @@ to transformers decodes to the same top k:
 A model plugs in through four calls (``Steps``): the logits of the first generated position
 for each input, the cache grown to k rows per input, one step for every row, and the cache
 rows reordered to follow their beams' parents. ``DecoderSteps`` is the causal decoder's, with
-its key/value cache.
+a key/value cache per layer that holds each prompt's keys once for all its beams
+(``PromptSharedCache``): reordering beams moves only what they generated, and a step reads
+the prompt's keys once per input rather than once per beam.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
+
+from ..models.decoder import causal_attention
 
 _LARGE = 1.0e9  # what transformers adds to a score to take it out of the race
 
@@ -45,7 +50,9 @@ class Steps(Protocol):
         """Feed one token per row, the ``index``-th generated (0: the first); logits [rows, vocab]."""
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep the state rows ``rows``, in that order (each beam's parent)."""
+        """Keep the state rows ``rows``, in that order (each beam's parent; ``beams`` rows per
+        input, input-major, each taken from a row of the same input). Fewer rows than held:
+        the inputs whose search ended are dropped, the others keep their order."""
 
 
 @dataclass
@@ -82,6 +89,8 @@ def beam_search(steps: Steps, *, beams: int, eos: int, max_tokens: int, length_p
     open_ = torch.ones(n, dtype=torch.bool, device=device)  # an input whose search may still improve
     keep = min(2 * k, k * vocab)
     top_k = torch.arange(keep, device=device) < k
+    inputs = list(range(n))  # the inputs still searched, by their index
+    final: dict[int, tuple] = {}  # an input's kept hypotheses once its search ends
     for t in range(max_tokens):
         logp = torch.log_softmax(logits.to(dtype), dim=-1)
         if forbid:
@@ -123,53 +132,137 @@ def beam_search(steps: Steps, *, beams: int, eos: int, max_tokens: int, length_p
             open_ &= ~done_kept.all(dim=1)
         if t + 1 == max_tokens or not bool(open_.any()):
             break
+        fed = torch.gather(token, 1, nxt)
+        if not bool(open_.all()):  # inputs whose search ended leave the batch: later steps run only the others
+            for j in (~open_).nonzero().flatten().tolist():
+                final[inputs[j]] = (done_scores[j], done_seqs[j], done_sum[j], done_len[j], done_kept[j])
+            stay = open_.nonzero().flatten()
+            inputs = [inputs[j] for j in stay.tolist()]
+            running, seqs, fed, open_ = running[stay], seqs[stay], fed[stay], open_[stay]
+            done_scores, done_seqs, done_sum = done_scores[stay], done_seqs[stay], done_sum[stay]
+            done_len, done_kept = done_len[stay], done_kept[stay]
+            rows = rows.view(-1, k)[stay].reshape(-1)
+            n = len(inputs)
         steps.select(rows)
-        logits = steps.step(torch.gather(token, 1, nxt).reshape(-1), t)
+        logits = steps.step(fed.reshape(-1), t)
+    for j, i in enumerate(inputs):
+        final[i] = (done_scores[j], done_seqs[j], done_sum[j], done_len[j], done_kept[j])
     out = []
-    for i in range(n):
+    for i in range(len(final)):
+        scores, seqs_i, sums, lengths, kept = final[i]
         found = []
         for j in range(k):
-            if not bool(done_kept[i, j]):
+            if not bool(kept[j]):
                 continue
-            length = int(done_len[i, j])
-            ids = done_seqs[i, j, :length].tolist()
+            ids = seqs_i[j, :int(lengths[j])].tolist()
             ended = ids[-1] == eos
-            found.append(Hypothesis(ids[:-1] if ended else ids, float(done_scores[i, j]), float(done_sum[i, j]),
-                                    ended))
+            found.append(Hypothesis(ids[:-1] if ended else ids, float(scores[j]), float(sums[j]), ended))
         found.sort(key=lambda h: -h.score)
         out.append(found)
     return out
 
 
-class DecoderSteps:
-    """A causal decoder (``model.decode`` with its key/value cache) completing prompts of
-    one length (``prompts`` [inputs, P]: bos and the source tokens, and a separator)."""
+class PromptSharedCache:
+    """One attention layer's keys and values in a causal decoder's beam search: the prompts'
+    ([inputs, kv heads, S, D], written by the first call) shared by the beams of each input,
+    then each beam's generated ones ([inputs x beams, kv heads, T, D]). A step's query
+    attends to its input's prompt and its own beam's tokens: one softmax over both, in float32
+    at least, as ``scaled_dot_product_attention`` computes it (query head h reads kv head
+    h // (heads / kv heads))."""
 
-    def __init__(self, model, prompts: torch.Tensor):
+    def __init__(self, pad: torch.Tensor | None = None):
+        self.pad = pad if pad is not None and bool(pad.any()) else None  # [inputs]: each prompt's left pads
+        self.prompt_k = self.prompt_v = self.pads = None
+        self.k = self.v = None
+        self.beams = 1
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.prompt_k is None:  # the prompts, causal within each
+            dt = torch.promote_types(k.dtype, torch.float32)  # float32 (float64 for a float64 model)
+            self.prompt_k, self.prompt_v = k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt)
+            if self.pad is None:
+                return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+            at = torch.arange(q.shape[1], device=q.device)
+            self.pads = at[None, :] < self.pad[:, None]  # [inputs, S]: keys no query reads
+            # causal, and no pad key, except a pad query's own (its row then has a key: no NaN)
+            allowed = (at[None, :] <= at[:, None])[None] & (~self.pads[:, None, :] | (at[None, :] == at[:, None])[None])
+            with torch.autocast(q.device.type, enabled=False):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), self.prompt_k, self.prompt_v,
+                                                     attn_mask=allowed[:, None], enable_gqa=True)
+            return out.transpose(1, 2).to(q.dtype)
+        if q.shape[1] != 1:
+            raise ValueError("with a filled cache, decode one token at a time")
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        n, kv, s, d = self.prompt_k.shape
+        rows, _, heads, _ = q.shape
+        b, t = rows // n, self.k.shape[2]
+        dt = self.prompt_k.dtype
+        qg = q.reshape(n, b, kv, heads // kv, d).to(dt)
+        own_k, own_v = self.k.reshape(n, b, kv, t, d).to(dt), self.v.reshape(n, b, kv, t, d).to(dt)
+        with torch.autocast(q.device.type, enabled=False):  # float32 products at least, as causal_attention's
+            prompt = torch.einsum("nbvgd,nvsd->nbvgs", qg, self.prompt_k)
+            if self.pads is not None:
+                prompt = prompt.masked_fill(self.pads[:, None, None, None, :], -float("inf"))
+            scores = torch.cat([prompt, torch.einsum("nbvgd,nbvtd->nbvgt", qg, own_k)], dim=-1)
+            w = torch.softmax(scores * d ** -0.5, dim=-1)
+            out = (torch.einsum("nbvgs,nvsd->nbvgd", w[..., :s], self.prompt_v)
+                   + torch.einsum("nbvgt,nbvtd->nbvgd", w[..., s:], own_v))
+        return out.reshape(rows, 1, heads, d).to(q.dtype)
+
+    def expand(self, beams: int) -> None:
+        if self.k is not None:
+            raise ValueError("expand before the first generated token")
+        self.beams = beams
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Beam rows follow their parents (rows of the same input: the prompts stay), and the
+        prompts of inputs that left the search go."""
+        if rows.numel() != self.prompt_k.shape[0] * self.beams:
+            inputs = rows.view(-1, self.beams)[:, 0] // self.beams
+            self.prompt_k, self.prompt_v = self.prompt_k.index_select(0, inputs), self.prompt_v.index_select(0, inputs)
+            if self.pads is not None:
+                self.pads = self.pads.index_select(0, inputs)
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+
+
+class DecoderSteps:
+    """A causal decoder (``model.decode`` with its key/value cache) completing prompts
+    (``prompts`` [inputs, P]: bos and the source tokens, and a separator), left-padded to one
+    length where ``pad`` [inputs] gives each one's pads: their keys are masked and each
+    prompt's positions start at 0, so that it decodes as it would alone."""
+
+    def __init__(self, model, prompts: torch.Tensor, pad: torch.Tensor | None = None):
         self.model, self.prompts = model, prompts
-        self.cache = [{} for _ in model.model.layers]
+        self.offsets = pad if pad is not None and bool(pad.any()) else None
+        self.cache = [PromptSharedCache(self.offsets) for _ in model.model.layers]
 
     def first(self) -> torch.Tensor:
-        return self.model.decode(self.prompts, self.cache, 0)
+        return self.model.decode(self.prompts, self.cache, 0, self.offsets)
 
     def expand(self, beams: int) -> None:
         for layer in self.cache:
-            for key in layer:
-                layer[key] = layer[key].repeat_interleave(beams, dim=0)
+            layer.expand(beams)
+        if self.offsets is not None:  # a beam's row keeps its input's offset: select moves rows within an input
+            self.offsets = self.offsets.repeat_interleave(beams)
 
     def step(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
-        return self.model.decode(tokens[:, None], self.cache, self.prompts.shape[1] + index)
+        return self.model.decode(tokens[:, None], self.cache, self.prompts.shape[1] + index, self.offsets)
 
     def select(self, rows: torch.Tensor) -> None:
         for layer in self.cache:
-            for key in layer:
-                layer[key] = layer[key].index_select(0, rows)
+            layer.select(rows)
+        if self.offsets is not None:
+            self.offsets = self.offsets.index_select(0, rows)
 
 
 class Seq2SeqSteps:
     """The encoder-decoder (``molds.models.seq2seq``): the sources encoded once (right padded,
     ``attention_mask`` marking their tokens), the decoder started at ``start`` (``<bos>``)
-    with its self- and cross-attention caches."""
+    with its self- and cross-attention caches; reordering beams moves only the self-attention
+    keys (the beams of an input share its source)."""
 
     def __init__(self, model, sources: torch.Tensor, attention_mask: torch.Tensor, start: int):
         from ..models.seq2seq import _key_mask  # here: molds-predict --help loads no Triton
@@ -197,4 +290,12 @@ class Seq2SeqSteps:
         return self.model.decode(tokens[:, None], self.memory, self.mask, self.cache, index + 1)
 
     def select(self, rows: torch.Tensor) -> None:
-        self._each(lambda t: t.index_select(0, rows))
+        if rows.numel() != self.memory.shape[0]:  # inputs left: every part follows the rows kept
+            self._each(lambda t: t.index_select(0, rows))
+            return
+        # a beam's parent is a row of the same input, whose source memory and cross-attention
+        # keys are the same: only the decoder's own keys move
+        for layer in self.cache:
+            own = layer.get("self", {})
+            for key in own:
+                own[key] = own[key].index_select(0, rows)

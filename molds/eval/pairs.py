@@ -80,31 +80,33 @@ def forbidden_in_targets(specials) -> tuple[int, ...]:
 def predict(model, specials, sources: list[list[int]], *, beams: int, max_tokens: int, length_penalty: float = 1.0,
             batch_size: int = 64, early_stopping: str = "heuristic") -> list[list[Hypothesis]]:
     """The best ``beams`` hypotheses of each source (its token ids, without BOS and SEP), in
-    the order of ``sources``. Sources of one length are searched together. A decoder completes
-    ``BOS source SEP``; the encoder-decoder encodes ``BOS source EOS`` (as it was trained,
-    ``molds.data.bucketing``) and decodes from ``BOS``."""
+    the order of ``sources``. Sources are searched ``batch_size`` at a time, shortest first,
+    padded to the longest of their batch (its pads masked: each source decodes as it would
+    alone). A decoder completes ``BOS source SEP`` (left-padded); the encoder-decoder encodes
+    ``BOS source EOS`` (right-padded, as it was trained, ``molds.data.bucketing``) and
+    decodes from ``BOS``."""
     device = next(model.parameters()).device
     seq2seq = encoder_decoder(model)
-    by_length: dict[int, list[int]] = {}
-    for i, src in enumerate(sources):
-        by_length.setdefault(len(src), []).append(i)
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[Hypothesis] | None] = [None] * len(sources)
     forbid = forbidden_in_targets(specials)
-    for length in sorted(by_length):
-        order = by_length[length]
-        for lo in range(0, len(order), batch_size):
-            chosen = order[lo:lo + batch_size]
-            if seq2seq:
-                ids = torch.tensor([[specials.bos, *sources[i], specials.eos] for i in chosen], dtype=torch.long,
-                                   device=device)
-                steps = Seq2SeqSteps(model, ids, torch.ones_like(ids), specials.bos)
-            else:
-                steps = DecoderSteps(model, torch.tensor([[specials.bos, *sources[i], specials.sep] for i in chosen],
-                                                         dtype=torch.long, device=device))
-            found = beam_search(steps, beams=beams, eos=specials.eos, max_tokens=max_tokens,
-                                length_penalty=length_penalty, early_stopping=early_stopping, forbid=forbid)
-            for i, hyps in zip(chosen, found):
-                out[i] = hyps
+    for lo in range(0, len(order), batch_size):
+        chosen = order[lo:lo + batch_size]
+        longest = max(len(sources[i]) for i in chosen)
+        pads = [longest - len(sources[i]) for i in chosen]
+        if seq2seq:
+            ids = torch.tensor([[specials.bos, *sources[i], specials.eos] + [specials.pad] * p
+                                for i, p in zip(chosen, pads)], dtype=torch.long, device=device)
+            mask = torch.tensor([[1] * (longest + 2 - p) + [0] * p for p in pads], dtype=torch.long, device=device)
+            steps = Seq2SeqSteps(model, ids, mask, specials.bos)
+        else:
+            ids = torch.tensor([[specials.pad] * p + [specials.bos, *sources[i], specials.sep]
+                                for i, p in zip(chosen, pads)], dtype=torch.long, device=device)
+            steps = DecoderSteps(model, ids, torch.tensor(pads, dtype=torch.long, device=device))
+        found = beam_search(steps, beams=beams, eos=specials.eos, max_tokens=max_tokens,
+                            length_penalty=length_penalty, early_stopping=early_stopping, forbid=forbid)
+        for i, hyps in zip(chosen, found):
+            out[i] = hyps
     return out
 
 
@@ -148,6 +150,19 @@ def read_back(tokenizer, hypotheses: list[list[Hypothesis]], sides) -> list[list
     return out
 
 
+def distinct(preds: list[Prediction]) -> list[Prediction]:
+    """The valid predictions of one beam list, each side once, in beam order: the candidates a
+    chemist reads (two beams may spell one reactant set, as ``A.B`` and ``B.A``, or in two
+    rootings after training on aligned spellings)."""
+    seen: set[str] = set()
+    out = []
+    for p in preds:
+        if p.side is not None and p.side not in seen:
+            seen.add(p.side)
+            out.append(p)
+    return out
+
+
 def vote(per_spelling: list[list[Prediction]], keep: int, alpha: float = 1.0) -> list[Prediction]:
     """Test-time augmentation's ranking (R-SMILES, Zhong et al. 2022) of one source's
     predictions from several of its spellings. In each spelling's list, the distinct valid
@@ -159,12 +174,7 @@ def vote(per_spelling: list[list[Prediction]], keep: int, alpha: float = 1.0) ->
     best: dict[str, int] = {}
     first: dict[str, Prediction] = {}
     for preds in per_spelling:
-        seen: set[str] = set()  # a side spelled twice among one spelling's beams votes once, at its first place
-        for p in preds:
-            if p.side is None or p.side in seen:
-                continue
-            place = len(seen)
-            seen.add(p.side)
+        for place, p in enumerate(distinct(preds)):  # a side spelled twice votes once, at its first place
             votes[p.side] = votes.get(p.side, 0.0) + 1.0 / (1.0 + alpha * place)
             best[p.side] = min(best.get(p.side, place), place)
             first.setdefault(p.side, p)
@@ -173,16 +183,20 @@ def vote(per_spelling: list[list[Prediction]], keep: int, alpha: float = 1.0) ->
 
 
 def topk_accuracy(predictions: list[list[Prediction]], targets: list[str], ks=TOP_KS) -> dict:
-    """``top{k}``: the share of inputs whose target is among their first k predictions
-    (exact match of canonical sides); ``invalid_beams``: the share of all predictions that
-    are no molecules (or never ended); ``invalid_top1``: the share of first predictions;
-    ``top1_score``: the mean score of the first predictions."""
+    """``top{k}``: the share of inputs whose target is among their first k distinct valid
+    predictions (``distinct``: exact match of canonical sides; R-SMILES's count, where a beam
+    that repeats an earlier reactant set or is no molecule takes no place);
+    ``distinct_predictions``: their mean number per input; ``invalid_beams``: the share of
+    all predictions that are no molecules (or never ended); ``invalid_top1``: the share of
+    first predictions; ``top1_score``: the mean score of the first predictions."""
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
     n = max(1, len(targets))
+    kept = [distinct(preds) for preds in predictions]
     out = {}
     for k in ks:
-        out[f"top{k}"] = sum(any(p.side == t for p in preds[:k]) for preds, t in zip(predictions, targets)) / n
+        out[f"top{k}"] = sum(any(p.side == t for p in preds[:k]) for preds, t in zip(kept, targets)) / n
+    out["distinct_predictions"] = sum(map(len, kept)) / n
     beams = [p for preds in predictions for p in preds]
     out["invalid_beams"] = sum(p.side is None for p in beams) / max(1, len(beams))
     out["invalid_top1"] = sum(not preds or preds[0].side is None for preds in predictions) / n
@@ -289,17 +303,37 @@ def predict_augmented(loaded, sources: list[str], source_ids: list[list[int]], *
     return [vote(g, beams) for g in grouped], raw, [len(g) for g in grouped], budget
 
 
+def spread(total: int, num: int) -> list[int]:
+    """``num`` positions of ``total`` rows, evenly spaced from the first (all of them when
+    ``num`` >= ``total``). A split's shards are its length buckets, shortest first, so the
+    first ``num`` rows would be its shortest pairs; evenly spaced rows take each bucket in its
+    share, the same rows every time."""
+    if num >= total:
+        return list(range(total))
+    return [(i * total) // num for i in range(num)]
+
+
 def split_pairs(manifest, split: str, num: int) -> list[dict]:
-    """The first ``num`` pairs of a split, in the manifest's order: compound_id, source_smiles,
-    target_smiles, source_token_ids, target_length."""
+    """``num`` pairs of a split (all when it holds no more), evenly spread over it in the
+    manifest's order (``spread``): compound_id, source_smiles, target_smiles,
+    source_token_ids, target_length."""
     import pyarrow.parquet as pq  # here: molds-predict --help loads no pyarrow
 
+    shards = manifest.shards(split)
+    wanted = spread(sum(s.num_rows for s in shards), max(0, num))
     rows: list[dict] = []
     columns = ["compound_id", "source_smiles", "target_smiles", "source_token_ids", "target_length"]
-    for shard in manifest.shards(split):
-        if len(rows) >= num:
-            break
-        rows.extend(pq.read_table(shard.path, columns=columns).slice(0, num - len(rows)).to_pylist())
+    first, j = 0, 0
+    for shard in shards:
+        end = first + shard.num_rows
+        take = []
+        while j < len(wanted) and wanted[j] < end:
+            take.append(wanted[j] - first)
+            j += 1
+        if take:
+            table = pq.read_table(shard.path, columns=columns)
+            rows.extend(table.take(take).to_pylist() if len(take) < table.num_rows else table.to_pylist())
+        first = end
     return rows
 
 

@@ -121,7 +121,9 @@ class Attention(nn.Module):
         """x: [B, S, hidden] (one sequence per row), or [T, hidden] real tokens with ``layout``.
 
         ``cache`` (generation): a dict holding this layer's keys and values so far; the
-        new keys and values are appended, and the new queries attend to all of them."""
+        new keys and values are appended, and the new queries attend to all of them. An
+        object with ``attend(q, k, v)`` (q [B, S, heads, D], k and v [B, S, kv heads, D];
+        returns [B, S, heads, D]) keeps them its own way instead (``molds.eval.beam``)."""
         cfg = self.cfg
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim)
@@ -130,7 +132,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        if cache is not None:
+        if cache is not None and hasattr(cache, "attend"):  # a cache that keeps and attends (a beam search's)
+            out = cache.attend(q, k, v)
+        elif cache is not None:
             past = "k" in cache
             if past:
                 k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
@@ -446,12 +450,17 @@ class CausalDecoder(nn.Module):
         half = torch.is_autocast_enabled("cpu") or self.lm_head.weight.dtype in (torch.bfloat16, torch.float16)
         return self.CPU_BF16_ROW_MULTIPLE if half else 1
 
-    def decode(self, input_ids: torch.Tensor, cache: list[dict], start: int) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, cache: list, start: int,
+               offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Generation step with a key/value cache: ``input_ids`` [B, S] sit at positions
-        ``start ..``; returns the logits of the last position [B, vocab]. ``cache`` is a
-        list with one dict per layer (empty dicts to start)."""
+        ``start ..``, each row's moved back by its ``offsets`` [B] where given (a left-padded
+        prompt: its first real token at position 0); returns the logits of the last position
+        [B, vocab]. ``cache`` is a list with one dict per layer (empty dicts to start), or
+        one object per layer that keeps and attends (``Attention``)."""
         b, s = input_ids.shape
         position_ids = torch.arange(start, start + s, device=input_ids.device).expand(b, s)
+        if offsets is not None:
+            position_ids = position_ids - offsets[:, None]
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer, layer_cache in zip(self.model.layers, cache):

@@ -189,6 +189,20 @@ def test_uspto_50k_layout_each_side_equals_rdkit_and_every_row_is_accounted(uspt
                                                           "seed": 0}
     assert "canonical_smiles" not in m["columns"] and "source_token_ids" in m["columns"]
 
+    # the pairs molds-eval --num scores: spread over the split, whose shards are length buckets
+    # shortest first, not its first (shortest) rows; all of them, in order, when it holds no more
+    from molds.data.manifest import Manifest
+    from molds.eval.pairs import split_pairs
+
+    train = [r["compound_id"] for r in shard_rows(out, m) if r["split"] == "train"]
+    assert len(m["splits"]["train"]) > 2, "one length bucket: the spread is not tested"
+    assert [r["compound_id"] for r in split_pairs(Manifest.load(out), "train", len(train) + 5)] == train
+    k = len(train) // 5
+    at = [train.index(r["compound_id"]) for r in split_pairs(Manifest.load(out), "train", k)]
+    gap = -(-len(train) // k)
+    assert len(at) == k and at == sorted(set(at)) and at[0] == 0 and at[-1] >= len(train) - gap
+    assert all(b - a <= gap for a, b in zip(at, at[1:])), at
+
 
 def test_uspto_mit_lines_reactions_with_edits(reactions, tmp_path):
     """USPTO-MIT's files: one ``reactants>reagents>products edits`` line per reaction, the

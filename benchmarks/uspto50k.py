@@ -1,0 +1,168 @@
+"""A reaction recipe end to end on USPTO-50k's published files: ETL (when needed), training,
+top-k on an evaluation split with and without test-time augmentation, a learning curve.
+
+    python benchmarks/uspto50k.py --input 'schneider50k/raw_*.csv' [--recipe recipes/cpu_uspto50k_retro.json]
+                                  [--task retro] [--variants 20] [--nproc 2] [--split valid]
+                                  [--beams 10] [--augment 20] [--augment_num 0] [--curve 500] [--score_only]
+                                  [-- extra recipe overrides]
+
+1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
+   ``--input`` (the published ``raw_train`` / ``raw_val`` / ``raw_test`` files, or any files
+   in their layout) as docs/tutorials/uspto50k.md writes it: ``--task``, ``--split given``
+   (each file's split from its name, evaluation splits kept whole), ``--variants``
+   root-aligned spellings of each training pair.
+2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` into a fresh
+   run directory (the recipe's ``run.output_dir``, or ``--run.output_dir`` among the overrides).
+3. ``molds-eval RUN --split SPLIT --beams BEAMS`` on every pair of the split (the run's model:
+   its average when the recipe writes one). ``procedure_s`` is ETL + training + this.
+4. The learning curve: each checkpoint of the run scored on ``--curve`` pairs of the split
+   (evenly spread over it; 0: skipped) with the same beams.
+5. ``--augment A`` (R-SMILES's test-time augmentation: A searches a source; 0: skipped),
+   timed apart, on ``--augment_num`` pairs evenly spread over the split (0: all of it; fewer
+   are also scored without augmentation, for the like-for-like figure).
+
+One JSON line: the split's size and what it shares with training, every top-k and invalid
+share, the phases' wall times, the run's steps, precision and tokens per second, the curve,
+and the published figures beside them (test split, reaction class unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# top-1/3/5/10 on USPTO-50k's test split, reaction class unknown: Coley et al. 2017 (RetroSim),
+# Irwin et al. 2022 (Chemformer, the vanilla Transformer row from its table), Zhong et al. 2022 (R-SMILES, 20x test-time
+# augmentation; 51.2 / 83.0 top-1 / top-10 without), Chen & Jung 2021 (LocalRetro)
+PUBLISHED_RETRO = {"RetroSim": [0.373, 0.547, 0.633, 0.741], "Transformer": [0.424, 0.586, 0.638, 0.677],
+                   "Chemformer": [0.536, None, 0.623, None], "R-SMILES": [0.563, 0.792, 0.862, 0.910],
+                   "LocalRetro": [0.534, 0.775, 0.859, 0.924]}
+KS = (1, 3, 5, 10)
+
+
+def preprocess(inputs: str, manifest_dir: str, task: str, variants: int) -> None:
+    """The ETL command of docs/tutorials/uspto50k.md."""
+    subprocess.run(["molds-preprocess", "--input", inputs, "--smiles_column", "reactants>reagents>production",
+                    "--id_column", "id", "--task", task, "--split", "given", "--output", manifest_dir]
+                   + (["--randomized_variants", str(variants)] if variants else []), check=True)
+
+
+def evaluate(target: str, split: str, num: int, beams: int, out: str, augment: int = 1) -> tuple[dict, float]:
+    """``molds-eval`` on ``target`` (a run or checkpoint directory): its report and wall time."""
+    t0 = time.time()
+    subprocess.run(["molds-eval", target, "--split", split, "--num", str(num), "--beams", str(beams),
+                    "--augment", str(augment), "--out", out], check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "eval.json")) as fh:
+        return json.load(fh), time.time() - t0
+
+
+def accuracy(report: dict) -> dict:
+    """The top-k, invalid shares and loss of a molds-eval report on a pair model."""
+    pairs = report.get("pairs") or report
+    keys = [f"top{k}" for k in KS] + ["distinct_predictions", "invalid_top1", "invalid_beams", "top1_score",
+                                     "spellings_per_source"]
+    out = {k: pairs[k] for k in keys if k in pairs}
+    if "loss" in report:
+        out["loss"] = report["loss"]
+    return out
+
+
+def recipe_value(recipe: str, overrides: list[str], key: str):
+    """``section.key`` of the recipe as the overrides leave it (the last ``--section.key V`` wins)."""
+    value = None
+    for i, a in enumerate(overrides):
+        if a.split("=", 1)[0] == f"--{key}":
+            value = a.split("=", 1)[1] if "=" in a else overrides[i + 1]
+    if value is not None:
+        return value
+    with open(recipe) as fh:
+        section, name = key.split(".", 1)
+        return json.load(fh).get(section, {}).get(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", default=None, help="the published files (a glob); needed when the manifest is missing")
+    p.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_uspto50k_retro.json"))
+    p.add_argument("--task", default="retro", choices=["retro", "forward"])
+    p.add_argument("--variants", type=int, default=20, help="root-aligned spellings stored per training pair")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--split", default="valid")
+    p.add_argument("--beams", type=int, default=10)
+    p.add_argument("--augment", type=int, default=20, help="spellings searched per source (0: skip this phase)")
+    p.add_argument("--augment_num", type=int, default=0,
+                   help="pairs of the split scored with augmentation, evenly spread (0: all); then also without")
+    p.add_argument("--curve", type=int, default=500, help="pairs scored per checkpoint (0: no learning curve)")
+    p.add_argument("--score_only", action="store_true", help="score a finished run (phases 3-5), training nothing")
+    args = p.parse_args(argv)
+
+    manifest = recipe_value(args.recipe, overrides, "data.manifest")
+    run_dir = recipe_value(args.recipe, overrides, "run.output_dir")
+    result: dict = {"recipe": os.path.relpath(args.recipe, ROOT) if args.recipe.startswith(ROOT) else args.recipe,
+                    "overrides": overrides, "task": args.task, "manifest": manifest, "run": run_dir}
+    etl_s = train_s = 0.0
+    if not args.score_only:
+        if not os.path.exists(os.path.join(manifest, "manifest.json")):
+            if not args.input or not glob.glob(args.input):
+                p.error(f"{manifest} holds no manifest: give --input, the published files")
+            t0 = time.time()
+            preprocess(args.input, manifest, args.task, args.variants)
+            etl_s = time.time() - t0
+        if os.path.exists(run_dir):
+            p.error(f"{run_dir} exists: this measures a fresh run (remove it, or --score_only)")
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                        os.path.join(ROOT, "molds", "train.py"), "--recipe", args.recipe, *overrides], check=True)
+        train_s = time.time() - t0
+    with open(os.path.join(manifest, "manifest.json")) as fh:
+        m = json.load(fh)
+    split = m["stats"]["splits"][args.split]
+    result.update(split=args.split, pairs=split["rows"], shared_with_train=split.get("shared_with_train"))
+
+    report, eval_s = evaluate(run_dir, args.split, split["rows"], args.beams,
+                              os.path.join(run_dir, f"eval-{args.split}"))
+    result.update(model=report.get("checkpoint"), accuracy=accuracy(report))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        lines = [json.loads(x) for x in fh if x.strip()]
+    steps = [x for x in lines if "train/tokens_per_sec" in x]
+    result.update(steps=max((x["step"] for x in lines), default=0),
+                  tokens_per_sec=round(sum(x["train/tokens_per_sec"] for x in steps) / max(1, len(steps))))
+    if args.curve:
+        curve = []
+        checkpoints = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step-*")))
+        for ckpt in checkpoints:
+            r, _ = evaluate(ckpt, args.split, args.curve, args.beams, os.path.join(ckpt, f"curve-{args.split}"))
+            a = accuracy(r)
+            curve.append({"step": int(os.path.basename(ckpt).split("-")[1]), **{k: a.get(k) for k in
+                                                                                  ("top1", "top10", "invalid_top1", "loss")}})
+        result["curve"] = curve
+    if args.augment > 1:  # on the same pairs without augmentation too, for a like-for-like pair of figures
+        num = args.augment_num or split["rows"]
+        if num < split["rows"]:
+            plain, _ = evaluate(run_dir, args.split, num, args.beams, os.path.join(run_dir, f"eval-{args.split}-{num}"))
+            result["accuracy_subset"] = accuracy(plain)
+        augmented, augment_s = evaluate(run_dir, args.split, num, args.beams,
+                                        os.path.join(run_dir, f"eval-{args.split}-{num}-augment{args.augment}"),
+                                        augment=args.augment)
+        result.update(augment=args.augment, augment_pairs=num, accuracy_augmented=accuracy(augmented),
+                      augment_s=round(augment_s, 1))
+    result.update(etl_s=round(etl_s, 1), train_s=round(train_s, 1), eval_s=round(eval_s, 1),
+                  procedure_s=round(etl_s + train_s + eval_s, 1))
+    if args.task == "retro":
+        result["published_test"] = {k: dict(zip([f"top{x}" for x in KS], v)) for k, v in PUBLISHED_RETRO.items()}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
