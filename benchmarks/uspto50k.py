@@ -22,8 +22,8 @@ top-k on an evaluation split with and without test-time augmentation, a learning
    are also scored without augmentation, for the like-for-like figure).
 
 One JSON line: the split's size and what it shares with training, every top-k and invalid
-share, the phases' wall times, the run's steps, precision and tokens per second, the curve,
-and the published figures beside them (test split, reaction class unknown).
+share, the phases' wall times, the run's steps and tokens per second, the curve, the CPU it
+ran on, and the published figures beside them (test split, reaction class unknown).
 """
 
 from __future__ import annotations
@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                       augment_s=round(augment_s, 1))
     result.update(etl_s=round(etl_s, 1), train_s=round(train_s, 1), eval_s=round(eval_s, 1),
                   procedure_s=round(etl_s + train_s + eval_s, 1))
+    from molds.runtime.lifecycle import cpu_description  # after the run: the parse loads no torch
+
+    result["cpu"] = cpu_description()
     if args.task == "retro":
         result["published_test"] = {k: dict(zip([f"top{x}" for x in KS], v)) for k, v in PUBLISHED_RETRO.items()}
     print(json.dumps(result))

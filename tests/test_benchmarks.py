@@ -240,7 +240,7 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["split"] == "valid" and line["pairs"] == len(files["val"]) and line["steps"] == 6, line
-    assert line["model"].endswith("averaged"), line["model"]
+    assert line["model"].endswith("averaged") and line["cpu"], line
     for key in ("accuracy", "accuracy_subset", "accuracy_augmented"):
         a = line[key]
         assert 0 <= a["top1"] <= a["top3"] <= 1 and 0 <= a["invalid_top1"] <= 1, line
