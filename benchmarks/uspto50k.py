@@ -54,37 +54,24 @@ def preprocess(inputs: str, manifest_dir: str, task: str, variants: int) -> None
                    + (["--randomized_variants", str(variants)] if variants else []), check=True)
 
 
-def evaluate(target: str, split: str, num: int, beams: int, out: str, augment: int = 1) -> tuple[dict, float]:
-    """``molds-eval`` on ``target`` (a run or checkpoint directory): its report and wall time."""
+def evaluate(target: str, split: str, num: int, beams: int, out: str, augment: int = 1,
+             loss: bool = True) -> tuple[dict, float]:
+    """``molds-eval`` on ``target`` (a run or checkpoint directory): its report and wall time.
+    ``loss=False``: the split's loss on one batch only (a model whose whole-split loss is known)."""
     t0 = time.time()
     subprocess.run(["molds-eval", target, "--split", split, "--num", str(num), "--beams", str(beams),
-                    "--augment", str(augment), "--out", out], check=True, stdout=subprocess.DEVNULL)
+                    "--augment", str(augment), "--out", out, *([] if loss else ["--max_batches", "1"])],
+                   check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "eval.json")) as fh:
         return json.load(fh), time.time() - t0
 
 
-def accuracy(report: dict) -> dict:
-    """The top-k, invalid shares and loss of a molds-eval report on a pair model."""
-    pairs = report.get("pairs") or report
+def accuracy(report: dict, loss: bool = True) -> dict:
+    """The top-k, invalid shares (and the split's loss) of a molds-eval report on a pair model."""
     keys = [f"top{k}" for k in KS] + ["distinct_predictions", "invalid_top1", "invalid_beams", "top1_score",
                                      "spellings_per_source"]
-    out = {k: pairs[k] for k in keys if k in pairs}
-    if "loss" in report:
-        out["loss"] = report["loss"]
-    return out
-
-
-def recipe_value(recipe: str, overrides: list[str], key: str):
-    """``section.key`` of the recipe as the overrides leave it (the last ``--section.key V`` wins)."""
-    value = None
-    for i, a in enumerate(overrides):
-        if a.split("=", 1)[0] == f"--{key}":
-            value = a.split("=", 1)[1] if "=" in a else overrides[i + 1]
-    if value is not None:
-        return value
-    with open(recipe) as fh:
-        section, name = key.split(".", 1)
-        return json.load(fh).get(section, {}).get(name)
+    out = {k: report["pairs"][k] for k in keys if k in report["pairs"]}
+    return {**out, "loss": report["loss"]} if loss else out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score_only", action="store_true", help="score a finished run (phases 3-5), training nothing")
     args = p.parse_args(argv)
 
-    manifest = recipe_value(args.recipe, overrides, "data.manifest")
-    run_dir = recipe_value(args.recipe, overrides, "run.output_dir")
+    from molds.recipe import parse_recipe
+
+    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+    manifest, run_dir = recipe.data.manifest, recipe.run.output_dir
     result: dict = {"recipe": os.path.relpath(args.recipe, ROOT) if args.recipe.startswith(ROOT) else args.recipe,
                     "overrides": overrides, "task": args.task, "manifest": manifest, "run": run_dir}
     etl_s = train_s = 0.0
@@ -121,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(run_dir):
             p.error(f"{run_dir} exists: this measures a fresh run (remove it, or --score_only)")
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                        os.path.join(ROOT, "molds", "train.py"), "--recipe", args.recipe, *overrides], check=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(args.nproc), os.path.join(ROOT, "molds", "train.py"), "--recipe", args.recipe, *overrides],
+                       check=True)
         train_s = time.time() - t0
     with open(os.path.join(manifest, "manifest.json")) as fh:
         m = json.load(fh)
@@ -143,18 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         for ckpt in checkpoints:
             r, _ = evaluate(ckpt, args.split, args.curve, args.beams, os.path.join(ckpt, f"curve-{args.split}"))
             a = accuracy(r)
-            curve.append({"step": int(os.path.basename(ckpt).split("-")[1]), **{k: a.get(k) for k in
-                                                                                  ("top1", "top10", "invalid_top1", "loss")}})
+            step = int(os.path.basename(ckpt).split("-")[1])
+            curve.append({"step": step, **{k: a.get(k) for k in ("top1", "top10", "invalid_top1", "loss")}})
         result["curve"] = curve
     if args.augment > 1:  # on the same pairs without augmentation too, for a like-for-like pair of figures
         num = args.augment_num or split["rows"]
         if num < split["rows"]:
-            plain, _ = evaluate(run_dir, args.split, num, args.beams, os.path.join(run_dir, f"eval-{args.split}-{num}"))
-            result["accuracy_subset"] = accuracy(plain)
+            plain, _ = evaluate(run_dir, args.split, num, args.beams, os.path.join(run_dir, f"eval-{args.split}-{num}"),
+                                loss=False)
+            result["accuracy_subset"] = accuracy(plain, loss=False)
         augmented, augment_s = evaluate(run_dir, args.split, num, args.beams,
                                         os.path.join(run_dir, f"eval-{args.split}-{num}-augment{args.augment}"),
-                                        augment=args.augment)
-        result.update(augment=args.augment, augment_pairs=num, accuracy_augmented=accuracy(augmented),
+                                        augment=args.augment, loss=False)
+        result.update(augment=args.augment, augment_pairs=num, accuracy_augmented=accuracy(augmented, loss=False),
                       augment_s=round(augment_s, 1))
     result.update(etl_s=round(etl_s, 1), train_s=round(train_s, 1), eval_s=round(eval_s, 1),
                   procedure_s=round(etl_s + train_s + eval_s, 1))
