@@ -2,10 +2,11 @@
 model ``molds-export`` wrote, side by side in one run: the same sources, the same beams, the
 same products, products per second.
 
-    python benchmarks/predict_speed.py --run RUN [--num 64] [--beams 10] [--batch_size 64] [--rounds 3]
+    python benchmarks/predict_speed.py --run RUN [--split test] [--num 64] [--beams 10] [--batch_size 64]
+                                       [--rounds 3]
 
 RUN is a pair model's run or checkpoint (a decoder or the encoder-decoder; ``molds-train``
-on ``molds-preprocess --task ...``). ``--num`` sources of its manifest's test split (evenly
+on ``molds-preprocess --task ...``). ``--num`` sources of its manifest's ``--split`` (evenly
 spread over it, as ``molds-eval --num`` takes them) are searched, each way once per round, the
 rounds interleaved so machine drift hits both:
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a pair model's run directory or checkpoint")
-    ap.add_argument("--num", type=int, default=64, help="test sources searched")
+    ap.add_argument("--num", type=int, default=64, help="sources of --split searched")
+    ap.add_argument("--split", default="test", help="the manifest's split the sources come from")
     ap.add_argument("--beams", type=int, default=10)
     ap.add_argument("--batch_size", type=int, default=64, help="molds: sources searched together, at most")
     ap.add_argument("--rounds", type=int, default=3)
@@ -63,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.manifest.pairs is None or loaded.family not in ("decoder", "seq2seq"):
         raise SystemExit(f"{args.run}: not a pair model (molds-train on molds-preprocess --task ...)")
     sp, seq2seq = loaded.specials, loaded.family == "seq2seq"
-    rows = split_pairs(loaded.manifest, "test", args.num)
+    rows = split_pairs(loaded.manifest, args.split, args.num)
     if not rows:
-        raise SystemExit(f"{loaded.manifest.path}: no test pairs")
+        raise SystemExit(f"{loaded.manifest.path}: no {args.split} pairs")
     sources = [r["source_token_ids"] for r in rows]
     max_tokens = rows_budget(rows, loaded.model, args.max_tokens)
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     products = len(sources) * args.beams
     rate = {name: products / statistics.median(s) for name, s in seconds.items()}
     line = {"benchmark": "predict_speed", "run": os.path.abspath(loaded.checkpoint), "family": loaded.family,
-            "task": loaded.manifest.pairs.get("task"), "exported_as": type(hf).__name__, "sources": len(sources),
+            "task": loaded.manifest.pairs.get("task"), "exported_as": type(hf).__name__, "split": args.split,
+            "sources": len(sources),
             "beams": args.beams, "max_tokens": max_tokens, "batch_size": args.batch_size, "rounds": args.rounds,
             "seconds": {k: [round(x, 4) for x in v] for k, v in seconds.items()},
             "products_per_s": {k: round(v, 2) for k, v in rate.items()},

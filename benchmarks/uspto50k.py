@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             preprocess(args.input, manifest, args.task, args.variants)
             etl_s = time.time() - t0
+        with open(os.path.join(manifest, "manifest.json")) as fh:
+            task = json.load(fh).get("pairs", {}).get("task")
+        if task != args.task:  # the recipe names a manifest of the other direction
+            p.error(f"{manifest} holds {task or 'no'} pairs, not --task {args.task}: the recipe's data.manifest "
+                    "is another direction's")
         if os.path.exists(run_dir):
             p.error(f"{run_dir} exists: this measures a fresh run (remove it, or --score_only)")
         t0 = time.time()

@@ -128,8 +128,9 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
 
         manifest["randomized"] = {
             "variants": cfg.randomized_variants, "splits": ["train"], "column": "randomized_token_ids",
-            "form": ("root-aligned pairs (R-SMILES): source <sep> target, the anchor side rooted at a random atom, "
-                     "the other side's molecules rooted at corresponding atoms (molds.chemistry.pairs.aligned_spellings)"
+            "form": ("root-aligned pairs (R-SMILES): source <sep> target, the source's molecules each rooted at a "
+                     "random atom in a random order, the target's molecules rooted at corresponding atoms "
+                     "(molds.chemistry.pairs.aligned_spellings)"
                      if cfg.task != "none" else
                      "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)"),
             "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,

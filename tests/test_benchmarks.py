@@ -212,10 +212,12 @@ def test_gpt_moses_benchmark_scores_the_average_of_the_last_checkpoints(dataset,
 
 
 @pytest.mark.slow
-def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(tmp_path):
+@pytest.mark.parametrize("task", ["retro", "forward"])
+def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(tmp_path, task):
     """The bundled template reactions written as USPTO-50k's raw_train / raw_val files: the ETL
-    keeps the validation file whole as the split scored, a shortened recipe trains, and the line
-    holds the whole split's top-k, the augmented top-k, and one curve point per checkpoint."""
+    keeps the validation file whole as the split scored, a shortened recipe of the direction
+    trains, and the line holds the whole split's top-k, the augmented top-k, and one curve
+    point per checkpoint. The manifest it made refuses the other direction's benchmark."""
     import csv
     import gzip
 
@@ -228,8 +230,9 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
             csv.writer(fh).writerows([header, *part])
     run = tmp_path / "run"
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "uspto50k.py"),
-                           "--input", str(tmp_path / "raw_*.csv"), "--nproc", "1", "--variants", "2", "--beams", "3",
+    script = [sys.executable, os.path.join(ROOT, "benchmarks", "uspto50k.py"), "--task", task,
+              "--recipe", os.path.join(ROOT, "recipes", f"cpu_uspto50k_{task}.json")]
+    proc = subprocess.run([*script, "--input", str(tmp_path / "raw_*.csv"), "--nproc", "1", "--variants", "2", "--beams", "3",
                            "--augment", "2", "--augment_num", "20", "--curve", "5", "--",
                            "--data.manifest", str(tmp_path / "data"), "--run.output_dir", str(run),
                            "--trainer.max_time", "null", "--trainer.max_steps", "6", "--model.hidden_size", "32",
@@ -250,3 +253,10 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     assert line["procedure_s"] == pytest.approx(line["etl_s"] + line["train_s"] + line["eval_s"], abs=0.2)
     report = json.load(open(run / "checkpoints" / "step-00000003" / "curve-valid" / "eval.json"))
     assert line["curve"][0]["top1"] == (report.get("pairs") or report)["top1"]
+    assert report["pairs"]["task"] == task == line["task"], report
+    other = "forward" if task == "retro" else "retro"
+    proc = subprocess.run([*script[:3], other, "--", "--data.manifest", str(tmp_path / "data"),
+                           "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and f"holds {task} pairs, not --task {other}" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run2").exists()

@@ -89,9 +89,12 @@ def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, cap
     (d / "in.smi").write_text("\n".join(lines) + "\n\n")
     out = d / "pred.csv"
     assert predict_cli([checkpoint, "--input", str(d / "in.smi"), "--beams", "3", "--max_tokens", "40",
-                        "--out", str(out)]) == 0
+                        "--all_beams", "--out", str(out)]) == 0
     table = list(csv.DictReader(io.StringIO(out.read_text())))
     assert [r["note"] for r in table if r["row"] in ("5", "6")] == ["parse_error", "not_a_reaction"]
+    assert predict_cli([checkpoint, "--input", str(d / "in.smi"), "--beams", "3", "--max_tokens", "40",
+                        "--out", str(d / "distinct.csv")]) == 0
+    kept = list(csv.DictReader(open(d / "distinct.csv")))
     loaded = open_checkpoint(checkpoint)
     direct = predict(loaded.model, loaded.specials, [r["source_token_ids"] for r in rows], beams=3, max_tokens=40)
     from molds.chemistry.canonical import ChemOptions
@@ -103,6 +106,18 @@ def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, cap
         assert [int(r["rank"]) for r in got] == [1, 2, 3]
         assert [r["text"] for r in got] == [p.text for p in preds]
         assert [float(r["score"]) for r in got] == pytest.approx([p.score for p in preds], abs=1e-5)
+        seen = []
+        for r, p in zip(got, preds):  # --all_beams notes what the default leaves out
+            assert r["note"] == ("repeat" if p.side in seen else "") if p.side else r["note"] in ("invalid", "unfinished")
+            seen.append(p.side)
+        # by default: each valid set of molecules once, in beam order, ranked from 1 (molds-eval's candidates)
+        mine = [r for r in kept if r["row"] == str(i)]
+        want_sides = list(dict.fromkeys(p.side for p in preds if p.side))
+        if want_sides:
+            assert [(int(r["rank"]), r["prediction"]) for r in mine] == list(enumerate(want_sides, 1))
+            assert all(r["note"] == "" for r in mine)
+        else:
+            assert [(r["rank"], r["note"]) for r in mine] == [("", "no_valid_prediction")]
 
 
 def test_votes_rank_by_best_place_then_by_their_sum():
@@ -169,7 +184,11 @@ def test_augmented_predictions_search_each_spelling_and_vote(trained):
                         "--max_tokens", "24", "--out", str(d / "aug.csv")]) == 0
     table = list(csv.DictReader(io.StringIO((d / "aug.csv").read_text())))
     for i, got in enumerate(voted, 1):
-        assert [(x["prediction"], float(x["score"])) for x in table if x["row"] == str(i)] == \
+        mine = [x for x in table if x["row"] == str(i)]
+        if not got:  # no spelling gave a molecule: one row says so
+            assert [(x["prediction"], x["note"]) for x in mine] == [("", "no_valid_prediction")]
+            continue
+        assert [(x["prediction"], float(x["score"])) for x in mine] == \
             [(p.side, pytest.approx(p.score, abs=1e-5)) for p in got]
 
 
@@ -217,7 +236,7 @@ def test_a_checkpoint_refuses_input_of_another_direction_in_one_line(trained, tm
     for name, path in (("plain", plain), ("mapped", mapped)):
         capsys.readouterr()
         assert predict_cli([checkpoint, "--input", str(path), "--beams", "2", "--max_tokens", "30", "--task", "retro",
-                            "--out", str(tmp_path / f"{name}.csv")]) == 0
+                            "--all_beams", "--out", str(tmp_path / f"{name}.csv")]) == 0
         err = capsys.readouterr().err
         summary = json.loads(err.strip().splitlines()[-1].removeprefix("[molds] "))
         assert summary["atom_maps_removed"] == (name == "mapped") and summary["reads"] == "a product", summary
@@ -535,7 +554,9 @@ def test_a_round_trip_gives_each_retro_prediction_to_the_forward_model(tmp_path,
                         "--verify_with", runs["forward"], "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1].removeprefix("[molds] "))
     table = list(csv.DictReader(open(out)))
-    assert len(table) == 2 * n
+    assert sorted({int(r["row"]) for r in table}) == list(range(1, n + 1))  # every input, its distinct predictions
+    assert all(len({r["prediction"] for r in table if r["row"] == str(i)}) == sum(r["row"] == str(i) for r in table)
+               for i in range(1, n + 1))
 
     hf_dir = export(runs["forward"], str(tmp_path / "hf"))
     hf = AutoModelForSeq2SeqLM.from_pretrained(hf_dir, local_files_only=True).eval()
@@ -558,7 +579,8 @@ def test_a_round_trip_gives_each_retro_prediction_to_the_forward_model(tmp_path,
     share = sum(firsts) / n
     assert checked >= n and 0.3 <= share < 1, (checked, share)  # most come back, not all
     assert summary["round_trip_top1"] == pytest.approx(share)
-    assert summary["round_trip_beams"] == pytest.approx(sum(r["round_trip"] == "yes" for r in table) / (2 * n))
+    predicted = [r for r in table if r["prediction"]]
+    assert summary["round_trip_beams"] == pytest.approx(sum(r["round_trip"] == "yes" for r in table) / len(predicted))
 
     assert eval_cli([runs["retro"], "--split", "test", "--num", str(n), "--beams", "2", "--verify_with",
                      runs["forward"], "--out", str(tmp_path / "ev")]) == 0

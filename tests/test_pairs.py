@@ -82,6 +82,25 @@ def test_reagent_policies_and_tasks():
     assert PairOptions(task="forward").describe()["reagents"] == "mix"
 
 
+def test_a_source_given_alone_is_made_as_the_etl_makes_the_reactions_source():
+    """molds-predict's input: a forward model reads ``reactants>reagents`` (a reaction without
+    its products) with its reagents mixed in, kept apart or dropped as the ETL did for it."""
+    r, g, p = AMIDE_PLAIN.split(">")
+    shuffled = "c1ccccc1CN.OC(C)=O>O=CN(C)C.CCN(C(C)C)C(C)C"  # another order and spelling
+    for policy in ("mix", "separate", "drop"):
+        canon = make("forward", policy)
+        want = canon.reaction(AMIDE).source
+        assert canon.source(f"{r}>{g}") == canon.source(shuffled) == (want, None), policy
+        alone = {"mix": ".".join(rdkit_side(r)), "separate": ".".join(rdkit_side(r)) + ">",
+                 "drop": ".".join(rdkit_side(r))}[policy]
+        assert canon.source(r) == (alone, None), policy  # no reagent given
+        assert canon.source(AMIDE_PLAIN) == (None, "not_a_reaction")
+        assert canon.source(f">{g}") == (None, "empty_side")
+    assert make("retro").source(p) == (".".join(rdkit_side(p)), None)
+    assert make("retro").source(f"{r}>{g}") == (None, "not_a_reaction")
+    assert make("forward").source("C1CC>O")[1] == "parse_error"
+
+
 def test_two_columns_make_the_same_pair_as_the_reaction():
     r, _, p = AMIDE.split(">")
     assert make("forward", "drop").pair(r, p) == make("forward", "drop").reaction(AMIDE)

@@ -94,21 +94,32 @@ class PairCanonicalizer:
     def source(self, text: str) -> tuple[str | None, str | None]:
         """A source side given alone (``molds-predict``'s input) made canonical as the ETL makes
         the sources of this task: ``(source, None)``, or ``(None, reason)`` when it is refused.
-        With ``separate`` reagents (forward) it is ``reactants>reagents``, else the molecules of
-        ``text`` (a ``>`` in it: ``not_a_reaction``; no molecule: ``empty_side``)."""
-        separate = self.options.reagent_policy == "separate" and self.options.task == "forward"
-        parts = text.split(">") if separate else [text]
-        if len(parts) > 2 or (not separate and ">" in text):
+        A forward model's source may be written ``reactants>reagents`` (a reaction without its
+        products) or as reactants alone: the reagents are mixed in, kept after the ``>`` or
+        dropped as the model's policy did at training (``separate`` writes the ``>`` even with
+        no reagent, as the ETL does). Any other task reads molecules only (a ``>``:
+        ``not_a_reaction``); no reactant is ``empty_side``."""
+        forward = self.options.task == "forward"
+        parts = text.split(">") if forward else [text]
+        if len(parts) > 2 or (not forward and ">" in text):
             return None, "not_a_reaction"
         found = []
         for part in parts:
             got = self.molecules(part)
             if isinstance(got, str):
                 return None, got
-            found.append(".".join(got[0]))
-        if not found[0]:
+            found.append(got[0])
+        reactants, reagents = found[0], (found[1] if len(found) > 1 else [])
+        if not reactants:
             return None, "empty_side"
-        return (">".join(found) if separate else found[0]), None
+        if not forward:
+            return ".".join(reactants), None
+        policy = self.options.reagent_policy
+        if policy == "mix":
+            return ".".join(sorted(reactants + reagents)), None
+        if policy == "separate":
+            return ".".join(reactants) + ">" + ".".join(reagents), None
+        return ".".join(reactants), None
 
     def reaction(self, text: str) -> Pair | str:
         parts = split_reaction(text)
@@ -209,16 +220,19 @@ def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
 
 
 def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tuple[str, str]] | None:
-    """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022): the
-    anchor side (the one with fewer molecules, the source on a tie: the product of a reaction,
-    the source of mol2mol) is written rooted at a random atom, and each molecule of the other
-    side is rooted at its atom that corresponds to the anchor's earliest written atom it holds,
-    and placed in the order of those atoms, so that source and target start alike and differ
-    little. Correspondences come from each molecule's largest common substructure with the
-    anchor (``_correspondence``); a molecule with none (a reagent) follows, as the canonical
-    form writes it. Reagents after a ``>`` stay as they are. Roots are drawn without
-    repetition among the anchor's classes of symmetric atoms while they last, so the first
-    spellings all differ. None when RDKit cannot read a side."""
+    """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022). The
+    source is written as a user may write it, the way ``rooted_spellings`` draws it at test
+    time: each molecule rooted at a random atom (one per class of symmetric atoms), the
+    molecules in a random order. Each molecule of the target is then rooted at its atom that
+    corresponds to the earliest written source atom it holds, and placed in the order of
+    those atoms, so that source and target start alike and differ little. Correspondences
+    come from each target molecule's largest common substructure with each source molecule
+    (``_correspondence``; a target atom found in two source molecules follows the larger
+    match); a target molecule with none (a reagent, a by-product) follows, as the canonical
+    form writes it. Reagents after a ``>`` stay as they are. A source of one molecule takes
+    its roots without repetition among its classes while they last, so the first spellings
+    all differ; a source of several draws order and roots afresh, trying again (a bounded
+    number of times) for a spelling not drawn yet. None when RDKit cannot read a side."""
     def parts(side):
         head, sep, rest = side.partition(">")
         return head, (sep + rest)
@@ -228,25 +242,43 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
     t_mols = [Chem.MolFromSmiles(x) for x in t_head.split(".")] if t_head else []
     if not s_mols or not t_mols or any(m is None for m in s_mols + t_mols):
         return None
-    anchor_is_source = len(s_mols) <= len(t_mols)
-    anchors, others = (s_mols, t_mols) if anchor_is_source else (t_mols, s_mols)
-    anchor = Chem.MolFromSmiles(".".join(Chem.MolToSmiles(m) for m in anchors))  # one molecule, or several dotted
-    maps = [_correspondence(m, anchor) for m in others]
-    firsts = class_roots(anchor)
-    roots = [firsts[i] for i in rng.permutation(len(firsts)).tolist()]
-    out = []
+    maps = []  # per target molecule: its atom -> (source molecule, atom)
+    for mol in t_mols:
+        found = sorted(((i, _correspondence(mol, anchor)) for i, anchor in enumerate(s_mols)),
+                       key=lambda x: (-len(x[1]), x[0]))
+        corr: dict[int, tuple[int, int]] = {}
+        for i, c in found:
+            for a, b in c.items():
+                corr.setdefault(a, (i, b))
+        maps.append(corr)
+    classes = [class_roots(m) for m in s_mols]
+    single = [classes[0][i] for i in rng.permutation(len(classes[0])).tolist()] if len(s_mols) == 1 else None
+    out, seen = [], set()
     for k in range(count):
-        root = int(roots[k]) if k < len(roots) else int(roots[int(rng.integers(0, len(roots)))])
-        anchor_text = Chem.MolToSmiles(anchor, rootedAtAtom=root)
-        order = {int(a): i for i, a in enumerate(anchor.GetPropsAsDict(True, True)["_smilesAtomOutputOrder"])}
+        for _ in range(8):  # bounded: a small source may have fewer spellings than asked
+            if single is not None:
+                order = [0]
+                roots = [int(single[k]) if k < len(single) else int(single[int(rng.integers(0, len(single)))])]
+            else:
+                order = rng.permutation(len(s_mols)).tolist()
+                roots = [int(classes[i][int(rng.integers(0, len(classes[i])))]) for i in range(len(s_mols))]
+            texts, where, offset = [], {}, 0
+            for i in order:
+                texts.append(Chem.MolToSmiles(s_mols[i], rootedAtAtom=roots[i if single is None else 0]))
+                written = s_mols[i].GetPropsAsDict(True, True)["_smilesAtomOutputOrder"]
+                where.update({(i, int(a)): offset + n for n, a in enumerate(written)})
+                offset += len(written)
+            source_text = ".".join(texts)
+            if single is not None or source_text not in seen:
+                break
+        seen.add(source_text)
         placed, loose = [], []
-        for mol, corr in zip(others, maps):
+        for mol, corr in zip(t_mols, maps):
             if not corr:
                 loose.append(Chem.MolToSmiles(mol))
                 continue
-            atom = min(corr, key=lambda i: order[corr[i]])
-            placed.append((order[corr[atom]], Chem.MolToSmiles(mol, rootedAtAtom=int(atom))))
-        other_text = ".".join([t for _, t in sorted(placed)] + sorted(loose))
-        src, tgt = (anchor_text, other_text) if anchor_is_source else (other_text, anchor_text)
-        out.append((src + s_rest, tgt + t_rest))
+            atom = min(corr, key=lambda a: where[corr[a]])
+            placed.append((where[corr[atom]], Chem.MolToSmiles(mol, rootedAtAtom=int(atom))))
+        target_text = ".".join([t for _, t in sorted(placed)] + sorted(loose))
+        out.append((source_text + s_rest, target_text + t_rest))
     return out

@@ -3,14 +3,19 @@
 
     molds-predict runs/forward --input reactants.smi --beams 10 --out predictions.csv
 
-The input holds one source a line (reactants for ``forward``, a product for ``retro``, a
-molecule for ``mol2mol``; a CSV with ``--column``), canonicalized as the ETL canonicalized
-the model's training sources. The output is a CSV with one row per prediction: ``row``
-(the input's line or row), ``input``, ``rank``, ``prediction`` (canonical molecules; empty
-when the beam is no molecule), ``score`` (log-probability / length ** length_penalty; with
-``--augment K``, the prediction's vote over K spellings of the source),
-``text`` (what the tokens spell) and ``note`` (why an input has no predictions: a molecule
-RDKit refuses, a token the vocabulary lacks, too long for the model).
+The input holds one source a line (reactants for ``forward``, or ``reactants>reagents``; a
+product for ``retro``; a molecule for ``mol2mol``; a CSV with ``--column``), canonicalized
+as the ETL canonicalized the model's training sources (a forward model's reagents mixed in,
+kept apart or dropped as its training pairs had them). The output is a CSV with one row per
+prediction: ``row`` (the input's line or row), ``input``, ``rank``, ``prediction``
+(canonical molecules), ``score`` (log-probability / length ** length_penalty; with
+``--augment K``, the prediction's vote over K spellings of the source), ``text`` (what the
+tokens spell) and ``note`` (why an input has no predictions: a molecule RDKit refuses, a
+token the vocabulary lacks, too long for the model, ``no_valid_prediction`` when no beam is
+a molecule). The predictions are the distinct valid ones in beam order, the candidates
+``molds-eval``'s top-k counts (a beam that is no molecule, or that spells the molecules of
+an earlier beam again, takes no rank); ``--all_beams`` writes every beam instead, noting
+``invalid``, ``unfinished`` or ``repeat``.
 
 For a property model (an encoder with property heads, ``molds-train`` with labels), one row
 per input: ``row``, ``input``, ``canonical``, one column per task (the label columns the
@@ -60,6 +65,10 @@ def build_parser():
                    help="a forward model's run or checkpoint (the model a retro one is checked with): each "
                         "prediction's reactants are given to it, and the rows gain round_trip (yes: its first "
                         "prediction is the input product), forward_prediction and forward_score")
+    p.add_argument("--all_beams", action="store_true",
+                   help="write every beam as the search found it (a beam that is no molecule, or repeats an earlier "
+                        "beam's molecules, noted as such) instead of the distinct valid predictions (--augment "
+                        "writes the voted ones)")
     p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
     p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
     return p
@@ -105,6 +114,7 @@ def run(argv: list[str]) -> int:
     args = parse(build_parser(), argv)
     from ..checkpoint import open_checkpoint  # after the parse: --help loads no torch
     from ..eval.pairs import (  # after the parse: --help loads no torch
+        distinct,
         encoder_decoder,
         fits,
         predict,
@@ -172,6 +182,8 @@ def run(argv: list[str]) -> int:
                                                 seq2seq),
                        length_penalty=args.length_penalty, batch_size=args.batch_size) if rows else []
         found = dict(zip(rows, read_back(tok, hyps, sides)))
+        if not args.all_beams:  # the candidates molds-eval ranks: each valid set of molecules once, in beam order
+            found = {r: distinct(preds) for r, preds in found.items()}
     checks = {}
     if verify is not None:  # each prediction's reactants through the forward model
         checks = dict(zip(rows, round_trip(verify, [texts[r] for r in rows], [found[r] for r in rows],
@@ -184,19 +196,25 @@ def run(argv: list[str]) -> int:
         if row in notes:
             w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
             continue
+        if not found[row]:  # every beam was no molecule: the input is still accounted for
+            w.writerow([row, text, "", "", "", "", *[""] * len(extra), "no_valid_prediction"])
+            continue
+        seen = set()
         for rank, p in enumerate(found[row], 1):
             more = []
             if verify is not None:
                 c = checks[row][rank - 1]
                 more = ["", "", ""] if c is None else ["yes" if c.back else "no", c.product or "", f"{c.score:.6f}"]
-            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more,
-                        "" if p.side else ("unfinished" if not p.ended else "invalid")])
+            note = ("unfinished" if not p.ended else "invalid") if not p.side else ("repeat" if p.side in seen else "")
+            seen.add(p.side)
+            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more, note])
     _write_out(args.out, buf.getvalue())
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "reads": trained["source_format"],
                "writes": trained["target_format"], "inputs": len(sources), "atom_maps_removed": mapped,
                "predicted": len(rows), "refused": dict(sorted(
                    {r: sum(1 for v in notes.values() if v == r) for r in set(notes.values())}.items())),
-               "beams": args.beams, "augment": args.augment, "out": args.out}
+               "beams": args.beams, "augment": args.augment, "all_beams": args.all_beams,
+               "no_valid_prediction": sum(1 for r in rows if not found[r]), "out": args.out}
     if verify is not None:
         from ..eval.pairs import round_trip_accuracy  # after the parse: --help loads no torch
 

@@ -220,7 +220,7 @@ class MoleculeLoader:
             self.randomized_note = (
                 f"data.randomized_smiles={cfg.randomized_smiles}: spellings read from the {stored} "
                 f"{'root-aligned variants per pair' if self.manifest.pairs is not None else 'randomized variants per molecule'} "
-                f"that {self.manifest.path} stores" if stored else
+                f"that {self.manifest.path} stores{self._old_alignment()}" if stored else
                 f"data.randomized_smiles={cfg.randomized_smiles}: spellings written with RDKit as row groups load, in "
                 f"the training process (molds-preprocess --randomized-variants K writes them offline)")
         self.source = SplitSource(self.manifest, cfg.split, verify=cfg.verify, on_bad_shard=cfg.on_bad_shard,
@@ -236,6 +236,16 @@ class MoleculeLoader:
         self.states: dict[int, dict] = {}
         self.rotation = 0  # logical worker that yields next
         self.batches = 0
+
+    def _old_alignment(self) -> str:
+        """What the start line adds for a forward manifest whose aligned spellings were drawn
+        by the rule before 2026-12-05 (the product the anchor: every source starting where the
+        product starts, a spelling a canonical test source rarely has)."""
+        info, pairs = self.manifest.data.get("randomized") or {}, self.manifest.pairs or {}
+        if pairs.get("task") == "forward" and "the anchor side rooted" in str(info.get("form", "")):
+            return ("; WARNING: drawn by the rule before 2026-12-05, which starts every source where the product "
+                    "starts (a model trained on them reads canonical sources poorly): rebuild the manifest")
+        return ""
 
     def _stored_variants(self, cfg: DataConfig) -> int:
         """How many stored randomized spellings per molecule this run reads (0: none,

@@ -262,7 +262,9 @@ def round_trip(forward, products: list[str], predictions: list[list[Prediction]]
 def round_trip_accuracy(checks: list[list[RoundTrip | None]]) -> dict:
     """``round_trip_top1``: the share of inputs whose first prediction the forward model turns
     back into the product; ``round_trip_beams``: the share of all predictions that do (a
-    prediction that is no molecule, or that the forward model cannot read, does not)."""
+    prediction that is no molecule, or that the forward model cannot read, does not).
+    ``molds-eval`` and ``molds-predict`` give it each input's distinct valid predictions
+    (``distinct``), the candidates top-k counts."""
     n = max(1, len(checks))
     beams = [c for row in checks for c in row]
     return {"round_trip_top1": sum(bool(row) and row[0] is not None and row[0].back for row in checks) / n,
@@ -409,8 +411,8 @@ def evaluate_pairs(loaded, split: str, *, num: int = 1000, beams: int = 10, max_
     report = {"task": info.get("task"), "split": split, "beams": beams, "max_tokens": max_tokens,
               "length_penalty": length_penalty, **accuracy}
     if verify is not None:  # a forward model checks each retro prediction (round trip)
-        report.update(round_trip_accuracy(round_trip(verify, [r["source_smiles"] for r in rows], preds,
-                                                     batch_size=batch_size)),
+        report.update(round_trip_accuracy(round_trip(verify, [r["source_smiles"] for r in rows],
+                                                     [distinct(p) for p in preds], batch_size=batch_size)),
                       verified_with=os.path.abspath(verify.checkpoint))
     if info.get("task") == "mol2mol":
         report.update(similarity_to_source(preds, [r["source_smiles"] for r in rows]))

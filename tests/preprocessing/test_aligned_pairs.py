@@ -65,6 +65,41 @@ def test_aligned_spellings_spell_the_same_molecules_and_start_alike():
     assert aligned < 0.75 * randomized, (aligned, randomized)
 
 
+def test_a_source_of_several_molecules_is_spelled_as_a_user_may_write_it():
+    """Forward: the reactants are the source. They are drawn as ``rooted_spellings`` draws a
+    source at test time, any molecule first and rooted at any atom, leaving atoms included
+    (an amide coupling's OH, which the product does not hold), so that the canonical source
+    molds-eval gives is one of the spellings the model read; the product still starts where
+    the source starts and differs little from it."""
+    from molds.chemistry.pairs import aligned_spellings
+    from molds.data.randomize import randomized_smiles
+
+    acid, amine = "CC(=O)O", "NCc1ccccc1"
+    source, product = ".".join(sorted([acid, amine])), "CC(=O)NCc1ccccc1"
+    firsts = set()
+    for s, t in aligned_spellings(source, product, rng=np.random.default_rng(0), count=400):
+        assert _canon_side(s) == source and _canon_side(t) == product
+        first = Chem.MolFromSmiles(s.split(".")[0])
+        ranks = list(Chem.CanonicalRankAtoms(first, breakTies=False))
+        firsts.add((Chem.MolToSmiles(first), ranks[0]))  # the first molecule and its first atom's class
+    every = {(Chem.MolToSmiles(m), c) for m in map(Chem.MolFromSmiles, (acid, amine))
+             for c in Chem.CanonicalRankAtoms(m, breakTies=False)}
+    assert firsts == every, sorted(every - firsts)
+
+    rng = np.random.default_rng(0)
+    aligned = randomized = 0.0
+    for product, reactants in _reactions(60):
+        found = aligned_spellings(reactants, product, rng=rng, count=K)
+        assert found is not None and len(found) == K
+        for s, t in found:
+            assert _canon_side(s) == reactants and _canon_side(t) == product
+            aligned += _distance(s, t) / max(len(s), len(t))
+        s = ".".join(randomized_smiles(x, int(rng.integers(1 << 30))) for x in reactants.split("."))
+        t = randomized_smiles(product, int(rng.integers(1 << 30)))
+        randomized += K * _distance(s, t) / max(len(s), len(t))
+    assert aligned < 0.75 * randomized, (aligned, randomized)
+
+
 def test_a_side_rdkit_cannot_read_gives_none():
     from molds.chemistry.pairs import aligned_spellings
 
@@ -194,3 +229,29 @@ def test_aligned_spellings_the_canonical_forms_never_wrote_are_stored(tmp_path):
                 assert _canon_side(tgt) == _canon_side(row["target_smiles"])
                 spelled.add(src + ">" + tgt)
     assert "\\" in "".join(spelled) and "[C@H]" in "".join(spelled)  # else nothing is tested
+
+
+def test_a_forward_manifest_of_the_old_alignment_rule_is_named_on_the_start_line(aligned_manifest, tmp_path):
+    """A forward manifest whose spellings were drawn with the product as the anchor (before
+    2026-12-05) still trains, and the loader's start line says to rebuild it; a manifest of
+    today's rule says nothing of the kind."""
+    import json
+    import shutil
+
+    from molds.data.loader import MoleculeLoader
+    from molds.recipe.sections import DataConfig
+
+    def note(path):
+        return MoleculeLoader(DataConfig(manifest=path, mode="packed", seq_len=256, micro_batch_size=4, lookahead=32,
+                                         too_long="reject", randomized_smiles=1.0)).randomized_note
+
+    assert "root-aligned" in note(aligned_manifest) and "WARNING" not in note(aligned_manifest)
+    old = str(tmp_path / "old")
+    shutil.copytree(aligned_manifest, old)
+    m = json.load(open(os.path.join(old, "manifest.json")))
+    m["pairs"]["task"] = "forward"
+    m["randomized"]["form"] = ("root-aligned pairs (R-SMILES): source <sep> target, the anchor side rooted at a random "
+                               "atom, the other side's molecules rooted at corresponding atoms "
+                               "(molds.chemistry.pairs.aligned_spellings)")  # as the ETL wrote it then
+    json.dump(m, open(os.path.join(old, "manifest.json"), "w"))
+    assert "WARNING: drawn by the rule before 2026-12-05" in note(old) and "rebuild the manifest" in note(old)
