@@ -54,6 +54,11 @@ def preprocess(inputs: str, manifest_dir: str, task: str, variants: int) -> None
                    + (["--randomized_variants", str(variants)] if variants else []), check=True)
 
 
+def read_manifest(manifest_dir: str) -> dict:
+    with open(os.path.join(manifest_dir, "manifest.json")) as fh:
+        return json.load(fh)
+
+
 def evaluate(target: str, split: str, num: int, beams: int, out: str, augment: int = 1,
              loss: bool = True) -> tuple[dict, float]:
     """``molds-eval`` on ``target`` (a run or checkpoint directory): its report and wall time.
@@ -107,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             preprocess(args.input, manifest, args.task, args.variants)
             etl_s = time.time() - t0
-        with open(os.path.join(manifest, "manifest.json")) as fh:
-            task = json.load(fh).get("pairs", {}).get("task")
+        task = read_manifest(manifest).get("pairs", {}).get("task")
         if task != args.task:  # the recipe names a manifest of the other direction
             p.error(f"{manifest} holds {task or 'no'} pairs, not --task {args.task}: the recipe's data.manifest "
                     "is another direction's")
@@ -119,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                         str(args.nproc), os.path.join(ROOT, "molds", "train.py"), "--recipe", args.recipe, *overrides],
                        check=True)
         train_s = time.time() - t0
-    with open(os.path.join(manifest, "manifest.json")) as fh:
-        m = json.load(fh)
-    split = m["stats"]["splits"][args.split]
+    split = read_manifest(manifest)["stats"]["splits"][args.split]
     result.update(split=args.split, pairs=split["rows"], shared_with_train=split.get("shared_with_train"))
 
     report, eval_s = evaluate(run_dir, args.split, split["rows"], args.beams,

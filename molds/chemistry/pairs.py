@@ -194,6 +194,21 @@ def class_roots(mol) -> list[int]:
     return sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
 
 
+def _draw_spelling(mols, roots, rng, where: dict | None = None) -> tuple[str, dict | None]:
+    """One spelling of a side's molecules (``roots``: each one's ``class_roots``): the
+    molecules in a random order, each rooted at one of its roots drawn at random. With
+    ``where`` (a dict), also where each written atom stands: (molecule, atom) -> its place
+    in the whole side."""
+    texts = []
+    for i in rng.permutation(len(mols)).tolist():
+        texts.append(Chem.MolToSmiles(mols[i], rootedAtAtom=int(roots[i][int(rng.integers(0, len(roots[i])))])))
+        if where is not None:
+            written = mols[i].GetPropsAsDict(True, True)["_smilesAtomOutputOrder"]
+            offset = len(where)
+            where.update({(i, int(a)): offset + n for n, a in enumerate(written)})
+    return ".".join(texts), where
+
+
 def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
     """Up to ``count`` distinct spellings of a canonical side, for test-time augmentation: the
     side as given first, then each molecule rooted at a random atom (one per class of
@@ -210,9 +225,7 @@ def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
     for _ in range(8 * count):  # bounded: a side may have fewer spellings than asked
         if len(out) >= count:
             break
-        order = rng.permutation(len(mols)).tolist()
-        text = ".".join(Chem.MolToSmiles(mols[i], rootedAtAtom=int(roots[i][int(rng.integers(0, len(roots[i])))]))
-                        for i in order) + sep + rest
+        text = _draw_spelling(mols, roots, rng)[0] + sep + rest
         if text not in seen:
             seen.add(text)
             out.append(text)
@@ -255,22 +268,14 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
     single = [classes[0][i] for i in rng.permutation(len(classes[0])).tolist()] if len(s_mols) == 1 else None
     out, seen = [], set()
     for k in range(count):
-        for _ in range(8):  # bounded: a small source may have fewer spellings than asked
-            if single is not None:
-                order = [0]
-                roots = [int(single[k]) if k < len(single) else int(single[int(rng.integers(0, len(single)))])]
-            else:
-                order = rng.permutation(len(s_mols)).tolist()
-                roots = [int(classes[i][int(rng.integers(0, len(classes[i])))]) for i in range(len(s_mols))]
-            texts, where, offset = [], {}, 0
-            for i in order:
-                texts.append(Chem.MolToSmiles(s_mols[i], rootedAtAtom=roots[i if single is None else 0]))
-                written = s_mols[i].GetPropsAsDict(True, True)["_smilesAtomOutputOrder"]
-                where.update({(i, int(a)): offset + n for n, a in enumerate(written)})
-                offset += len(written)
-            source_text = ".".join(texts)
-            if single is not None or source_text not in seen:
-                break
+        if single is not None:  # the k-th root of a drawn order while they last
+            root = single[k] if k < len(single) else single[int(rng.integers(0, len(single)))]
+            source_text, where = _draw_spelling(s_mols, [[root]], rng, {})
+        else:
+            for _ in range(8):  # bounded: a small source may have fewer spellings than asked
+                source_text, where = _draw_spelling(s_mols, classes, rng, {})
+                if source_text not in seen:
+                    break
         seen.add(source_text)
         placed, loose = [], []
         for mol, corr in zip(t_mols, maps):
