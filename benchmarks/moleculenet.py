@@ -4,7 +4,8 @@ fingerprint random forest, on the very same splits, molecules and labels.
     python benchmarks/moleculenet.py --data-dir DIR [--sets bbbp bace tox21 esol lipo]
         | --input FILE [--smiles-column C] [--label-columns A,B] [--task-type T] [--name N]
         [--splits scaffold scaffold_random] [--seeds 0 1 2] [--models molds chemprop rf]
-        [--corpus moses_train.csv.gz --corpus-every 4 --pretrain-time 50m | --pretrained RUN]
+        [--corpus moses_train.csv.gz --corpus-every 4 --pretrain-time 50m | --pretrain-steps N]
+        [--pretrain-labels none|descriptors] [--pretrained RUN]
         [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--finetune KEY=VALUE ...]
         [--augment 1] [--nproc 2]
         [--output-dir runs/moleculenet]
@@ -20,7 +21,11 @@ else differs between sets).
    standardization makes molecules one: ``molds.chemistry.overlap``), are preprocessed
    (``molds-preprocess``, regex tokenizer) and ``recipes/cpu_property.json`` pretrains an
    encoder on them by masked-token loss alone (``--model.num_tasks 0``, 15 % masking, lr
-   1e-3) for ``--pretrain-time``. ``--pretrained RUN`` takes a run made so instead.
+   1e-3) for ``--pretrain-time`` (or ``--pretrain-steps``). With ``--pretrain-labels
+   descriptors`` the corpus also carries RDKit descriptors of each molecule (``DESCRIPTORS``)
+   as regression labels, and the encoder learns them from its first token beside the masked
+   tokens (its heads start afresh in each fine-tuning fork). ``--pretrained RUN`` takes a
+   run made so instead.
 2. **Splits.** For each set and each split (``scaffold``: deterministic, the largest scaffold
    groups to train; ``scaffold_random``: scaffold groups in a seeded random order, one split
    per seed), ``molds-preprocess --label-columns ... --tokenizer PRETRAINED/tokenizer
@@ -142,18 +147,43 @@ def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
             exclude.update(keys)
     smiles = read_column(args.corpus, args.corpus_column)[::args.corpus_every]
     kept = [s for s, k in zip(smiles, parents(smiles, args.nproc)) if k not in exclude]
+    names = DESCRIPTORS if args.pretrain_labels == "descriptors" else ()
+    values = descriptor_rows(kept, args.nproc) if names else [[] for _ in kept]
     tmp = out + ".tmp"
     with gzip.open(tmp, "wt", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")
-        w.writerow(["SMILES"])
-        w.writerows([s] for s in kept)
+        w.writerow(["SMILES", *names])
+        w.writerows([s, *("" if v is None else repr(v) for v in row)] for s, row in zip(kept, values))
     os.replace(tmp, out)
     info = {"corpus": os.path.basename(args.corpus), "every": args.corpus_every, "read": len(smiles),
             "left_out_as_benchmark_molecules": len(smiles) - len(kept), "kept": len(kept),
-            "benchmark_keys": len(exclude)}
+            "benchmark_keys": len(exclude), **({"labels": list(names)} if names else {})}
     with open(done, "w") as fh:
         json.dump(info, fh)
     return info
+
+
+#: ``--pretrain-labels descriptors``: what the encoder learns to predict from its first token
+#: beside the masked tokens (RDKit's, by their names in ``molds.scoring.components``)
+DESCRIPTORS = ("mw", "logp", "tpsa", "hbd", "hba", "rotatable_bonds", "rings", "aromatic_rings", "heavy_atoms",
+               "fsp3", "formal_charge", "stereocenters")
+
+
+def _descriptor_chunk(texts: list[str]) -> list:
+    from molds.scoring.components import computed_properties  # here: --help loads no RDKit
+
+    return computed_properties(texts, DESCRIPTORS)
+
+
+def descriptor_rows(smiles: list[str], workers: int, chunk: int = 5000) -> list:
+    """``DESCRIPTORS`` of each molecule, in order, on ``workers`` processes."""
+    chunks = [smiles[i:i + chunk] for i in range(0, len(smiles), chunk)]
+    if workers <= 1 or len(chunks) <= 1:
+        return [r for c in chunks for r in _descriptor_chunk(c)]
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return [r for part in pool.map(_descriptor_chunk, chunks) for r in part]
 
 
 def _launcher(nproc: int) -> list[str]:
@@ -192,24 +222,29 @@ def pretrain(args, sets: list[dict]) -> tuple[str, dict]:
     """The pretrained encoder's run directory and what making it cost."""
     if args.pretrained:
         return os.path.abspath(args.pretrained), {"pretrained": os.path.abspath(args.pretrained)}
-    base = os.path.join(args.output_dir, "pretrain")
+    descriptors = args.pretrain_labels == "descriptors"
+    base = os.path.join(args.output_dir, "pretrain-descriptors" if descriptors else "pretrain")
     os.makedirs(base, exist_ok=True)
     t0 = time.perf_counter()
     corpus = pretraining_corpus(args, sets, os.path.join(base, "corpus.csv.gz"))
     manifest = os.path.join(base, "data")
     data = preprocess(["--input", os.path.join(base, "corpus.csv.gz"), "--smiles-column", "SMILES",
+                       *(["--label-columns", ",".join(DESCRIPTORS)] if descriptors else []),
                        "--split", "random", "--split-fractions", "0.98,0.01,0.01", "--tokenizer", "regex"],
                       manifest, args.nproc)
     prep_s = time.perf_counter() - t0
     run = os.path.join(base, "run")
     done = os.path.join(run, "pretrained.json")
+    budget = (["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else
+              ["--trainer.max_steps", "null", "--trainer.max_time", args.pretrain_time])
+    heads = (["--data.with_labels", "true", "--model.num_tasks", str(len(DESCRIPTORS)), "--model.task_type",
+              "regression"] if descriptors else ["--data.with_labels", "false", "--model.num_tasks", "0"])
     if not os.path.exists(done):
         t0 = time.perf_counter()
         _quiet_run(_launcher(args.nproc) + [
-            "--recipe", RECIPE, "--data.manifest", manifest, "--data.with_labels", "false",
-            "--data.mlm_probability", "0.15", "--data.max_tokens_per_batch", "4096", "--model.num_tasks", "0",
-            "--optim.lr", "1e-3", "--optim.warmup_fraction", "0.02", "--trainer.max_steps", "null",
-            "--trainer.max_time", args.pretrain_time, "--checkpoint.interval_fraction", "0.25",
+            "--recipe", RECIPE, "--data.manifest", manifest, *heads,
+            "--data.mlm_probability", "0.15", "--data.max_tokens_per_batch", "4096",
+            "--optim.lr", "1e-3", "--optim.warmup_fraction", "0.02", *budget, "--checkpoint.interval_fraction", "0.25",
             "--checkpoint.keep_last", "1", "--logging.interval_steps", "100", "--run.output_dir", run,
             "--run.overwrite", "true"], os.path.join(base, "pretrain.log"))
         from molds.checkpoint import read_lineage, resolve
@@ -219,7 +254,9 @@ def pretrain(args, sets: list[dict]) -> tuple[str, dict]:
             json.dump({"steps": lineage["step"], "train_s": round(time.perf_counter() - t0, 1)}, fh)
     info = json.load(open(done))
     return run, {**corpus, "rows": {s: v["rows"] for s, v in data["stats"]["splits"].items()},
-                 "prep_s": round(prep_s, 1), "time_budget": args.pretrain_time, **info}
+                 "prep_s": round(prep_s, 1), "objective": "masked tokens" + (" and descriptors" if descriptors else ""),
+                 **({"step_budget": args.pretrain_steps} if args.pretrain_steps else {"time_budget": args.pretrain_time}),
+                 **info}
 
 
 # --- splits, and the one file every model reads ----------------------------------------------
@@ -603,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus-column", default="SMILES")
     ap.add_argument("--corpus-every", type=int, default=1, help="take every N-th molecule of --corpus")
     ap.add_argument("--pretrain-time", default="50m", help="the pretraining's time budget")
+    ap.add_argument("--pretrain-steps", type=int, help="a step budget instead of --pretrain-time (equal-cost "
+                                                       "comparisons of pretrainings)")
+    ap.add_argument("--pretrain-labels", choices=["none", "descriptors"], default="none",
+                    help="descriptors: the encoder also learns RDKit descriptors of each corpus molecule (DESCRIPTORS) "
+                         "from its first token, beside the masked tokens")
     ap.add_argument("--pretrained", help="a run pretrained so already (skips step 1)")
     ap.add_argument("--pretrain-only", action="store_true", help="stop after step 1")
     ap.add_argument("--epochs", type=int, default=20, help="passes over a set's training split in fine-tuning")

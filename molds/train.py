@@ -316,7 +316,8 @@ def setup(recipe, plan=None) -> Run:
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
     if getattr(model, "regression", False) and (saved is None or recipe.checkpoint.fork):
         _standardize_labels(model, manifest, dist)  # a resume keeps the checkpoint's scale
-    fresh_heads = fine_tune_heads(recipe, saved, model)  # the bare model's own, before any engine
+    label_columns = (manifest.data.get("labels") or {}).get("columns") if recipe.data.with_labels else None
+    fresh_heads = fine_tune_heads(recipe, saved, model, label_columns)  # the bare model's own, before any engine
     resized = resized_vocabulary(recipe, saved, resume_from, manifest, model)
     flops = model.flops_coefficients()
     parameters = count_parameters(model)
@@ -336,6 +337,7 @@ def setup(recipe, plan=None) -> Run:
            if "extends" in manifest.data["tokenizer"] else {}),
         "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
         "pairs": lineage_block(manifest.pairs),  # the direction and formats molds-predict holds inputs to
+        **({"labels": list(label_columns)} if label_columns and getattr(model, "TASK_HEADS", None) else {}),
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,

@@ -4,8 +4,10 @@ scores every test molecule of a set whose salts and metals the pretraining vocab
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -225,3 +227,48 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     want = sum(per_task) / len(per_task)
     assert run["valid_roc_auc"] == pytest.approx(want, abs=1e-9)
     assert split["molds"]["valid_roc_auc"]["mean"] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_pretraining_on_descriptors_learns_rdkits_values_and_forks_into_fresh_heads(tmp_path):
+    """``--pretrain-labels descriptors``: the corpus carries each molecule's descriptors,
+    equal to RDKit's own functions called here (a molecule RDKit cannot read has none); the
+    pretraining's encoder has one regression head per descriptor and its lineage names them
+    (a fine-tuning fork onto other labels starts its heads afresh:
+    tests/engines/test_property_metrics.py)."""
+    from rdkit import Chem
+    from rdkit.Chem import Crippen, Descriptors, Lipinski, rdMolDescriptors
+
+    bench = benchmark_script("moleculenet")
+    corpus = tmp_path / "corpus.csv"
+    smiles = sample_smiles(160, offset=500) + ["C[N+](C)(C)C.[Cl-]", "C1CC(N"]
+    with open(corpus, "w", newline="") as fh:
+        csv.writer(fh).writerows([["SMILES"], *([s] for s in smiles)])
+    args = argparse.Namespace(
+        corpus=str(corpus), corpus_column="SMILES", corpus_every=1, nproc=1, pretrain_labels="descriptors",
+        pretrain_steps=2, pretrain_time="50m", pretrained=None, output_dir=str(tmp_path / "out"))
+    run, info = bench.pretrain(args, [])
+    assert info["labels"] == list(bench.DESCRIPTORS) and info["objective"] == "masked tokens and descriptors"
+    with gzip.open(tmp_path / "out" / "pretrain-descriptors" / "corpus.csv.gz", "rt", newline="") as fh:
+        written = list(csv.DictReader(fh))
+    assert [r["SMILES"] for r in written] == smiles
+    rdkit = {"mw": Descriptors.MolWt, "logp": Crippen.MolLogP, "tpsa": rdMolDescriptors.CalcTPSA,
+             "hbd": Lipinski.NumHDonors, "hba": Lipinski.NumHAcceptors,
+             "rotatable_bonds": rdMolDescriptors.CalcNumRotatableBonds, "rings": rdMolDescriptors.CalcNumRings,
+             "aromatic_rings": rdMolDescriptors.CalcNumAromaticRings, "heavy_atoms": lambda m: m.GetNumHeavyAtoms(),
+             "fsp3": rdMolDescriptors.CalcFractionCSP3,
+             "formal_charge": lambda m: Chem.GetFormalCharge(m),
+             "stereocenters": lambda m: len(Chem.FindMolChiralCenters(m, includeUnassigned=True))}
+    assert set(rdkit) == set(bench.DESCRIPTORS)
+    for row in written:
+        mol = Chem.MolFromSmiles(row["SMILES"])
+        for name, fn in rdkit.items():
+            if mol is None:
+                assert row[name] == "", (row["SMILES"], name)
+            else:
+                assert float(row[name]) == pytest.approx(fn(mol), rel=1e-12), (row["SMILES"], name)
+    from molds.checkpoint import read_lineage, resolve
+
+    lineage = read_lineage(resolve(run, quiet=True))
+    assert lineage["labels"] == list(bench.DESCRIPTORS) and lineage["step"] == 2
+    assert lineage["recipe"]["model"]["num_tasks"] == len(bench.DESCRIPTORS)
+    assert lineage["recipe"]["model"]["task_type"] == "regression"

@@ -99,19 +99,22 @@ def check_resume(path: str, saved: dict, lineage: dict, fork: bool, resized: boo
     return {k: v for k, v in changes.items() if is_mutable(k)}
 
 
-def fine_tune_heads(recipe, saved: dict | None, model) -> tuple | None:
+def fine_tune_heads(recipe, saved: dict | None, model, labels: list[str] | None = None) -> tuple | None:
     """A fork whose model differs from its checkpoint's only in the property heads (an
-    encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; or
-    another number or kind of tasks): (the heads' name prefixes, this model's freshly
-    initialized head tensors, what changed). None for anything else: a resume, a fork of
-    the same model, a model without heads (another difference is refused when the weights
-    are loaded, naming the tensors). ``saved``: the checkpoint's lineage (None: a fresh
-    start)."""
+    encoder pretrained without labels, fine-tuned with ``model.num_tasks`` of them; another
+    number or kind of tasks; or as many tasks of the same kind under other names, the
+    manifest's label columns, ``labels``, against those the checkpoint's lineage records):
+    (the heads' name prefixes, this model's freshly initialized head tensors, what changed).
+    None for anything else: a resume, a fork onto the same tasks, a model without heads
+    (another difference is refused when the weights are loaded, naming the tensors).
+    ``saved``: the checkpoint's lineage (None: a fresh start)."""
     heads = getattr(model, "TASK_HEADS", None)
     if saved is None or not recipe.checkpoint.fork or not heads:
         return None
     changes = recipe_changes(saved.get("recipe", {}), recipe.to_dict())
     changed = {k: v for k, v in changes.items() if k in model.TASK_KEYS}
+    if getattr(model.config, "num_tasks", 0) and saved.get("labels") and labels and list(saved["labels"]) != list(labels):
+        changed["labels"] = [list(saved["labels"]), list(labels)]  # other tasks: a head's weights are another's
     if not changed:
         return None
     if recipe.checkpoint.fork_optimizer:

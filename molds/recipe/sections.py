@@ -549,7 +549,8 @@ class CheckpointConfig:
     """Start a new run from the checkpoint's weights: step 0, a fresh data cursor on
     this recipe's manifest (which may differ), any recipe change allowed; the parent is
     recorded in the lineage. Short form: ``--fork true``. An encoder forked with another
-    ``model.num_tasks`` or ``task_type`` (fine-tuning a pretrained encoder on labels)
+    ``model.num_tasks`` or ``task_type`` (fine-tuning a pretrained encoder on labels), or
+    onto a manifest whose label columns are not the checkpoint's (by name and order),
     keeps every other weight and starts its property heads afresh, seeded by ``run.seed``."""
 
     fork_optimizer: bool = False

@@ -191,6 +191,28 @@ PROPERTY_NAMES = ("mw", "exact_mw", "logp", "tpsa", "hbd", "hba", "rotatable_bon
                   "heavy_atoms", "bertz", "fsp3", "formal_charge", "stereocenters", "atoms:<element>")
 
 
+def computed_properties(smiles: list[str], names: tuple[str, ...]) -> list[list[float | None]]:
+    """Each text's ``names`` properties (``PROPERTY_NAMES``' table, RDKit's descriptors), in
+    order; ``None`` for a property that cannot be computed, every one where RDKit cannot read
+    the text."""
+    table = _properties()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"no computed property {unknown}: the names are {list(table)}")
+    out = []
+    for text in smiles:
+        mol = Chem.MolFromSmiles(text) if text else None
+        row = []
+        for name in names:
+            try:
+                value = float(table[name](mol)) if mol is not None else None
+            except Exception:  # noqa: BLE001 - a descriptor RDKit fails on is a missing value, not the row
+                value = None
+            row.append(value if value is not None and math.isfinite(value) else None)
+        out.append(row)
+    return out
+
+
 class Property(Component):
     """A computed property (RDKit's descriptor), scored through a transform (a window:
     ``step`` or ``double_sigmoid``; a preference: ``sigmoid``, ``gaussian``, ...)."""

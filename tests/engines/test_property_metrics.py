@@ -150,6 +150,36 @@ def test_classification_roc_auc_is_scikit_learns_on_the_exported_model(labelled,
         assert report["property"]["per_task"][name]["auroc"] == pytest.approx(want, abs=1e-6), name
 
 
+def test_a_fork_onto_other_tasks_of_the_same_kind_and_count_starts_its_heads_afresh(labelled, tmp_path):
+    """A regression model of (logp, tpsa) forked onto a manifest of (tpsa, logp): the same
+    number and kind of tasks, under other names in another order. Its heads and label scale
+    start afresh (the new manifest's training split), instead of reading each task with
+    the other's head; a fork onto the same columns keeps them."""
+    import json
+
+    from molds.checkpoint.state import read_model
+    from molds.data.manifest import Manifest, label_moments
+    from molds.train import main
+
+    first = str(tmp_path / "reg")
+    parent = main(_argv(labelled[0], first, 2, "regression"))["checkpoint"]
+    swapped = _labelled(tmp_path, ("tpsa", "logp"))
+    fork = ["--checkpoint.resume", parent, "--checkpoint.fork", "true", "--optim.lr", "0",
+            "--optim.warmup_steps", "0"]
+    other = main([*_argv(swapped, str(tmp_path / "swapped"), 2, "regression"), "--trainer.max_steps", "1", *fork])
+    lineage = json.load(open(os.path.join(other["checkpoint"], "lineage.json")))
+    assert lineage["labels"] == ["tpsa", "logp"]
+    assert lineage["fresh_heads"]["changes"] == {"labels": [["logp", "tpsa"], ["tpsa", "logp"]]}
+    mean, std, _ = label_moments(Manifest.load(swapped), "train")
+    assert np.allclose(lineage["label_scale"]["mean"], mean) and np.allclose(lineage["label_scale"]["std"], std)
+    before, after = read_model(parent), read_model(other["checkpoint"])
+    assert not torch.equal(before["classifier.out_proj.weight"], after["classifier.out_proj.weight"])
+    same = main([*_argv(labelled[0], str(tmp_path / "same"), 2, "regression"), "--trainer.max_steps", "1", *fork])
+    lineage = json.load(open(os.path.join(same["checkpoint"], "lineage.json")))
+    assert "fresh_heads" not in lineage
+    assert torch.equal(before["classifier.out_proj.weight"], read_model(same["checkpoint"])["classifier.out_proj.weight"])
+
+
 def test_the_standardized_loss_is_the_one_written_by_hand():
     from molds.models.loss import masked_task_loss
 
