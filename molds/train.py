@@ -316,7 +316,7 @@ def setup(recipe, plan=None) -> Run:
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
     if getattr(model, "regression", False) and (saved is None or recipe.checkpoint.fork):
         _standardize_labels(model, manifest, dist)  # a resume keeps the checkpoint's scale
-    label_columns = (manifest.data.get("labels") or {}).get("columns") if recipe.data.with_labels else None
+    label_columns = manifest.label_columns if recipe.data.with_labels else None
     fresh_heads = fine_tune_heads(recipe, saved, model, label_columns)  # the bare model's own, before any engine
     resized = resized_vocabulary(recipe, saved, resume_from, manifest, model)
     flops = model.flops_coefficients()
@@ -374,7 +374,7 @@ def _standardize_labels(model, manifest, dist) -> None:
                           f"{len(mean)} label columns")
     model.set_label_scale(mean, std)
     if dist.is_main:
-        names = (manifest.data.get("labels") or {}).get("columns") or [f"task{i}" for i in range(len(mean))]
+        names = manifest.label_columns or [f"task{i}" for i in range(len(mean))]
         print("[molds] regression labels standardized by the train split's mean and standard deviation: "
               + ", ".join(f"{n} {m:.4g} +- {s:.4g} ({c:,} labels)" for n, m, s, c in zip(names, mean, std, count)),
               file=sys.stderr)

@@ -125,6 +125,12 @@ class Manifest:
         block = self.data.get("pairs")
         return block if isinstance(block, dict) else None
 
+    @property
+    def label_columns(self) -> list[str]:
+        """The names of the label columns its shards hold (``molds-preprocess --label-columns``),
+        in order; empty without labels."""
+        return list((self.data.get("labels") or {}).get("columns") or [])
+
     def require_molecules(self, what: str) -> None:
         """Refuse a manifest of pairs where molecules are read (their shards have no ``token_ids``)."""
         if self.pairs is not None:

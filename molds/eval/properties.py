@@ -37,7 +37,7 @@ class PropertyPredictions:
 def task_names(loaded) -> list[str]:
     """The label columns the heads were trained on (the manifest's), else task0, task1, ..."""
     n = int(loaded.recipe["model"].get("num_tasks") or 0)
-    names = list((loaded.manifest.data.get("labels") or {}).get("columns") or [])
+    names = loaded.manifest.label_columns
     return names if len(names) == n else [f"task{t}" for t in range(n)]
 
 

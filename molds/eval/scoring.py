@@ -116,7 +116,7 @@ def property_report(labels, preds, model_cfg: dict, manifest) -> dict:
         classification_metrics, regression_metrics,
     )
 
-    names = (manifest.data.get("labels") or {}).get("columns") or None
+    names = manifest.label_columns or None
     if model_cfg["task_type"] == "classification":
         return classification_metrics(labels, preds, names)
     return regression_metrics(labels, preds, names)

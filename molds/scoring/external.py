@@ -39,7 +39,7 @@ class PropertyModel(Component):
         if self.loaded.family != "encoder" or not self.loaded.recipe["model"].get("num_tasks"):
             raise RecipeError(f"{where}.checkpoint: {self.loaded.checkpoint} holds no property model (an encoder "
                               f"with task heads, recipes/mlm_multitask_zero2.json)")
-        names = (self.loaded.manifest.data.get("labels") or {}).get("columns") or []
+        names = self.loaded.manifest.label_columns
         n = int(self.loaded.recipe["model"]["num_tasks"])
         task = spec.get("task", 0)
         if isinstance(task, str):
