@@ -6,7 +6,8 @@ fingerprint random forest, on the very same splits, molecules and labels.
         [--splits scaffold scaffold_random] [--seeds 0 1 2] [--models molds chemprop rf]
         [--corpus moses_train.csv.gz --corpus-every 4 --pretrain-time 50m | --pretrain-steps N]
         [--pretrain-labels none|descriptors] [--pretrained RUN]
-        [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--finetune KEY=VALUE ...]
+        [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--min-steps 0]
+        [--finetune KEY=VALUE ...]
         [--augment 1] [--nproc 2]
         [--output-dir runs/moleculenet]
 
@@ -44,7 +45,8 @@ else differs between sets).
      or a virtual environment made from ``requirements-chemprop.txt``: Chemprop 2.3.1 pins
      another RDKit than molds'), on the CPU, with ``--nproc`` threads;
    - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads
-     (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, 10
+     (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, or
+     ``--min-steps`` optimizer steps where those passes take fewer; 10
      checkpoints; ``--finetune KEY=VALUE ...`` overrides the recipe's keys, the same for every
      set); the checkpoint with the best validation score is kept (early stopping on the
      validation split) and ``molds-predict`` scores the test molecules, the mean over
@@ -437,7 +439,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.metrics.property import classification_metrics, regression_metrics
 
     overrides = args.overrides
-    steps = steps_per_epoch(manifest, args.nproc, overrides) * args.epochs
+    steps = max(steps_per_epoch(manifest, args.nproc, overrides) * args.epochs, args.min_steps)
     finished = os.path.join(out, "finished.json")
     if not os.path.exists(finished):
         t0 = time.perf_counter()
@@ -648,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pretrained", help="a run pretrained so already (skips step 1)")
     ap.add_argument("--pretrain-only", action="store_true", help="stop after step 1")
     ap.add_argument("--epochs", type=int, default=20, help="passes over a set's training split in fine-tuning")
+    ap.add_argument("--min-steps", type=int, default=0,
+                    help="fine-tuning optimizer steps at least (more passes on a small training split)")
     ap.add_argument("--finetune", nargs="+", default=[], metavar="KEY=VALUE",
                     help="molds: recipe overrides of the fine-tuning (optim.lr=5e-4 data.max_tokens_per_batch=1024); "
                          "compare settings by the validation scores, the same for every set")
@@ -670,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if "chemprop" in args.models and not args.chemprop_python:
         args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
     result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
+              "min_steps": args.min_steps,
               "finetune": args.overrides, "augment": args.augment, "nproc": args.nproc}
     # the code this run loaded (read at the start: a long run outlives later commits)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,

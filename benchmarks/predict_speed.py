@@ -1,6 +1,6 @@
 """molds' beam search (what ``molds-predict`` runs) against transformers' ``generate`` on the
 model ``molds-export`` wrote, side by side in one run: the same sources, the same beams, the
-same products, products per second.
+same predictions, sources searched per second.
 
     python benchmarks/predict_speed.py --run RUN [--split test] [--num 64] [--beams 10] [--batch_size 64]
                                        [--rounds 3]
@@ -19,9 +19,10 @@ rounds interleaved so machine drift hits both:
   padded keys change the scores), with the forbidden tokens suppressed as molds forbids them.
 
 ``same_products``: sources whose top k (tokens, ended or not) are the same both ways, and the
-largest score gap. Products per second: sources x beams / seconds (the median round). One
-final JSON line; ``molds_over_transformers`` is molds' products per second over
-transformers' (the target: at least 1).
+largest score gap. ``sources_per_s``: sources searched a second, over the median round (for
+a retrosynthesis model the sources are products); ``predictions_per_s``: that times the
+beams. One final JSON line; ``molds_over_transformers`` is molds' rate over transformers'
+(the target: at least 1).
 """
 
 from __future__ import annotations
@@ -97,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         gap = max((abs(h.score - score) for h, (_, _, score) in zip(hyps, other)), default=0.0)
         worst = max(worst, gap)
         same += [(h.ids, h.ended) for h in hyps] == [(t, ended) for t, ended, _ in other] and gap < 1e-4
-    products = len(sources) * args.beams
-    rate = {name: products / statistics.median(s) for name, s in seconds.items()}
+    # sources searched a second (for retrosynthesis, products; each gives ``beams`` predictions)
+    rate = {name: len(sources) / statistics.median(s) for name, s in seconds.items()}
     line = {"benchmark": "predict_speed", "run": os.path.abspath(loaded.checkpoint), "family": loaded.family,
             "task": loaded.manifest.pairs.get("task"), "exported_as": type(hf).__name__, "split": args.split,
             "sources": len(sources),
             "beams": args.beams, "max_tokens": max_tokens, "batch_size": args.batch_size, "rounds": args.rounds,
             "seconds": {k: [round(x, 4) for x in v] for k, v in seconds.items()},
-            "products_per_s": {k: round(v, 2) for k, v in rate.items()},
+            "sources_per_s": {k: round(v, 3) for k, v in rate.items()},
+            "predictions_per_s": {k: round(v * args.beams, 2) for k, v in rate.items()},
             "molds_over_transformers": round(rate["molds"] / rate["transformers"], 3),
             "same_products": same, "max_score_gap": float(f"{worst:.2g}"), "torch_threads": threads,
             "cpu": cpu_description()}

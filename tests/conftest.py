@@ -8,7 +8,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # reference statistics the metrics cache (molds.metrics.generation.reference_chemnet_stats):
 # the suite's own, never a user's ~/.cache
-os.environ.setdefault("MOLDS_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="molds-test-cache-"))
+if "MOLDS_CACHE_DIR" not in os.environ:
+    _CACHE = os.environ["MOLDS_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="molds-test-cache-")
+    # removed when this process ends (xdist workers inherit it from the process that starts them)
+    __import__("atexit").register(__import__("shutil").rmtree, _CACHE, True)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # .ci/run's first phase: two workers on two cores, each meant to use one. torch's OpenMP

@@ -90,21 +90,21 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 600, env: dict | None = 
     """``fn(rank, world, *args)`` on ``world`` processes; returns each rank's result. A
     rank that raises fails the call; ranks still running after ``timeout_s`` are killed
     and the call fails."""
-    out_dir = tempfile.mkdtemp(prefix="molds-dist-")
     sys.stdout.flush()
     sys.stderr.flush()
     _start_server()
     payload = pickle.dumps((fn, args))
     streams = (_Stream(1), _Stream(2))
-    ctx = torch.multiprocessing.start_processes(
-        _entry, args=(world, free_port(), payload, out_dir, dict(os.environ), env or {}, streams),
-        nprocs=world, join=False, start_method="forkserver")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout_s} s")
-    # results are written by this test's own child processes
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    with tempfile.TemporaryDirectory(prefix="molds-dist-", ignore_cleanup_errors=True) as out_dir:
+        ctx = torch.multiprocessing.start_processes(
+            _entry, args=(world, free_port(), payload, out_dir, dict(os.environ), env or {}, streams),
+            nprocs=world, join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout_s} s")
+        # results are written by this test's own child processes
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
