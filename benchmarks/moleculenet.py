@@ -179,13 +179,9 @@ def _descriptor_chunk(texts: list[str]) -> list:
 
 def descriptor_rows(smiles: list[str], workers: int, chunk: int = 5000) -> list:
     """``DESCRIPTORS`` of each molecule, in order, on ``workers`` processes."""
-    chunks = [smiles[i:i + chunk] for i in range(0, len(smiles), chunk)]
-    if workers <= 1 or len(chunks) <= 1:
-        return [r for c in chunks for r in _descriptor_chunk(c)]
-    import multiprocessing as mp
+    from molds.runtime.pool import chunked_map
 
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return [r for part in pool.map(_descriptor_chunk, chunks) for r in part]
+    return chunked_map(_descriptor_chunk, smiles, workers, chunk)
 
 
 def _launcher(nproc: int) -> list[str]:

@@ -20,6 +20,7 @@ and products alike), atom maps removed, is a molecule of its own.
 
 from __future__ import annotations
 
+from ..runtime.pool import chunked_map
 from .canonical import MAX_HEAVY_ATOMS_CAP, MAX_SMILES_LENGTH_CAP, Canonicalizer, ChemOptions
 
 #: the ETL's strictest canonicalization: what a parent is
@@ -85,12 +86,5 @@ def _of_sides_chunk(chunk: list[str]) -> list[list[str]]:
 def parents(texts: list[str], workers: int = 1, *, sides: bool = False, chunk: int = 2000) -> list:
     """``Parents.of`` of each text (``sides``: ``Parents.of_side``, a list each), in order, on
     ``workers`` processes when there is more than one chunk of work."""
-    fn = _of_sides_chunk if sides else _of_chunk
-    chunks = [texts[i:i + chunk] for i in range(0, len(texts), chunk)]
-    if workers <= 1 or len(chunks) <= 1:
-        return [p for c in chunks for p in fn(c)]
-    import multiprocessing as mp  # here: a caller on one process starts no pool
-
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return [p for part in pool.map(fn, chunks) for p in part]
+    return chunked_map(_of_sides_chunk if sides else _of_chunk, texts, workers, chunk)
 

@@ -8,7 +8,9 @@
 - ``allocator``: host-memory allocator policies (training keeps freed memory; the ETL's
   larger per-thread cache);
 - ``atomic``: write to a temporary, then rename: the one way molds and its ETL put files in
-  place.
+  place;
+- ``pool``: a function over a list's chunks on spawned processes, in order (RDKit work over
+  a corpus).
 
 May import: ``molds.errors`` and the package's version (``molds.__version__``) only. The
 recipe, the ETL and everything that runs a job build on it.
