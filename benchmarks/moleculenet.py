@@ -659,6 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "moleculenet"))
     args = ap.parse_args(argv)
+    for name in ("epochs", "augment", "nproc"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.min_steps < 0:
+        ap.error(f"--min-steps must be 0 or more, got {args.min_steps}")
     args.overrides = finetune_overrides(args.finetune)
     if args.input:
         sets = [describe_set(args.name or os.path.basename(args.input).split(".")[0], args.input, args.smiles_column,

@@ -143,6 +143,17 @@ def test_a_finished_chemprop_run_is_reused_and_a_cut_one_started_again(tmp_path,
     assert again[1:] == pytest.approx(first[1:])
 
 
+def test_counts_out_of_range_are_refused_in_one_line(tmp_path, capsys):
+    bench = benchmark_script("moleculenet")
+    for flag, value, said in (("--min-steps", "-1", "--min-steps must be 0 or more, got -1"),
+                              ("--epochs", "0", "--epochs must be at least 1, got 0"),
+                              ("--augment", "0", "--augment must be at least 1, got 0")):
+        with pytest.raises(SystemExit):
+            bench.main(["--data-dir", str(tmp_path), flag, value, "--output-dir", str(tmp_path / "out")])
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
 def test_finetune_overrides_are_recipe_keys_the_benchmark_does_not_set_itself():
     bench = benchmark_script("moleculenet")
     assert bench.finetune_overrides(["optim.lr=5e-4", "data.randomized_smiles=1.0"]) == {
