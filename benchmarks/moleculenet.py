@@ -568,6 +568,10 @@ def run_set(args, s: dict, pretrained: str) -> dict:
             peers = os.path.join(where, "peers.csv")
             sizes[split_seed] = write_peers(manifest, s["labels"], peers)
             data = read_peers(peers, s["labels"])
+            empty = [name for name in SPLIT_NAMES if not data[name][0]]
+            if empty:  # no model can be chosen or scored on it
+                raise SystemExit(f"{s['name']} {method} seed {split_seed}: the {' and '.join(empty)} split holds no "
+                                 f"molecule ({peers}): too few molecules or scaffold groups for an 80/10/10 split")
             model_seeds = args.seeds if method == "scaffold" else [split_seed]
             for seed in model_seeds:
                 for model in args.models:

@@ -15,7 +15,7 @@ from molds.data.manifest import vocab_hash
 from .config import PreprocessConfig
 from .readers import Columns, InputError, detect_format, expand_inputs
 from .report import write_failure_report, write_outputs
-from .split import SPLITS, check_fractions, plan_split
+from .split import SPLITS, check_fractions, large_group_size, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, evaluation_kept_whole, finalize_partition, load_group_table,
                      partition_smiles, partition_targets, partition_token_counts, partition_train_hashes,
                      reduce_partition, targets_in_two_splits, training_hashes, write_shard)
@@ -392,11 +392,13 @@ def run(cfg: PreprocessConfig) -> str:
         t = time.time()
         progress.stage("split")
 
+        large = None if cfg.split == "given" else large_group_size(cfg.split, kept, cfg.split_fractions)
+
         def tables():
             for p in parts:
-                yield load_group_table(p["groups"], cfg.split)
+                yield load_group_table(p["groups"], cfg.split, large)
 
-        thresholds = None if cfg.split == "given" else plan_split(tables, kept, cfg.split_fractions)
+        thresholds = None if cfg.split == "given" else plan_split(tables, kept, cfg.split_fractions, large)
         targets_first = {}  # pairs: each target held by two splits -> the first one, where it stays
         train_hashes = None  # pairs in a given split: the training pairs' hashes, to count what evaluation shares
         if evaluation_kept_whole(options):

@@ -7,7 +7,12 @@ cut by cumulative row count: a group goes to the first split whose row target it
 
 - ``scaffold``: largest group first (the MoleculeNet convention: big scaffolds to train),
   ties broken by a seeded hash of the scaffold;
-- ``scaffold_random`` and ``random``: by a seeded hash of the group, a random order.
+- ``scaffold_random``: the groups larger than half the smaller evaluation split's share of
+  rows first (to train, largest first), then the others by a seeded hash of the group, a
+  random order. This is Chemprop's balanced scaffold split: without it, one large scaffold
+  group (the acyclic molecules of a small set) drawn just before the train cut carries train
+  past the validation cut, and the validation split is left empty (ESOL, seed 1);
+- ``random``: by a seeded hash of the group, a random order.
 
 Because the rule is a prefix cut, it is fixed by two threshold keys, found with three
 histogram passes over the per-partition group tables (size class, top 16 hash bits,
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +53,15 @@ _MIN_MAJOR = -(1 << 63)
 _MAX_MAJOR = (1 << 63) - 1  # above every real major (sizes are far below 2**63)
 
 
+class SplitPlan(NamedTuple):
+    """The two cuts (train|valid, valid|test) and the group size above which a
+    ``scaffold_random`` group goes first (``large_group_size``; None for the other methods)."""
+
+    first: "Threshold"
+    second: "Threshold"
+    large: int | None = None
+
+
 @dataclass(frozen=True)
 class Threshold:
     """Group keys (major, hash) below this go to an earlier split."""
@@ -60,11 +75,27 @@ class Threshold:
         return (major < self.major) | ((major == self.major) & (hashes < np.uint64(self.hash)))
 
 
-def group_major(method: str, sizes: np.ndarray) -> np.ndarray:
-    """The first component of the order key: -size for ``scaffold``, else 0."""
+def group_major(method: str, sizes: np.ndarray, large: int | None = None) -> np.ndarray:
+    """The first component of the order key: -size for ``scaffold``; for ``scaffold_random``,
+    -size for a group of more than ``large`` rows (they come first, largest first) and 0 for
+    the others; else 0."""
     if method == "scaffold":
         return -sizes.astype(np.int64)
+    if method == "scaffold_random" and large is not None:
+        return np.where(sizes > large, -sizes.astype(np.int64), 0)
     return np.zeros(len(sizes), dtype=np.int64)
+
+
+def large_group_size(method: str, total_rows: int, fractions) -> int | None:
+    """``scaffold_random``: half the smaller evaluation split's share of ``total_rows`` (a split
+    of fraction 0 does not count); a larger group goes to train ahead of the random order.
+    With every other group at most that size, a split whose fraction is not 0 receives rows
+    (its share less at most half of it). None for the other methods."""
+    if method != "scaffold_random":
+        return None
+    _, f_valid, f_test = check_fractions(fractions)
+    shares = [f * total_rows for f in (f_valid, f_test) if f > 0]
+    return int(min(shares) // 2) if shares else None
 
 
 def check_fractions(fractions) -> tuple[float, float, float]:
@@ -146,15 +177,16 @@ def find_threshold(load_tables, target: int) -> Threshold:
     return Threshold(val, 0) if kind == "start" else val
 
 
-def plan_split(load_tables, total_rows: int, fractions) -> tuple[Threshold, Threshold]:
-    """Thresholds between train|valid and valid|test for ``total_rows`` rows."""
+def plan_split(load_tables, total_rows: int, fractions, large: int | None = None) -> SplitPlan:
+    """Thresholds between train|valid and valid|test for ``total_rows`` rows; ``load_tables``
+    yields the keys ``group_major`` made with ``large``, which the plan carries."""
     f_train, f_valid, _ = check_fractions(fractions)
     t1 = int(round(f_train * total_rows))
     t2 = int(round((f_train + f_valid) * total_rows))
-    return find_threshold(load_tables, t1), find_threshold(load_tables, t2)
+    return SplitPlan(find_threshold(load_tables, t1), find_threshold(load_tables, t2), large)
 
 
 def assign_split(thresholds, major: np.ndarray, hashes: np.ndarray) -> np.ndarray:
     """0 = train, 1 = valid, 2 = test, for each group key."""
-    first, second = thresholds
+    first, second = thresholds[0], thresholds[1]
     return (~first.below(major, hashes)).astype(np.int8) + (~second.below(major, hashes)).astype(np.int8)

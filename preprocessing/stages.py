@@ -242,17 +242,18 @@ def evaluation_kept_whole(options: StageOptions) -> bool:
     return options.pairs is not None and options.split_from is not None
 
 
-def load_group_table(path: str, method: str):
+def load_group_table(path: str, method: str, large: int | None = None):
+    """A partition's group keys (``group_major`` with ``large``), hashes and sizes."""
     with np.load(path) as z:
         hashes, sizes = z["hash"], z["size"]
-    return group_major(method, sizes), hashes, sizes
+    return group_major(method, sizes, large), hashes, sizes
 
 
 def partition_splits(staged_table: pa.Table, groups_path: str, method: str, thresholds) -> np.ndarray:
     """Split index (0/1/2) of every row of a reduced partition (``given``: the input's own)."""
     if method == "given":
         return staged_table.column("given_split").to_numpy().astype(np.int8)
-    major, hashes, _ = load_group_table(groups_path, method)
+    major, hashes, _ = load_group_table(groups_path, method, thresholds.large)
     row_groups = staged_table.column("group_hash").to_numpy()
     pos = np.searchsorted(hashes, row_groups)
     return assign_split(thresholds, major[pos], row_groups)
