@@ -29,8 +29,8 @@ else differs between sets).
    run made so instead.
 2. **Splits.** For each set and each split (``scaffold``: deterministic, the largest scaffold
    groups to train; ``scaffold_random``: scaffold groups in a seeded random order, the large
-   ones to train first, one split per seed), ``molds-preprocess --label-columns ... --tokenizer PRETRAINED/tokenizer
-   --split-fractions 0.8,0.1,0.1``: canonical molecules, duplicates dropped (the first row's
+   ones to train first, one split per seed), ``molds-preprocess --label-columns ...
+   --tokenizer PRETRAINED/tokenizer --split-fractions 0.8,0.1,0.1``: canonical molecules, duplicates dropped (the first row's
    labels kept, conflicts counted), the pretraining vocabulary grown by what the set needs.
    A molecule RDKit cannot read is refused and named in the set's ``report.md``; it is in
    no split, so in no model's test set. ``peers.csv`` is then written from molds' shards: the

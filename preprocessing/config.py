@@ -74,8 +74,8 @@ class PreprocessConfig:
     split: Literal["scaffold", "random", "scaffold_random", "given"] = "scaffold"
     """``scaffold``: largest scaffold groups to train; ``scaffold_random``: scaffold groups in
     seeded random order, after the groups larger than half the smaller evaluation split's
-    share, which go to train first (Chemprop's balanced scaffold split); ``random``: molecules in seeded random order (with ``--task``: pairs,
-    grouped by their product side). ``given``: the input's own split, from ``--split_column``
+    share, which go to train first (Chemprop's balanced scaffold split); ``random``: molecules
+    in seeded random order (with ``--task``: pairs, grouped by their product side). ``given``: the input's own split, from ``--split_column``
     or, without it, from each input's file name (``raw_train.csv``, ``valid.txt``,
     ``test.smi``: one of train / val / valid / validation / dev / test as a word of the name)."""
 
