@@ -30,8 +30,9 @@ else differs between sets).
 2. **Splits.** For each set and each split (``scaffold``: deterministic, the largest scaffold
    groups to train; ``scaffold_random``: scaffold groups in a seeded random order, the large
    ones to train first, one split per seed), ``molds-preprocess --label-columns ...
-   --tokenizer PRETRAINED/tokenizer --split-fractions 0.8,0.1,0.1``: canonical molecules, duplicates dropped (the first row's
-   labels kept, conflicts counted), the pretraining vocabulary grown by what the set needs.
+   --tokenizer PRETRAINED/tokenizer --split-fractions 0.8,0.1,0.1``: canonical molecules,
+   duplicates dropped (the first row's labels kept, conflicts counted), the pretraining
+   vocabulary grown by what the set needs.
    A molecule RDKit cannot read is refused and named in the set's ``report.md``; it is in
    no split, so in no model's test set. ``peers.csv`` is then written from molds' shards: the
    canonical SMILES, the labels and the split of every kept molecule, the one file every
@@ -253,7 +254,8 @@ def pretrain(args, sets: list[dict]) -> tuple[str, dict]:
     info = json.load(open(done))
     return run, {**corpus, "rows": {s: v["rows"] for s, v in data["stats"]["splits"].items()},
                  "prep_s": round(prep_s, 1), "objective": "masked tokens" + (" and descriptors" if descriptors else ""),
-                 **({"step_budget": args.pretrain_steps} if args.pretrain_steps else {"time_budget": args.pretrain_time}),
+                 **({"step_budget": args.pretrain_steps} if args.pretrain_steps
+                    else {"time_budget": args.pretrain_time}),
                  **info}
 
 
@@ -668,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.min_steps < 0:
         ap.error(f"--min-steps must be 0 or more, got {args.min_steps}")
+    if args.pretrain_steps is not None and args.pretrain_steps < 1:
+        ap.error(f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
     args.overrides = finetune_overrides(args.finetune)
     if args.input:
         sets = [describe_set(args.name or os.path.basename(args.input).split(".")[0], args.input, args.smiles_column,

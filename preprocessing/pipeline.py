@@ -438,6 +438,15 @@ def run(cfg: PreprocessConfig) -> str:
         )
         shutil.rmtree(work_dir, ignore_errors=True)
         _publish(tmp_dir, final_dir)
+        if cfg.split != "given":  # a split asked for that received no row: every later use of it fails
+            rows = {name: 0 for name in SPLITS}
+            for (split, _, _, _), res in zip(plans, written):
+                rows[split] += res["num_rows"]
+            for name, fraction in zip(SPLITS, check_fractions(cfg.split_fractions)):
+                if fraction > 0 and not rows[name]:
+                    print(f"[molds-preprocess] warning: the {name} split holds no row (fraction {fraction:g} of "
+                          f"{kept:,} rows): too few molecules or {cfg.split} groups for these fractions",
+                          file=sys.stderr)
         return os.path.join(final_dir, os.path.basename(manifest_path))
     except BaseException as exc:
         shutil.rmtree(tmp_dir, ignore_errors=True)

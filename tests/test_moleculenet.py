@@ -147,7 +147,8 @@ def test_counts_out_of_range_are_refused_in_one_line(tmp_path, capsys):
     bench = benchmark_script("moleculenet")
     for flag, value, said in (("--min-steps", "-1", "--min-steps must be 0 or more, got -1"),
                               ("--epochs", "0", "--epochs must be at least 1, got 0"),
-                              ("--augment", "0", "--augment must be at least 1, got 0")):
+                              ("--augment", "0", "--augment must be at least 1, got 0"),
+                              ("--pretrain-steps", "0", "--pretrain-steps must be at least 1, got 0")):
         with pytest.raises(SystemExit):
             bench.main(["--data-dir", str(tmp_path), flag, value, "--output-dir", str(tmp_path / "out")])
         assert said in capsys.readouterr().err

@@ -85,3 +85,18 @@ def test_fractions_are_checked():
     with pytest.raises(ValueError):
         check_fractions([0.0, 0.5, 0.5])
     assert check_fractions([0.9, 0.1]) == (0.9, 0.1, 0.0)
+
+
+def test_the_etl_warns_of_a_split_asked_for_that_received_no_row(tmp_path, capsys):
+    """Four molecules of one scaffold: the whole group goes to train, and the ETL says, in a
+    line, that the valid and test splits are empty."""
+    from tests.preprocessing.conftest import run_etl
+
+    src = tmp_path / "one.csv"
+    src.write_text("smiles\nc1ccccc1C\nc1ccccc1CC\nc1ccccc1CCC\nc1ccccc1O\n")
+    m = run_etl(str(tmp_path / "out"), [str(src)], split="scaffold_random")
+    assert {k: v["rows"] for k, v in m["stats"]["splits"].items()} == {"train": 4, "valid": 0, "test": 0}
+    err = capsys.readouterr().err
+    for name in ("valid", "test"):
+        assert f"warning: the {name} split holds no row (fraction 0.1 of 4 rows)" in err, err
+    assert "the train split holds no row" not in err
