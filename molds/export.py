@@ -153,6 +153,10 @@ def hf_encoder(model):
     )
 
     cfg = model.config
+    if cfg.num_tasks and cfg.pooling != "bos":
+        raise MoldsError(f"model.pooling {cfg.pooling}: transformers' RobertaForSequenceClassification reads the "
+                         f"first token only, so no stock class holds these heads; molds-predict and molds-eval score "
+                         f"this checkpoint (fine-tune with --model.pooling bos for a model to export)")
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     if cfg.num_tasks:
         wanted = {k[len("mlm."):]: v for k, v in state.items() if k.startswith("mlm.roberta.")}

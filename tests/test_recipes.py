@@ -89,6 +89,7 @@ TAKES_ZERO = {
     "trainer.grad_accum", "goal.max_tokens",
     # a legal value: ZeRO stage 0, learning rate 0 (a frozen run), decay to 0, no non-finite step tolerated
     "parallel.zero_stage", "optim.lr", "optim.min_lr_ratio", "trainer.max_nonfinite_steps",
+    "optim.layer_decay",  # 0: only the heads learn
     # evaluation and checkpoints off or unbounded, sampling without top-k, no picture
     "eval.interval_steps", "eval.full_interval_steps", "eval.max_batches", "eval.top_k", "eval.grid",
     "logging.profile_steps",  # no profile

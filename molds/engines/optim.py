@@ -10,6 +10,7 @@ parameter name (``moments_of`` / ``load_moments``).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -17,25 +18,79 @@ from ..errors import CheckpointError
 from ..recipe.budget import Horizon
 
 
-def param_groups(named_params, weight_decay: float, extra: dict | None = None) -> list[dict]:
-    """Decay for matrices, none for vectors; ``extra`` keys are added to both groups."""
-    decay, no_decay, seen = [], [], set()
-    for _, p in named_params:
+#: a block's index in a parameter's canonical name: ``model.layers.3.``, ``encoder.layer.3.``
+_BLOCK = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+
+
+def layer_depths(names, blocks: dict | None = None, embeddings=()) -> tuple[dict, int]:
+    """Each parameter's depth from its canonical name, and the top depth: 0 for the
+    embeddings (``embeddings``' names, a name with ``embed`` outside any block), 1 + the block index for a block's
+    (the stacks one after another, a decoder's after its encoder's), the top for everything
+    after the last block (final norms, the LM and property heads). ``blocks``: {stack
+    prefix: block count} when ``names`` are not all of the model's (a pipeline stage's);
+    else counted from the names."""
+    names = list(names)
+    counts = dict(blocks or {})
+    if blocks is None:
+        for n in names:
+            m = _BLOCK.search(n)
+            if m:
+                counts[n[:m.start()]] = max(counts.get(n[:m.start()], 0), int(m.group(1)) + 1)
+    offset, top = {}, 0
+    for prefix in sorted(counts, key=lambda p: ("decoder" in p, p)):
+        offset[prefix], top = top, top + counts[prefix]
+    top += 1
+    depths = {}
+    for n in names:
+        m = _BLOCK.search(n)
+        if m and n[:m.start()] in offset:
+            depths[n] = offset[n[:m.start()]] + int(m.group(1)) + 1
+        else:
+            depths[n] = 0 if "embed" in n or n in embeddings else top
+    return depths, top
+
+
+def param_groups(named_params, weight_decay: float, extra: dict | None = None, layer_decay: float = 1.0,
+                 blocks: dict | None = None, rename=None, module: torch.nn.Module | None = None) -> list[dict]:
+    """Decay for matrices, none for vectors; ``extra`` keys are added to every group.
+    ``layer_decay`` below 1: layer-wise learning rates, each group's ``lr_scale`` =
+    ``layer_decay`` ** (top depth - the parameters' depth) (``layer_depths`` of the canonical
+    names: ``rename`` maps the module's names to them; ``blocks`` as there; the tables of
+    ``module``'s ``nn.Embedding`` layers are embeddings whatever their name); the groups at
+    full rate first."""
+    named = []
+    seen = set()
+    tables = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding)
+              for p in m.parameters()} if module is not None else set()
+    embeddings = set()
+    for name, p in named_params:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    if extra:
-        for g in groups:
-            g.update(extra)
-    return [g for g in groups if g["params"]]
+        named.append((rename(name) if rename else name, p))
+        if id(p) in tables:
+            embeddings.add(named[-1][0])
+    depths, top = layer_depths([n for n, _ in named], blocks, embeddings) if layer_decay < 1.0 else ({}, 0)
+    buckets: dict = {}
+    for name, p in named:
+        depth = depths.get(name, top)
+        buckets.setdefault((-depth, p.ndim < 2), []).append(p)
+    groups = []
+    for (neg_depth, vector), params in sorted(buckets.items()):
+        group = {"params": params, "weight_decay": 0.0 if vector else weight_decay,
+                 "name": ("no_decay" if vector else "decay") + (f"_depth{-neg_depth}" if layer_decay < 1.0 else "")}
+        if layer_decay < 1.0:
+            group["lr_scale"] = layer_decay ** (top + neg_depth)
+        groups.append(group | (extra or {}))
+    return groups
 
 
 def adamw(groups: list[dict], optim, fused: bool | None = None) -> torch.optim.Optimizer:
     """torch AdamW, fused (one kernel over all parameters) unless told otherwise."""
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    for g in groups:  # layer-wise rates: the scheduler's base rate of each group is its own
+        if "lr_scale" in g:
+            g["lr"] = optim.lr * g["lr_scale"]
     if fused is not False:
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -46,7 +101,8 @@ def adamw(groups: list[dict], optim, fused: bool | None = None) -> torch.optim.O
 
 
 def build_optimizer(model: torch.nn.Module, optim, fused: bool | None = None) -> torch.optim.Optimizer:
-    return adamw(param_groups(model.named_parameters(), optim.weight_decay), optim, fused)
+    return adamw(param_groups(model.named_parameters(), optim.weight_decay, layer_decay=optim.layer_decay,
+                              module=model), optim, fused)
 
 
 def warmup_steps(optim, max_steps: int) -> int:
@@ -93,15 +149,15 @@ def set_schedule(scheduler, optim, horizon, position: int | None = None) -> None
     """Make ``scheduler`` follow ``optim``'s schedule over ``horizon`` (steps, or a
     ``molds.recipe.budget.Horizon``), at ``position`` (the number of optimizer steps taken;
     default: where it is)."""
-    n = len(scheduler.optimizer.param_groups)
-    scheduler.base_lrs = [optim.lr] * n
-    scheduler.lr_lambdas = [lr_lambda(optim, horizon)] * n
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [optim.lr * g.get("lr_scale", 1.0) for g in groups]
+    scheduler.lr_lambdas = [lr_lambda(optim, horizon)] * len(groups)
     if position is not None:
         scheduler.last_epoch = position
     values = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, values):
+    for group, lr, base in zip(groups, values, scheduler.base_lrs):
         group["lr"] = lr
-        group["initial_lr"] = optim.lr
+        group["initial_lr"] = base
     scheduler._last_lr = values
 
 

@@ -149,7 +149,8 @@ class PipelineEngine(ScheduledEngine):
         head = head_in_loss_forward if in_loss else functools.partial(head_forward, linear=linear)
         specs.append(TiedLayerSpec("embed", EmbedPipe, body.embed_tokens.weight, forward_fn=head) if tied
                      else LayerSpec(HeadPipe, model.lm_head.weight, in_loss, linear))
-        self.rename = _rename(len(body.layers), tied)
+        self.num_blocks = len(body.layers)
+        self.rename = _rename(self.num_blocks, tied)
 
         def pipe_loss(outputs, targets):
             labels, document_ids = targets
@@ -170,7 +171,10 @@ class PipelineEngine(ScheduledEngine):
                                                                       placeholder=not self.moe_layers)
         self.model = None  # no rank holds the whole single-device model (sampling gathers it: gather_weights)
         set_aux_loss_scale(self.module, 1.0 / plan.micro_batches)
-        groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay)
+        # a stage holds some blocks: its parameters' depths count the model's (layer-wise rates)
+        groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay,
+                               layer_decay=recipe.optim.layer_decay, blocks={"model": self.num_blocks},
+                               rename=self.rename, module=self.module)
         if expert_parallel:
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)

@@ -33,6 +33,7 @@ class EncoderConfig:
     dropout: float = 0.1
     num_tasks: int = 0
     task_type: str = "classification"
+    pooling: str = "bos"
     pad_token_id: int = 0
     bos_token_id: int = 2
     eos_token_id: int = 3
@@ -79,6 +80,10 @@ class MoleculeEncoder(nn.Module):
         # fine-tune without masking leaves the MLM head out of the graph on every step alike
         out = {"logits": self.mlm.lm_head(hidden)} if self.classifier is None or mlm_labels is not None else {}
         if self.classifier is not None:
+            if self.config.pooling == "mean":  # the head reads its input's first position
+                mask = (input_ids != self.config.pad_token_id if attention_mask is None else attention_mask.bool())
+                mask = mask.unsqueeze(-1).to(hidden.dtype)
+                hidden = ((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)).unsqueeze(1)
             out["predictions"] = self.classifier(hidden)
             if self.regression:  # the loss divides the error by the same scale: standardized MSE
                 out["predictions"] = out["predictions"] * self.label_std + self.label_mean

@@ -212,6 +212,10 @@ class ModelConfig:
     standardized by the train split's mean and standard deviation per task; predictions,
     metrics and the exported model in the labels' own units)."""
 
+    pooling: Literal["bos", "mean"] = "bos"
+    """Encoder property heads: what they read, the <bos> token's final state (``bos``, as
+    ``RobertaForSequenceClassification``) or the mean over the molecule's tokens (``mean``)."""
+
     tie_embeddings: bool = True
     """Decoder: the LM head shares the token embedding matrix."""
 
@@ -392,7 +396,7 @@ class OptimConfig:
 
     RANGES: ClassVar[dict] = {
         "lr": (0.0, 10.0), "min_lr_ratio": (0.0, 1.0), "warmup_steps": (0, _BIG), "warmup_fraction": (0.0, 0.9),
-        "weight_decay": (0.0, 10.0),
+        "weight_decay": (0.0, 10.0), "layer_decay": (0.0, 1.0),
         "beta1": (0.0, 0.999999), "beta2": (0.0, 0.999999999), "eps": (1e-30, 1.0), "grad_clip": (0.0, 1e6),
     }
 
@@ -411,6 +415,12 @@ class OptimConfig:
 
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to norms and biases)."""
+
+    layer_decay: float = 1.0
+    """Layer-wise learning rates, for fine-tuning (ELECTRA, BEiT): the heads and final norm
+    learn at ``lr``, each block below at ``layer_decay`` times the rate of the one above, the
+    embeddings lowest (a seq2seq's decoder blocks above its encoder's). 1: one rate for all;
+    0: only the heads learn."""
 
     beta1: float = 0.9
     """Adam beta1."""

@@ -99,3 +99,71 @@ def test_fine_tuning_trains_says_so_and_refuses_forked_moments(pretrained, datas
         main(_argv(dataset, str(tmp_path / "fine2"), "ddp", 3, tasks=2,
                    extra=["--checkpoint.resume", pre, "--checkpoint.fork", "true",
                           "--checkpoint.fork_optimizer", "true"]))
+
+
+@pytest.mark.parametrize("engine,stage", [("ddp", 0), ("zero", 2), ("zero", 3)])
+def test_layer_wise_rates_scale_each_blocks_first_step(pretrained, dataset, tmp_path, engine, stage):
+    """``optim.layer_decay 0.5`` on a 2-block encoder: Adam's first step moves each element
+    with a gradient well above Adam's eps by the learning rate of its group (weight decay
+    off, no warm-up, no clipping), so the
+    largest change of each tensor is ``lr`` for the heads (the MLM head: it is in the
+    pretrained checkpoint), ``lr``/2 for the last block, /4 for the first, /8 for the
+    embeddings, written out here by name."""
+    from molds.checkpoint import resolve
+    from molds.checkpoint.state import read_model
+
+    lr, decay = 1e-3, 0.5
+    before = read_model(resolve(pretrained))
+    argv = _argv(dataset, str(tmp_path / "fine"), engine, 1, tasks=2,
+                 extra=["--parallel.zero_stage", str(max(stage, 1)) if engine == "zero" else "0",
+                        "--checkpoint.resume", pretrained, "--checkpoint.fork", "true",
+                        "--optim.layer_decay", str(decay), "--optim.warmup_steps", "0", "--optim.weight_decay", "0",
+                        "--optim.grad_clip", "0"])
+    from tests.engines.test_encoder import _train
+
+    result = run_ranks(_train, 1, argv)[0]
+    after = read_model(result["checkpoint"])
+
+    def rate(name):
+        if name.startswith("mlm.roberta.embeddings."):
+            return lr * decay ** 3
+        for block in (0, 1):
+            if name.startswith(f"mlm.roberta.encoder.layer.{block}."):
+                return lr * decay ** (2 - block)
+        assert name.startswith("mlm.lm_head."), name
+        return lr
+
+    checked = set()
+    for name, was in before.items():
+        if name.endswith("key.bias"):  # softmax ignores it: its gradient is rounding noise, below Adam's eps
+            continue
+        moved = float((after[name].double() - was.double()).abs().max())
+        assert moved == pytest.approx(rate(name), rel=1e-2), (name, moved, rate(name))
+        checked.add(rate(name))
+    assert len(checked) == 4  # every depth was seen
+
+
+def test_a_seq2seq_decoders_blocks_learn_above_its_encoders():
+    """Layer-wise rates of the encoder-decoder, written out by name: the shared and position
+    embeddings lowest (the output layer is the token table), then the 2 encoder blocks, then
+    the 2 decoder blocks, at lr x 0.5 ** (5 - depth): nothing sits above the last block."""
+    from molds.engines.optim import param_groups
+    from molds.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
+
+    model = Seq2SeqModel(Seq2SeqConfig(vocab_size=20, hidden_size=16, encoder_layers=2, decoder_layers=2,
+                                       num_heads=2, intermediate_size=32, max_position_embeddings=64))
+
+    def depth(name):
+        for side, offset in (("model.encoder.layers.", 1), ("model.decoder.layers.", 3)):
+            if name.startswith(side):
+                return offset + int(name[len(side)])
+        return 0 if "embed" in name or name == "model.shared.weight" else 5  # shared: the token table
+
+    groups = param_groups(model.named_parameters(), 0.1, layer_decay=0.5, module=model)
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    assert groups[0]["lr_scale"] == 0.5  # the highest rate first: the rate the log shows
+    seen = set()
+    for name, p in model.named_parameters():
+        assert scale[id(p)] == 0.5 ** (5 - depth(name)), name
+        seen.add(depth(name))
+    assert seen == {0, 1, 2, 3, 4}

@@ -137,6 +137,18 @@ def test_pipeline_and_expert_parallel_match_the_reference(dataset, reference, pp
     _same_steps(got, reference, pp, world, stage)
 
 
+def test_layer_wise_rates_on_the_pipeline_match_one_process(dataset, reference):
+    """``optim.layer_decay``: a pipeline stage holds some of the blocks under its own names;
+    each of its parameters gets the rate of its canonical name's depth in the whole model,
+    as the one-process engine gives it (which differs from one rate for all)."""
+    decay = ["--optim.layer_decay", "0.5"]
+    want = run_ranks(_run, 1, _argv(dataset, "ddp", accum=2 * ACCUM, extra=decay), dataset, True)[0]
+    got = run_ranks(_run, 2, _argv(dataset, "pipeline", 2, 1, accum=2 * ACCUM, extra=decay), dataset, False)
+    _same_steps(got, want, 2, 2, 0)
+    embed = "model.embed_tokens.weight"
+    assert float((want["weights"][embed] - reference["weights"][embed]).abs().max()) > 1e-4
+
+
 def _same_steps(got, reference, pp, world, stage):
     """Each step's loss, the last step's gradients and the final weights of the ranks' run
     against the one-process reference's."""

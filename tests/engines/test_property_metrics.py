@@ -193,6 +193,41 @@ def test_the_standardized_loss_is_the_one_written_by_hand():
     assert got.item() == pytest.approx(want, rel=1e-6)
 
 
+def test_mean_pooling_reads_the_mean_of_a_molecules_tokens_whatever_the_padding():
+    """``model.pooling mean``: the heads read the mean of the final states over the real
+    tokens (written out here with the body's states and the head's layers), so a molecule
+    scores the same alone and padded beside a longer one."""
+    from molds.models.encoder import EncoderConfig, MoleculeEncoder
+
+    torch.manual_seed(0)
+    model = MoleculeEncoder(EncoderConfig(vocab_size=30, hidden_size=32, num_layers=2, num_heads=4, num_tasks=2,
+                                          dropout=0.0, pooling="mean")).eval()
+    short, long = [2, 7, 9, 11, 3], [2, 5, 6, 8, 12, 14, 15, 3]
+    ids = torch.tensor([short + [0] * 3, long])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        got = model(ids, mask)["predictions"]
+        alone = model(torch.tensor([short]), torch.ones(1, 5, dtype=torch.long))["predictions"]
+        states = model.mlm.roberta(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = []
+        for row, n in ((0, 5), (1, 8)):
+            pooled = states[row, :n].mean(0)
+            head = model.classifier
+            want.append(head.out_proj(torch.tanh(head.dense(pooled))))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], alone[0], rtol=1e-5, atol=1e-6)
+    bos = MoleculeEncoder(EncoderConfig(vocab_size=30, hidden_size=32, num_layers=2, num_heads=4, num_tasks=2,
+                                        dropout=0.0)).eval()
+    bos.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(bos(ids, mask)["predictions"], got)  # the first token's is another reading
+    from molds.errors import MoldsError
+    from molds.export import hf_encoder
+
+    with pytest.raises(MoldsError, match="model.pooling mean: transformers' RobertaForSequenceClassification reads"):
+        hf_encoder(model)  # no stock class pools so: refused, not exported as another model
+
+
 @pytest.mark.parametrize("which,task_type", [(0, "regression"), (1, "classification")])
 def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled, tmp_path, which, task_type):
     """``molds-predict`` on raw SMILES: per molecule, the exported transformers model's output
