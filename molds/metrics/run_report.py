@@ -115,6 +115,10 @@ def start_summary(run, parameters: int) -> None:
         threads = torch.get_num_threads()  # molds.runtime.distributed.share_cores: the rank's share of the cores
         print(f"[molds] CPU class {cls} ({threads} torch thread{'s' if threads > 1 else ''} per rank)"
               + (f": this recipe reaches {expected}" if expected else ""), file=sys.stderr)
+    if recipe.optim.layer_decay < 1.0:  # this rank's groups; the first pipeline stage holds the embeddings
+        scales = sorted({g.get("lr_scale", 1.0) for g in run.engine.scheduler.optimizer.param_groups}, reverse=True)
+        print(f"[molds] layer-wise learning rates (optim.layer_decay {recipe.optim.layer_decay:g}): {len(scales)} "
+              f"depths from lr x {scales[0]:.3g} down to lr x {scales[-1]:.3g} (the embeddings)", file=sys.stderr)
     warning = run.plan.precision.warning()
     if warning:
         notes.append(warning)

@@ -87,9 +87,11 @@ def test_fine_tuning_trains_says_so_and_refuses_forked_moments(pretrained, datas
     capfd.readouterr()
     fine = str(tmp_path / "fine")
     result = main(_argv(dataset, fine, "ddp", 3, tasks=2,
-                        extra=["--checkpoint.resume", pre, "--checkpoint.fork", "true"]))
+                        extra=["--checkpoint.resume", pre, "--checkpoint.fork", "true", "--optim.layer_decay", "0.5"]))
     err = capfd.readouterr().err
     assert "fine-tuning fork: the property heads (classifier.*, label_*) start afresh" in err
+    # 2 blocks: heads, block 1, block 0, embeddings
+    assert "layer-wise learning rates (optim.layer_decay 0.5): 4 depths from lr x 1 down to lr x 0.125" in err
     assert "model.num_tasks 0 -> 2" in err
     import json
 
