@@ -133,6 +133,8 @@ def test_numeric_sweep_zero_negative_absurd(section, name, kind):
     (["--model.hidden_size", "100", "--model.num_heads", "8"], "hidden_size"),
     (["--parallel.schedule", "dualpipev"], "schedule"),
     (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "2",
+      "--optim.layer_decay", "0.8"], "needs parallel.zero_stage=0: each stage holds other blocks"),
+    (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "2",
       "--parallel.schedule", "dualpipev", "--trainer.grad_accum", "3"], "trainer.grad_accum is 3"),
     (["--parallel.engine", "pipeline", "--parallel.zero_stage", "1", "--parallel.pp_size", "2",
       "--parallel.schedule", "dualpipev", "--trainer.grad_accum", "4", "--parallel.activation_checkpoint_interval",

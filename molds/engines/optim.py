@@ -67,7 +67,7 @@ def param_groups(named_params, weight_decay: float, extra: dict | None = None, l
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        named.append((rename(name) if rename else name, p))
+        named.append((rename(name) if rename and layer_decay < 1.0 else name, p))
         if id(p) in tables:
             embeddings.add(named[-1][0])
     depths, top = layer_depths([n for n, _ in named], blocks, embeddings) if layer_decay < 1.0 else ({}, 0)

@@ -174,7 +174,8 @@ class PipelineEngine(ScheduledEngine):
         # a stage holds some blocks: its parameters' depths count the model's (layer-wise rates)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay,
                                layer_decay=recipe.optim.layer_decay, blocks={"model": self.num_blocks},
-                               rename=self.rename, module=self.module)
+                               rename=lambda n: n if n.startswith("molds_expert_parallel") else self.rename(n),
+                               module=self.module)
         if expert_parallel:
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)

@@ -48,7 +48,8 @@ def family_config(model, tokenizer):
         from .encoder import EncoderConfig  # here: a rank that only trains loads no transformers or SciPy
 
         return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
-                             pooling=m.get("pooling", "bos"), pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
+                             pooling=m.get("pooling", "bos"),  # checkpoints written before it: the first token
+                             pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
                              **common)
     if m["family"] == "seq2seq":
         return Seq2SeqConfig(vocab_size=tokenizer.vocab_size, hidden_size=m["hidden_size"],

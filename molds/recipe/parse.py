@@ -220,6 +220,11 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
     if p.engine == "pipeline" and p.zero_stage >= 2:
         raise RecipeError(f"parallel.zero_stage={p.zero_stage} cannot be combined with parallel.engine=pipeline "
                           f"(DeepSpeed pipelines support ZeRO stage 0 or 1)")
+    if recipe.optim.layer_decay < 1.0 and p.engine == "pipeline" and p.zero_stage > 0:
+        # DeepSpeed's ZeRO-1 reduces each parameter group's norm across the stages, group by group
+        raise RecipeError(f"optim.layer_decay={recipe.optim.layer_decay:g} with parallel.engine=pipeline needs "
+                          f"parallel.zero_stage=0: each stage holds other blocks, so other parameter groups, and "
+                          f"ZeRO-1 needs the same groups on every stage (or use the ddp or zero engine)")
     if p.offload_params and not (p.engine == "zero" and p.zero_stage == 3):
         raise RecipeError("parallel.offload_params needs parallel.engine=zero with parallel.zero_stage=3")
     if p.offload_optimizer and p.engine != "zero":
