@@ -59,6 +59,8 @@ def _rename(num_blocks: int, tied: bool):
     """PipelineModule parameter names -> the single-device model's (canonical) names."""
     def rename(name: str) -> str:
         head, _, rest = name.partition(".")
+        if head == "molds_expert_parallel":  # the marker's placeholder: no model state, no canonical name
+            return name
         if head == "tied_modules":  # tied_modules.embed.weight
             return "model.embed_tokens.weight"
         index = int(head)
@@ -174,8 +176,7 @@ class PipelineEngine(ScheduledEngine):
         # a stage holds some blocks: its parameters' depths count the model's (layer-wise rates)
         groups_ = param_groups(self.module.named_parameters(), recipe.optim.weight_decay,
                                layer_decay=recipe.optim.layer_decay, blocks={"model": self.num_blocks},
-                               rename=lambda n: n if n.startswith("molds_expert_parallel") else self.rename(n),
-                               module=self.module)
+                               rename=self.rename, module=self.module)
         if expert_parallel:
             groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
         optimizer = adamw(groups_, recipe.optim)
