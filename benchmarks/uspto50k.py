@@ -3,7 +3,8 @@ top-k on an evaluation split with and without test-time augmentation, a learning
 
     python benchmarks/uspto50k.py --input 'schneider50k/raw_*.csv' [--recipe recipes/cpu_uspto50k_retro.json]
                                   [--task retro] [--variants 20] [--nproc 2] [--split valid]
-                                  [--beams 10] [--augment 20] [--augment_num 0] [--curve 500] [--score_only]
+                                  [--beams 10] [--num 0] [--augment 20] [--augment_num 0] [--curve 500]
+                                  [--score_only]
                                   [-- extra recipe overrides]
 
 1. ETL: when the recipe's manifest does not exist yet, ``molds-preprocess`` makes it from
@@ -14,7 +15,8 @@ top-k on an evaluation split with and without test-time augmentation, a learning
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` into a fresh
    run directory (the recipe's ``run.output_dir``, or ``--run.output_dir`` among the overrides).
 3. ``molds-eval RUN --split SPLIT --beams BEAMS`` on every pair of the split (the run's model:
-   its average when the recipe writes one). ``procedure_s`` is ETL + training + this.
+   its average when the recipe writes one), or on ``--num`` pairs evenly spread over it (the
+   recipe comparisons of docs/benchmarks/uspto50k.md). ``procedure_s`` is ETL + training + this.
 4. The learning curve: each checkpoint of the run scored on ``--curve`` pairs of the split
    (evenly spread over it; 0: skipped) with the same beams.
 5. ``--augment A`` (R-SMILES's test-time augmentation: A searches a source; 0: skipped),
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--split", default="valid")
     p.add_argument("--beams", type=int, default=10)
+    p.add_argument("--num", type=int, default=0, help="pairs of the split scored, evenly spread (0: all)")
     p.add_argument("--augment", type=int, default=20, help="spellings searched per source (0: skip this phase)")
     p.add_argument("--augment_num", type=int, default=0,
                    help="pairs of the split scored with augmentation, evenly spread (0: all); then also without")
@@ -125,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         train_s = time.time() - t0
     split = read_manifest(manifest)["stats"]["splits"][args.split]
     result.update(split=args.split, pairs=split["rows"], shared_with_train=split.get("shared_with_train"))
-
-    report, eval_s = evaluate(run_dir, args.split, split["rows"], args.beams,
-                              os.path.join(run_dir, f"eval-{args.split}"))
+    scored = min(args.num, split["rows"]) if args.num > 0 else split["rows"]
+    result["scored_pairs"] = scored
+    suffix = (f"-{scored}" if scored < split["rows"] else "") + (f"-beams{args.beams}" if args.beams != 10 else "")
+    report, eval_s = evaluate(run_dir, args.split, scored, args.beams, os.path.join(run_dir, f"eval-{args.split}{suffix}"))
     result.update(model=report.get("checkpoint"), accuracy=accuracy(report))
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         lines = [json.loads(x) for x in fh if x.strip()]
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         result["curve"] = curve
     if args.augment > 1:  # on the same pairs without augmentation too, for a like-for-like pair of figures
         num = args.augment_num or split["rows"]
-        if num < split["rows"]:
+        if num == scored < split["rows"]:  # phase 3 scored these pairs
+            result["accuracy_subset"] = accuracy(report, loss=False)
+        elif num < split["rows"]:
             plain, _ = evaluate(run_dir, args.split, num, args.beams, os.path.join(run_dir, f"eval-{args.split}-{num}"),
                                 loss=False)
             result["accuracy_subset"] = accuracy(plain, loss=False)

@@ -254,6 +254,16 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     report = json.load(open(run / "checkpoints" / "step-00000003" / "curve-valid" / "eval.json"))
     assert line["curve"][0]["top1"] == (report.get("pairs") or report)["top1"]
     assert report["pairs"]["task"] == task == line["task"], report
+    # --num scores that many pairs evenly spread (the recipe comparisons): the same 20 as the subset above
+    proc = subprocess.run([*script, "--score_only", "--num", "20", "--beams", "3", "--augment", "0", "--curve", "0",
+                           "--", "--data.manifest", str(tmp_path / "data"), "--run.output_dir", str(run)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scored = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert scored["scored_pairs"] == 20 and scored["pairs"] == len(files["val"]), scored
+    subset = {k: v for k, v in scored["accuracy"].items() if k != "loss"}
+    assert subset == line["accuracy_subset"], (subset, line["accuracy_subset"])
+    assert (run / "eval-valid-20-beams3" / "eval.json").is_file()
     other = "forward" if task == "retro" else "retro"
     proc = subprocess.run([*script[:3], other, "--", "--data.manifest", str(tmp_path / "data"),
                            "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
