@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve", type=int, default=500, help="pairs scored per checkpoint (0: no learning curve)")
     p.add_argument("--score_only", action="store_true", help="score a finished run (phases 3-5), training nothing")
     args = p.parse_args(argv)
+    if args.num < 0:
+        p.error(f"--num {args.num}: give the pairs to score, or 0 for the whole split")
 
     from molds.recipe import parse_recipe
 
