@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         train_s = time.time() - t0
     split = read_manifest(manifest)["stats"]["splits"][args.split]
     result.update(split=args.split, pairs=split["rows"], shared_with_train=split.get("shared_with_train"))
-    scored = min(args.num, split["rows"]) if args.num > 0 else split["rows"]
+    scored = min(args.num or split["rows"], split["rows"])
     result["scored_pairs"] = scored
     suffix = (f"-{scored}" if scored < split["rows"] else "") + (f"-beams{args.beams}" if args.beams != 10 else "")
     report, eval_s = evaluate(run_dir, args.split, scored, args.beams, os.path.join(run_dir, f"eval-{args.split}{suffix}"))
