@@ -90,6 +90,8 @@ SETS = {"bbbp": ("bbbp.csv.gz", "smiles"), "bace": ("bace.csv.gz", "mol"), "tox2
         "hiv": ("hiv.csv.gz", "smiles"), "esol": ("delaney.csv.gz", "smiles"), "lipo": ("lipo.csv.gz", "smiles")}
 SPLIT_NAMES = ("train", "valid", "test")
 MISSING = {"", "na", "nan", "none", "null"}
+#: the columns of ``peers.csv`` beside the labels
+PEER_COLUMNS = ("smiles", "split")
 
 
 def _open(path: str):
@@ -110,6 +112,10 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
         missing = [c for c in labels if c not in header]
         if missing or not labels:
             raise SystemExit(f"{path}: label columns {missing or labels} are not in the header {header}")
+        clash = [c for c in labels if c in PEER_COLUMNS or labels.count(c) > 1]
+        if clash:  # peers.csv names its own columns so, and one name must be one column
+            raise SystemExit(f"{path}: label column {clash[0]!r} is named twice or like a column of the peers' "
+                             f"file {PEER_COLUMNS}; rename it in the file's header")
         at = [header.index(c) for c in labels]
         values = set()
         for row in reader:
@@ -204,6 +210,29 @@ def _quiet_run(cmd: list[str], log: str, threads: int = 1) -> None:
 
 def _env(threads: int) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+
+def etl_args(s: dict, method: str, seed: int, tokenizer: str | None = None) -> list[str]:
+    """``molds-preprocess``'s arguments for one split of a set. The label names go as a JSON
+    list: a name may hold a comma (SIDER's "Injury, poisoning and procedural complications")."""
+    return ["--input", s["path"], "--smiles-column", s["smiles_column"], "--label-columns", json.dumps(s["labels"]),
+            *(["--tokenizer", tokenizer] if tokenizer else []),
+            "--split", method, "--split-fractions", "0.8,0.1,0.1", "--seed", str(seed)]
+
+
+def label_columns(text: str | None) -> list[str] | None:
+    """``--label-columns``: comma-separated names, or a JSON list where a name holds a comma."""
+    if not text:
+        return None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--label-columns {text!r}: not a JSON list of names ({exc})")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise SystemExit(f"--label-columns {text!r}: give a JSON list of column names")
+        return names
+    return [n for n in text.split(",") if n != ""]
 
 
 def preprocess(argv: list[str], out: str, workers: int) -> dict:
@@ -557,10 +586,7 @@ def run_set(args, s: dict, pretrained: str) -> dict:
         for split_seed in split_seeds:
             where = os.path.join(base, f"{method}-{split_seed}")
             manifest = os.path.join(where, "data")
-            m = preprocess(["--input", s["path"], "--smiles-column", s["smiles_column"], "--label-columns",
-                            ",".join(s["labels"]), "--tokenizer", tokenizer_of(pretrained),
-                            "--split", method, "--split-fractions", "0.8,0.1,0.1", "--seed", str(split_seed)],
-                           manifest, args.nproc)
+            m = preprocess(etl_args(s, method, split_seed, tokenizer_of(pretrained)), manifest, args.nproc)
             stats = m["stats"]
             entry.setdefault("rows", {"in": stats["rows_in"], "kept": stats["rows_out"],
                                       "duplicates": stats["duplicates"], "refused": stats.get("rejected", {}),
@@ -633,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", help="one CSV instead of --data-dir")
     ap.add_argument("--name", help="--input's name in the results (default: the file's)")
     ap.add_argument("--smiles-column", default="smiles")
-    ap.add_argument("--label-columns", help="comma-separated (default: every column but the SMILES)")
+    ap.add_argument("--label-columns", help="comma-separated, or a JSON list where a name holds a comma "
+                                           "(default: every column but the SMILES)")
     ap.add_argument("--task-type", choices=["classification", "regression"],
                     help="default: classification when every label is 0 or 1")
     ap.add_argument("--splits", nargs="+", default=["scaffold", "scaffold_random"],
@@ -675,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = finetune_overrides(args.finetune)
     if args.input:
         sets = [describe_set(args.name or os.path.basename(args.input).split(".")[0], args.input, args.smiles_column,
-                             args.label_columns.split(",") if args.label_columns else None, args.task_type)]
+                             label_columns(args.label_columns), args.task_type)]
     elif args.data_dir:
         sets = [describe_set(n, os.path.join(args.data_dir, SETS[n][0]), SETS[n][1], None, None) for n in args.sets]
     else:

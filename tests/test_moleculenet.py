@@ -26,11 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SALTS = ["[Na+].O=C([O-])c1ccccc1", "[K+].CC(=O)[O-]", "Cl[Pt](Cl)(N)N", "[Li+].[Cl-]", "CC[Hg]Cl",
          "[Na+].[Na+].O=S(=O)([O-])c1ccc(N)cc1.[O-]S(=O)(=O)c1ccccc1", "OB(O)c1ccccc1[N+](=O)[O-]",
          "[Cl-].C[N+](C)(C)Cc1ccccc1"]
+#: a label's name as SIDER's are written ("Injury, poisoning and procedural complications")
+POLAR = "polar, by TPSA"
 
 
 def _write_set(path, n: int = 240) -> dict:
-    """A labelled CSV: two labels (logP > 2.5; TPSA > 60, missing for every fifth row), the
-    salts, a duplicate with other labels and one row RDKit refuses. Returns what it holds."""
+    """A labelled CSV: two labels (logP > 2.5; TPSA > 60, missing for every fifth row, its name
+    holding a comma and a space as SIDER's do), the salts, a duplicate with other labels and one
+    row RDKit refuses. Returns what it holds."""
     from rdkit import Chem
     from rdkit.Chem import Crippen, rdMolDescriptors
 
@@ -47,7 +50,7 @@ def _write_set(path, n: int = 240) -> dict:
     rows.append(["C1CC(N", 1, 0])  # RDKit refuses it
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["SMILES", "lipophilic", "polar"])
+        w.writerow(["SMILES", "lipophilic", POLAR])
         w.writerows(rows)
     return {"rows": len(rows), "smiles": smiles}
 
@@ -68,24 +71,27 @@ def _shard_rows(manifest_dir: str) -> dict:
 
 @pytest.mark.parametrize("split,seed", [("scaffold", 0), ("scaffold_random", 1)])
 def test_the_peers_read_exactly_molds_split(tmp_path, split, seed):
-    from molds.preprocessing.config import PreprocessConfig
+    from molds.data.manifest import Manifest
+    from molds.preprocessing.cli import parse
     from molds.preprocessing.pipeline import run
 
     bench = benchmark_script("moleculenet")
     src = tmp_path / "set.csv"
     held = _write_set(src)
     s = bench.describe_set("set", str(src), "SMILES", None, None)
-    assert s["labels"] == ["lipophilic", "polar"] and s["task_type"] == "classification"
+    assert s["labels"] == ["lipophilic", POLAR] and s["task_type"] == "classification"
     manifest = str(tmp_path / "data")
-    run(PreprocessConfig(input=[str(src)], output=manifest, smiles_column="SMILES", label_columns=s["labels"],
-                         split=split, seed=seed, workers=1, progress=False))
+    # the ETL as the benchmark calls it, through molds-preprocess's command line
+    cfg = parse([*bench.etl_args(s, split, seed), "--output", manifest, "--workers", "1", "--progress", "false"])
+    run(cfg)
+    assert Manifest.load(manifest).label_columns == s["labels"]
     peers = str(tmp_path / "peers.csv")
     sizes = bench.write_peers(manifest, s["labels"], peers)
 
     shards = _shard_rows(manifest)
     with open(peers, newline="") as fh:
         read = list(csv.DictReader(fh))
-    assert set(read[0]) == {"smiles", "lipophilic", "polar", "split"}
+    assert set(read[0]) == {"smiles", "lipophilic", POLAR, "split"}
     names = {"train": "train", "valid": "val", "test": "test"}  # Chemprop's --splits-column values
     for name in ("train", "valid", "test"):
         mine = [(r["smiles"], [None if r[c] == "" else float(r[c]) for c in s["labels"]])
@@ -153,6 +159,25 @@ def test_counts_out_of_range_are_refused_in_one_line(tmp_path, capsys):
             bench.main(["--data-dir", str(tmp_path), flag, value, "--output-dir", str(tmp_path / "out")])
         assert said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_refused(tmp_path):
+    """``--label-columns`` takes a JSON list where a name holds a comma (SIDER's do); a label
+    named like a column of ``peers.csv``, or twice, is refused in one line naming it."""
+    bench = benchmark_script("moleculenet")
+    assert bench.label_columns("a,b") == ["a", "b"]
+    assert bench.label_columns('["Injury, poisoning", "Eye disorders"]') == ["Injury, poisoning", "Eye disorders"]
+    assert bench.label_columns(None) is None
+    with pytest.raises(SystemExit, match="JSON list"):
+        bench.label_columns('["a", 3]')
+    src = tmp_path / "set.csv"
+    with open(src, "w", newline="") as fh:
+        csv.writer(fh).writerows([["mol", "Injury, poisoning", "split"], ["CCO", 1, 0], ["CCN", 0, 1]])
+    s = bench.describe_set("set", str(src), "mol", ["Injury, poisoning"], None)
+    assert s["labels"] == ["Injury, poisoning"] and s["task_type"] == "classification"
+    for labels in (None, ["split"], ["Injury, poisoning", "Injury, poisoning"]):
+        with pytest.raises(SystemExit, match="rename it"):
+            bench.describe_set("set", str(src), "mol", labels, None)
 
 
 def test_finetune_overrides_are_recipe_keys_the_benchmark_does_not_set_itself():
@@ -233,7 +258,7 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     chosen = open_checkpoint(str(out / "set" / "scaffold_random-0" / "molds-0" / "checkpoints" / run["chosen"]))
     found = predict_properties(chosen, [r["smiles"] for r in valid], augment=2, seed=0)
     per_task = []
-    for t, task in enumerate(("lipophilic", "polar")):  # the mean over tasks whose labels hold both classes
+    for t, task in enumerate(("lipophilic", POLAR)):  # the mean over tasks whose labels hold both classes
         seen = [i for i, r in enumerate(valid) if r[task] != ""]
         labels = [float(valid[i][task]) for i in seen]
         if len(set(labels)) == 2:
