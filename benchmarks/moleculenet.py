@@ -122,11 +122,15 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
             values.update(v for v in (row[i].strip() if i < len(row) else "" for i in at) if v.lower() not in MISSING)
             if len(values) > 2:  # more than two values: no binary labels
                 break
+    try:
+        binary = bool(values) and {float(v) for v in values} <= {0.0, 1.0}
+    except ValueError:
+        raise SystemExit(f"{path}: a label that is no number in {labels}: {sorted(values)[:3]}")
     if task_type is None:
-        try:
-            task_type = "classification" if values and {float(v) for v in values} <= {0.0, 1.0} else "regression"
-        except ValueError:
-            raise SystemExit(f"{path}: a label that is no number in {labels}: {sorted(values)[:3]}")
+        task_type = "classification" if binary else "regression"
+    elif task_type == "classification" and not binary:
+        raise SystemExit(f"{path}: --task-type classification, but the labels {labels} hold "
+                         f"{sorted(values)[:3]}, not only 0 and 1")
     return {"name": name, "path": os.path.abspath(path), "smiles_column": smiles_column, "labels": labels,
             "task_type": task_type}
 

@@ -42,7 +42,7 @@ from molds.checkpoint.resume import (
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
 from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
-from molds.data.manifest import Manifest, label_moments
+from molds.data.manifest import Manifest, first_label_not_binary, label_moments
 from molds.engines import build_engine
 from molds.errors import CheckpointError, ManifestError, MoldsError, NonFiniteError, RecipeError, run_cli  # noqa: E402
 from molds.metrics.step_profile import ProfileWindow
@@ -304,6 +304,9 @@ def setup(recipe, plan=None) -> Run:
                           f"to pretrain on molecules by denoising, set data.mask_span_mean and "
                           f"data.mlm_probability")
     tokenizer = tokenizer_info(manifest)
+    m = recipe.model
+    if m.family == "encoder" and m.num_tasks and m.task_type == "classification" and recipe.data.with_labels:
+        _require_binary_labels(manifest)  # before anything is written
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     saved = read_lineage(resume_from) if resume_from is not None else None  # read once, for every resume rule
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
@@ -363,6 +366,17 @@ def setup(recipe, plan=None) -> Run:
 
     start_summary(run, parameters)
     return run
+
+
+def _require_binary_labels(manifest) -> None:
+    """A classification head learns labels of 0 and 1: any other value in the train split is
+    refused in one line, before a step is taken."""
+    found = first_label_not_binary(manifest, "train")
+    if found is not None:
+        name, row, value = found
+        raise RecipeError(f"model.task_type=classification learns labels of 0 and 1, but label {name!r} of "
+                          f"{manifest.path}'s train split is {value:g} (row {row} of the split): set "
+                          f"--model.task_type regression, or make the labels 0 and 1 in the ETL's input")
 
 
 def _standardize_labels(model, manifest, dist) -> None:

@@ -163,7 +163,8 @@ def test_counts_out_of_range_are_refused_in_one_line(tmp_path, capsys):
 
 def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_refused(tmp_path):
     """``--label-columns`` takes a JSON list where a name holds a comma (SIDER's do); a label
-    named like a column of ``peers.csv``, or twice, is refused in one line naming it."""
+    named like a column of ``peers.csv``, or twice, is refused in one line naming it, and so
+    are labels other than 0 and 1 called classes."""
     bench = benchmark_script("moleculenet")
     assert bench.label_columns("a,b") == ["a", "b"]
     assert bench.label_columns('["Injury, poisoning", "Eye disorders"]') == ["Injury, poisoning", "Eye disorders"]
@@ -178,6 +179,11 @@ def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_ref
     for labels in (None, ["split"], ["Injury, poisoning", "Injury, poisoning"]):
         with pytest.raises(SystemExit, match="rename it"):
             bench.describe_set("set", str(src), "mol", labels, None)
+    with open(src, "w", newline="") as fh:  # pIC50 values are no classes
+        csv.writer(fh).writerows([["mol", "pIC50"], ["CCO", 7.2], ["CCN", 5.1], ["CCC", ""]])
+    assert bench.describe_set("set", str(src), "mol", None, None)["task_type"] == "regression"
+    with pytest.raises(SystemExit, match=r"--task-type classification, but the labels \['pIC50'\] hold"):
+        bench.describe_set("set", str(src), "mol", None, "classification")
 
 
 def test_finetune_overrides_are_recipe_keys_the_benchmark_does_not_set_itself():

@@ -237,6 +237,30 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
     return mean.tolist(), std.tolist(), count.astype(int).tolist()
 
 
+def first_label_not_binary(manifest: Manifest, split: str = "train") -> tuple[str, int, float] | None:
+    """(column name, row of the split, value) of the first present label of ``split`` that is
+    neither 0 nor 1, or None: what a classification head refuses to learn from (its binary
+    cross-entropy would take a pIC50 of 7.2 as a target without a word)."""
+    import fsspec  # here: molds-preprocess --help loads no fsspec
+    import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
+
+    names = manifest.label_columns
+    row = 0
+    for shard in manifest.shards(split):
+        with fsspec.open(shard.path, "rb") as fh:
+            table = pq.read_table(fh, columns=["labels"])
+        values = table.column("labels").combine_chunks()
+        if len(values):
+            y = np.asarray(values.to_pylist(), dtype=float).reshape(len(values), -1)
+            bad = np.argwhere(~np.isnan(y) & (y != 0.0) & (y != 1.0))
+            if len(bad):
+                i, task = (int(v) for v in bad[0])
+                name = names[task] if task < len(names) else f"task {task}"
+                return name, row + i, float(y[i, task])
+        row += len(values)
+    return None
+
+
 def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
     """(row, id) of the first token id outside [0, vocab_size) in ``ids`` (a pyarrow list
     array of ints, one list per row), or None."""
