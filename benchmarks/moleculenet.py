@@ -55,7 +55,9 @@ else differs between sets).
 4. **Scores**, by ``molds.metrics.property`` for every model alike, on the test molecules of
    ``peers.csv``: ROC-AUC (the mean over tasks whose test labels hold both classes) and
    PRC-AUC for classification, RMSE in the label's own units for regression; the mean and
-   standard deviation over seeds; each model's train and predict seconds.
+   standard deviation over seeds; each model's train and predict seconds. A task the split
+   leaves without a training label is learnt by no model, named (``untrained_tasks``) and
+   scored for none.
 
 One JSON line: per set the rows kept and refused, per split its sizes, per model the score of
 every seed, mean and standard deviation and the seconds (``train_s``: training; for molds the
@@ -382,7 +384,7 @@ def random_forest(data: dict, task_type: str, seed: int, workers: int) -> tuple:
     t0 = time.perf_counter()
     pred = np.full((len(x_test), y.shape[1]), np.nan)
     for t, forest in enumerate(forests):
-        if forest is None:
+        if forest is None:  # no training label: the benchmark scores this task for no model
             continue
         if task_type == "regression":
             pred[:, t] = forest.predict(x_test)
@@ -581,6 +583,8 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def run_set(args, s: dict, pretrained: str) -> dict:
+    import numpy as np
+
     base = os.path.join(args.output_dir, s["name"])
     entry = {"file": os.path.basename(s["path"]), "labels": s["labels"], "task_type": s["task_type"], "splits": {}}
     for method in args.splits:
@@ -604,6 +608,14 @@ def run_set(args, s: dict, pretrained: str) -> dict:
             if empty:  # no model can be chosen or scored on it
                 raise SystemExit(f"{s['name']} {method} seed {split_seed}: the {' and '.join(empty)} split holds no "
                                  f"molecule ({peers}): too few molecules or scaffold groups for an 80/10/10 split")
+            # a task with no label in the training split is learnt by no model: scored for none
+            untrained = [t for t, name in enumerate(s["labels"]) if np.isnan(data["train"][1][:, t]).all()]
+            if untrained:
+                entry.setdefault("untrained_tasks", {})[f"{method}-{split_seed}"] = [s["labels"][t] for t in untrained]
+                print(f"[moleculenet] {s['name']} {method}-{split_seed}: no training label for "
+                      f"{[s['labels'][t] for t in untrained]}; scored for no model", file=sys.stderr, flush=True)
+            y_test = data["test"][1].copy()
+            y_test[:, untrained] = np.nan
             model_seeds = args.seeds if method == "scaffold" else [split_seed]
             for seed in model_seeds:
                 for model in args.models:
@@ -617,7 +629,7 @@ def run_set(args, s: dict, pretrained: str) -> dict:
                     else:
                         pred, train_s, predict_s, extra = molds_model(args, pretrained, manifest, s, data, seed,
                                                                       os.path.join(where, f"molds-{seed}"))
-                    result = {"seed": seed, **score(data["test"][1], pred, s["labels"], s["task_type"]),
+                    result = {"seed": seed, **score(y_test, pred, s["labels"], s["task_type"]),
                               "train_s": None if train_s is None else round(train_s, 1),
                               "predict_s": round(predict_s, 1)}
                     if extra:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -184,6 +185,38 @@ def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_ref
     assert bench.describe_set("set", str(src), "mol", None, None)["task_type"] == "regression"
     with pytest.raises(SystemExit, match=r"--task-type classification, but the labels \['pIC50'\] hold"):
         bench.describe_set("set", str(src), "mol", None, "classification")
+
+
+def test_a_task_without_a_training_label_is_scored_for_no_model(tmp_path, monkeypatch):
+    """Where a split leaves a task no training label (a sparse ToxCast column can), no model
+    learns it: the benchmark names it and scores the others, for every model alike (before,
+    the forest's NaN predictions stopped scikit-learn)."""
+    from sklearn.metrics import roc_auc_score
+
+    bench = benchmark_script("moleculenet")
+    src = tmp_path / "set.csv"
+    _write_set(src)
+    s = bench.describe_set("set", str(src), "SMILES", None, None)
+    read = bench.read_peers
+
+    def without_train_labels(path, labels):  # the second task's training labels all missing
+        data = read(path, labels)
+        data["train"][1][:, 1] = math.nan
+        return data
+
+    monkeypatch.setattr(bench, "read_peers", without_train_labels)
+    monkeypatch.setattr(bench, "tokenizer_of", lambda run: None)
+    args = argparse.Namespace(splits=["scaffold"], seeds=[0], models=["rf"], nproc=1,
+                              output_dir=str(tmp_path / "out"))
+    entry = bench.run_set(args, s, pretrained=None)
+    assert entry["untrained_tasks"] == {"scaffold-0": [POLAR]}
+    run = entry["splits"]["scaffold"]["rf"]["runs"][0]
+    assert run["tasks_scored"] == 1
+    data = read(str(tmp_path / "out" / "set" / "scaffold-0" / "peers.csv"), s["labels"])
+    forest, _, _ = bench.random_forest(without_train_labels(str(tmp_path / "out" / "set" / "scaffold-0" / "peers.csv"),
+                                                            s["labels"]), "classification", 0, 1)
+    seen = ~np.isnan(data["test"][1][:, 0])
+    assert run["roc_auc"] == pytest.approx(roc_auc_score(data["test"][1][seen, 0], forest[seen, 0]))
 
 
 def test_finetune_overrides_are_recipe_keys_the_benchmark_does_not_set_itself():
