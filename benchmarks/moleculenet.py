@@ -92,6 +92,8 @@ SETS = {"bbbp": ("bbbp.csv.gz", "smiles"), "bace": ("bace.csv.gz", "mol"), "tox2
         "hiv": ("hiv.csv.gz", "smiles"), "esol": ("delaney.csv.gz", "smiles"), "lipo": ("lipo.csv.gz", "smiles")}
 SPLIT_NAMES = ("train", "valid", "test")
 MISSING = {"", "na", "nan", "none", "null"}
+#: the ETL's widest size caps (preprocessing/config.py): no molecule is left out for its size
+MAX_HEAVY_ATOMS, MAX_SMILES_LENGTH = 1000, 20000
 #: the columns of ``peers.csv`` beside the labels
 PEER_COLUMNS = ("smiles", "split")
 
@@ -220,8 +222,12 @@ def _env(threads: int) -> dict:
 
 def etl_args(s: dict, method: str, seed: int, tokenizer: str | None = None) -> list[str]:
     """``molds-preprocess``'s arguments for one split of a set. The label names go as a JSON
-    list: a name may hold a comma (SIDER's "Injury, poisoning and procedural complications")."""
+    list: a name may hold a comma (SIDER's "Injury, poisoning and procedural complications").
+    The size caps are the ETL's widest: every molecule RDKit reads is scored (HIV has 17 of
+    more than 150 heavy atoms, the ETL's default cap; molds reads the first ``data.max_length``
+    tokens of a longer one and says so per molecule)."""
     return ["--input", s["path"], "--smiles-column", s["smiles_column"], "--label-columns", json.dumps(s["labels"]),
+            "--max-heavy-atoms", str(MAX_HEAVY_ATOMS), "--max-smiles-length", str(MAX_SMILES_LENGTH),
             *(["--tokenizer", tokenizer] if tokenizer else []),
             "--split", method, "--split-fractions", "0.8,0.1,0.1", "--seed", str(seed)]
 

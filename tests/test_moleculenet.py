@@ -79,6 +79,10 @@ def test_the_peers_read_exactly_molds_split(tmp_path, split, seed):
     bench = benchmark_script("moleculenet")
     src = tmp_path / "set.csv"
     held = _write_set(src)
+    big = "C" + "C(C)" * 130  # 261 heavy atoms in 521 characters: over both of the ETL's default caps
+    with open(src, "a", newline="") as fh:
+        csv.writer(fh).writerow([big, 1, 0])
+    held["rows"] += 1
     s = bench.describe_set("set", str(src), "SMILES", None, None)
     assert s["labels"] == ["lipophilic", POLAR] and s["task_type"] == "classification"
     manifest = str(tmp_path / "data")
@@ -104,6 +108,9 @@ def test_the_peers_read_exactly_molds_split(tmp_path, split, seed):
     assert m["stats"]["rows_in"] == held["rows"]
     assert m["stats"]["rows_out"] == len(read) == held["rows"] - 2
     assert all("C1CC(N" != r["smiles"] for r in read)
+    from rdkit import Chem
+
+    assert Chem.CanonSmiles(big) in [r["smiles"] for r in read]  # scored, whatever its size
     assert "C1CC(N" in open(os.path.join(manifest, "report.md")).read()
     assert m["stats"]["duplicates_with_other_labels"] == 1
     # what the random forest and the scores read is the same file
