@@ -99,8 +99,12 @@ PEER_COLUMNS = ("smiles", "split")
 
 
 def _open(path: str):
-    return gzip.open(path, "rt", encoding="utf-8", newline="") if path.endswith(".gz") else \
-        open(path, encoding="utf-8", newline="")
+    """A set's file as the ETL opens it (``preprocessing/readers.py``): gzip or zstd, UTF-8 with
+    or without a byte-order mark, UTF-16 behind its mark; so the header read here is the one
+    the ETL reads (a BOM would otherwise hide the first column's name)."""
+    from molds.preprocessing.readers import _open_text
+
+    return _open_text(path)
 
 
 def describe_set(name: str, path: str, smiles_column: str, label_columns: list[str] | None,

@@ -194,6 +194,18 @@ def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_ref
         bench.describe_set("set", str(src), "mol", None, "classification")
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_a_file_with_a_byte_order_mark_is_read_as_the_etl_reads_it(tmp_path, encoding):
+    """Excel writes a byte-order mark before the header (UTF-8, or UTF-16 for "Unicode text"):
+    the benchmark finds the first column by its name, as the ETL does."""
+    bench = benchmark_script("moleculenet")
+    src = tmp_path / "set.csv"
+    with open(src, "w", encoding=encoding, newline="") as fh:
+        csv.writer(fh).writerows([["smiles", "active"], ["CCO", 1], ["CCN", 0]])
+    assert bench.describe_set("set", str(src), "smiles", None, None)["labels"] == ["active"]
+    assert bench.read_column(str(src), "smiles") == ["CCO", "CCN"]
+
+
 def test_a_task_without_a_training_label_is_scored_for_no_model(tmp_path, monkeypatch):
     """Where a split leaves a task no training label (a sparse ToxCast column can), no model
     learns it: the benchmark names it and scores the others, for every model alike (before,
