@@ -211,11 +211,9 @@ class Manifest:
                 check_token_ids(pf, f"shard {shard.uri} of {self.path}", vocab_size)
 
 
-def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float], list[float], list[int]]:
-    """(mean, standard deviation, count) of each label over a split's rows where it is
-    present (a missing label is NaN); a task with fewer than two labels, or all equal, has
-    standard deviation 1, a task with none mean 0. What a regression model standardizes its
-    labels by (``molds.models.encoder``)."""
+def split_labels(manifest: Manifest, split: str = "train") -> np.ndarray:
+    """[N, T] float: the labels of a split's rows, in shard order, NaN where missing ([0, 0]
+    without rows)."""
     import fsspec  # here: molds-preprocess --help loads no fsspec
     import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
 
@@ -226,9 +224,17 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
         values = table.column("labels").combine_chunks()
         if len(values):
             blocks.append(np.asarray(values.to_pylist(), dtype=float).reshape(len(values), -1))
-    if not blocks:
+    return np.concatenate(blocks) if blocks else np.zeros((0, 0))
+
+
+def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float], list[float], list[int]]:
+    """(mean, standard deviation, count) of each label over a split's rows where it is
+    present (a missing label is NaN); a task with fewer than two labels, or all equal, has
+    standard deviation 1, a task with none mean 0. What a regression model standardizes its
+    labels by (``molds.models.encoder``)."""
+    y = split_labels(manifest, split)
+    if not len(y):
         return [], [], []
-    y = np.concatenate(blocks)
     count = (~np.isnan(y)).sum(axis=0)
     with np.errstate(invalid="ignore"):
         mean = np.where(count > 0, np.nansum(y, axis=0) / np.maximum(count, 1), 0.0)
@@ -241,24 +247,13 @@ def first_label_not_binary(manifest: Manifest, split: str = "train") -> tuple[st
     """(column name, row of the split, value) of the first present label of ``split`` that is
     neither 0 nor 1, or None: what a classification head refuses to learn from (its binary
     cross-entropy would take a pIC50 of 7.2 as a target without a word)."""
-    import fsspec  # here: molds-preprocess --help loads no fsspec
-    import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
-
+    y = split_labels(manifest, split)
+    bad = np.argwhere(~np.isnan(y) & (y != 0.0) & (y != 1.0))
+    if not len(bad):
+        return None
+    row, task = (int(v) for v in bad[0])
     names = manifest.label_columns
-    row = 0
-    for shard in manifest.shards(split):
-        with fsspec.open(shard.path, "rb") as fh:
-            table = pq.read_table(fh, columns=["labels"])
-        values = table.column("labels").combine_chunks()
-        if len(values):
-            y = np.asarray(values.to_pylist(), dtype=float).reshape(len(values), -1)
-            bad = np.argwhere(~np.isnan(y) & (y != 0.0) & (y != 1.0))
-            if len(bad):
-                i, task = (int(v) for v in bad[0])
-                name = names[task] if task < len(names) else f"task {task}"
-                return name, row + i, float(y[i, task])
-        row += len(values)
-    return None
+    return (names[task] if task < len(names) else f"task {task}"), row, float(y[row, task])
 
 
 def first_id_outside(ids, vocab_size: int) -> tuple[int, int] | None:
