@@ -203,6 +203,10 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
                               f"{direction(manifest.pairs)}: give a manifest of the checkpoint's own task")
     model = build_model(recipe["model"], info, seed=0)
     load_canonical(model, read_model(checkpoint), checkpoint)
+    if getattr(model, "regression", False) and not bool((model.label_std > 0).all()):
+        # training sets a task's scale to 1 where its labels do not vary: never 0 or less
+        raise CheckpointError(f"{checkpoint}: a regression head's label_std must be positive, the file holds "
+                              f"{[round(v, 6) for v in model.label_std.tolist()[:8]]}: damaged or not written by molds")
     model.to(device).eval()
     tok = None
     if with_tokenizer:

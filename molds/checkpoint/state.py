@@ -107,6 +107,10 @@ def load_canonical(module: torch.nn.Module, tensors: dict, where: str, rename=No
             if tuple(value.shape) != tuple(slot.tensor.shape):
                 raise CheckpointError(f"{where}: {slot.name} has shape {tuple(value.shape)}, the model "
                                       f"{tuple(slot.tensor.shape)}")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                # molds never saves such weights (write_model refuses them): a damaged or forged file
+                raise CheckpointError(f"{where}: {slot.name} holds non-finite values (NaN or inf), which molds "
+                                      f"never saves: the file is damaged or was not written by molds")
             slot.tensor.copy_(value.to(device=slot.tensor.device, dtype=slot.tensor.dtype))
     extra = sorted(tensors.keys() - used)
     if strict and extra:

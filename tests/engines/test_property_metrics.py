@@ -148,6 +148,44 @@ def test_a_classification_head_refuses_labels_other_than_0_and_1_before_a_step(l
     assert not (run / "checkpoints").exists()
 
 
+def test_a_forged_label_scale_is_refused_by_the_model_readers(labelled, tmp_path, capfd):
+    """A regression checkpoint whose label_std is edited to 0 or less (training never writes
+    one: a task whose labels do not vary gets 1) is refused by molds-predict, molds-eval and
+    molds-export in one line, instead of answering a constant or the labels' mirror image."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from molds.checkpoint import checkpoints_dir, complete_checkpoints
+    from molds.cli.evaluate import main as eval_main
+    from molds.cli.export import main as export_main
+    from molds.cli.predict import main as predict
+    from molds.train import main
+
+    run = str(tmp_path / "reg")
+    main(_argv(labelled[0], run, 2, "regression"))
+    src = tmp_path / "in.csv"
+    src.write_text("smiles\nCCO\n")
+    for forged in (0.0, -1.0):
+        ckpt = complete_checkpoints(checkpoints_dir(run))[-1]
+        path = os.path.join(ckpt, "model.safetensors")
+        with safe_open(path, "pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        key = next(k for k in tensors if k.endswith("label_std"))
+        tensors[key][1] = forged
+        save_file(tensors, path, metadata=meta)
+        capfd.readouterr()
+        for cli, args in ((predict, [ckpt, "--input", str(src), "--out", str(tmp_path / "p.csv")]),
+                          (eval_main, [ckpt, "--out", str(tmp_path / "ev")]),
+                          (export_main, [ckpt, str(tmp_path / "hf")])):
+            assert cli(args) == 2
+            err = capfd.readouterr().err
+            assert "a regression head's label_std must be positive" in err and f"{forged}" in err, err[-500:]
+        assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "p.csv")
+    assert json.load(open(os.path.join(ckpt, "lineage.json")))["label_scale"]["std"][1] > 0  # what training wrote
+
+
 def test_classification_roc_auc_is_scikit_learns_on_the_exported_model(labelled, tmp_path):
     from sklearn.metrics import roc_auc_score
 

@@ -95,6 +95,46 @@ def test_pickle_payloads_never_run(trained, tmp_path, dataset, name, kind):
         assert outcomes == ["refused", 0, 0, 0]
 
 
+def test_a_forged_non_finite_weight_is_refused_by_every_reader_naming_it(trained, tmp_path, dataset, capfd):
+    """A model file with a NaN in one weight (same size, so the COMPLETE marker still fits):
+    molds never saves one, so every reader refuses it in one line naming the tensor, instead
+    of sampling, scoring or exporting NaNs."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from molds.cli.evaluate import main as eval_main
+    from molds.cli.export import main as export_main
+    from molds.cli.sample import main as sample_main
+    from molds.errors import MoldsError
+    from molds.train import main
+
+    src = os.path.join(trained, "checkpoints", "step-00000002")
+    run = str(tmp_path / "run")
+    ckpt = os.path.join(run, "checkpoints", "step-00000002")
+    shutil.copytree(src, ckpt)
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as fh:
+        fh.write("step-00000002")
+    path = os.path.join(ckpt, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = sorted(k for k, v in tensors.items() if v.is_floating_point() and v.dim() == 2)[0]
+    tensors[name][0, 0] = float("nan")
+    size = os.path.getsize(path)
+    save_file(tensors, path, metadata=meta)
+    assert os.path.getsize(path) == size
+    capfd.readouterr()
+    with pytest.raises(MoldsError, match=f"{name} holds non-finite values"):
+        main(argv(dataset, run, "ddp", 3, "--checkpoint.resume", "auto"))
+    for cli, args in ((export_main, [ckpt, str(tmp_path / "hf")]),
+                      (sample_main, [ckpt, "--num", "3", "--out", str(tmp_path / "s.smi")]),
+                      (eval_main, [ckpt, "--num", "5", "--max_batches", "1", "--out", str(tmp_path / "ev")])):
+        assert cli(args) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert any(f"{name} holds non-finite values" in line for line in err), err[-3:]
+    assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "s.smi")
+
+
 @pytest.mark.parametrize("uri", ["../outside.parquet", "/etc/hostname", "file:///etc/hostname",
                                  "http://example.com/x.parquet", "train/../../outside.parquet", "s3://bucket/x",
                                  "C:/x.parquet", "link/x.parquet"])
