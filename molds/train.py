@@ -42,7 +42,7 @@ from molds.checkpoint.resume import (
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
 from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
-from molds.data.manifest import Manifest, first_label_not_binary, label_moments
+from molds.data.manifest import Manifest, first_label_outside, label_moments
 from molds.engines import build_engine
 from molds.errors import CheckpointError, ManifestError, MoldsError, NonFiniteError, RecipeError, run_cli  # noqa: E402
 from molds.metrics.step_profile import ProfileWindow
@@ -305,8 +305,13 @@ def setup(recipe, plan=None) -> Run:
                           f"data.mlm_probability")
     tokenizer = tokenizer_info(manifest)
     m = recipe.model
-    if m.family == "encoder" and m.num_tasks and m.task_type == "classification" and recipe.data.with_labels:
-        _require_binary_labels(manifest)  # before anything is written
+    if m.family == "encoder" and m.num_tasks and recipe.data.with_labels:  # before anything is written
+        columns = manifest.label_columns
+        if len(columns) != m.num_tasks:
+            raise RecipeError(f"model.num_tasks={m.num_tasks}, but {manifest.path} holds {len(columns)} label "
+                              f"columns {columns[:8]}{'...' if len(columns) > 8 else ''}: one head per label column")
+        if m.task_type == "classification":
+            _require_unit_labels(manifest)
     resume_from = plan_resume(recipe)  # which checkpoint, or none
     saved = read_lineage(resume_from) if resume_from is not None else None  # read once, for every resume rule
     prepare_output_dir(recipe, dist, resuming=resume_from is not None and not recipe.checkpoint.fork)
@@ -368,24 +373,24 @@ def setup(recipe, plan=None) -> Run:
     return run
 
 
-def _require_binary_labels(manifest) -> None:
-    """A classification head learns labels of 0 and 1: any other value in the train split is
-    refused in one line, before a step is taken."""
-    found = first_label_not_binary(manifest, "train")
+def _require_unit_labels(manifest) -> None:
+    """A classification head learns labels from 0 to 1 (classes, or probabilities): any other
+    value in the train split is refused in one line, before a step is taken."""
+    found = first_label_outside(manifest, "train")
     if found is not None:
         name, row, value = found
-        raise RecipeError(f"model.task_type=classification learns labels of 0 and 1, but label {name!r} of "
-                          f"{manifest.path}'s train split is {value:g} (row {row} of the split): set "
-                          f"--model.task_type regression, or make the labels 0 and 1 in the ETL's input")
+        raise RecipeError(f"model.task_type=classification learns labels from 0 to 1 (classes 0 and 1, or "
+                          f"probabilities), but label {name!r} of {manifest.path}'s train split is {value:g} (row "
+                          f"{row} of the split): set --model.task_type regression, or give labels from 0 to 1")
 
 
 def _standardize_labels(model, manifest, dist) -> None:
     """A regression head learns labels standardized by the training split's mean and
     standard deviation per task; its predictions come back in the labels' units."""
     mean, std, count = label_moments(manifest, "train")
-    if len(mean) != model.config.num_tasks:
+    if len(mean) != model.config.num_tasks:  # (the label columns match the heads: checked at the start)
         raise RecipeError(f"model.num_tasks={model.config.num_tasks}, but the train split of {manifest.path} has "
-                          f"{len(mean)} label columns")
+                          f"no rows to take the labels' scale from")
     model.set_label_scale(mean, std)
     if dist.is_main:
         names = manifest.label_columns or [f"task{i}" for i in range(len(mean))]

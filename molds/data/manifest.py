@@ -243,12 +243,14 @@ def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float]
     return mean.tolist(), std.tolist(), count.astype(int).tolist()
 
 
-def first_label_not_binary(manifest: Manifest, split: str = "train") -> tuple[str, int, float] | None:
-    """(column name, row of the split, value) of the first present label of ``split`` that is
-    neither 0 nor 1, or None: what a classification head refuses to learn from (its binary
-    cross-entropy would take a pIC50 of 7.2 as a target without a word)."""
+def first_label_outside(manifest: Manifest, split: str = "train", low: float = 0.0,
+                        high: float = 1.0) -> tuple[str, int, float] | None:
+    """(column name, row of the split, value) of the first present label of ``split`` outside
+    [low, high], or None: what a classification head refuses to learn from (its binary
+    cross-entropy takes classes 0 and 1 or probabilities between; a pIC50 of 7.2 as a target
+    would pull its logit up without end)."""
     y = split_labels(manifest, split)
-    bad = np.argwhere(~np.isnan(y) & (y != 0.0) & (y != 1.0))
+    bad = np.argwhere(~np.isnan(y) & ((y < low) | (y > high)))
     if not len(bad):
         return None
     row, task = (int(v) for v in bad[0])

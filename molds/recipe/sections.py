@@ -208,8 +208,8 @@ class ModelConfig:
     """Encoder property heads: number of label columns (0: MLM only)."""
 
     task_type: Literal["classification", "regression"] = "classification"
-    """Encoder property heads: masked BCE (classification: labels of 0 and 1, any other value
-    in the train split refused at the start) or masked MSE (regression, of labels
+    """Encoder property heads: masked BCE (classification: labels from 0 to 1, classes or
+    probabilities, any other value in the train split refused at the start) or masked MSE (regression, of labels
     standardized by the train split's mean and standard deviation per task; predictions,
     metrics and the exported model in the labels' own units)."""
 

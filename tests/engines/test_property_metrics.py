@@ -127,21 +127,29 @@ def test_regression_learns_standardized_labels_and_answers_in_their_units(labell
         assert rmse < 3 * want_std[t] and abs(pred[seen, t].mean() - y[seen, t].mean()) < 2 * want_std[t], name
 
 
-def test_a_classification_head_refuses_labels_other_than_0_and_1_before_a_step(labelled, tmp_path):
+def test_a_classification_head_refuses_labels_outside_0_to_1_before_a_step(labelled, tmp_path):
     """The regression set's labels (500 + 100 x logP) given to a classification head: refused
-    in one line naming the label and a value the shards hold, and no step is taken."""
-    from molds.data.manifest import Manifest, first_label_not_binary
+    in one line naming the label and a value the shards hold, and no step is taken (labels
+    between 0 and 1, probabilities, are learnt: tests/engines/test_encoder.py); so is a head
+    count other than the manifest's label columns (a raw torch error in the first step
+    before)."""
+    from molds.data.manifest import Manifest, first_label_outside
     from molds.errors import RecipeError
     from molds.train import main
 
     regression, classification = labelled
-    assert first_label_not_binary(Manifest.load(classification)) is None
+    assert first_label_outside(Manifest.load(classification)) is None
     _, train_labels = _split(regression, "train")
-    name, row, value = first_label_not_binary(Manifest.load(regression))
+    name, row, value = first_label_outside(Manifest.load(regression))
     assert train_labels[row, ["logp", "tpsa"].index(name)] == pytest.approx(value)
-    assert value not in (0.0, 1.0)
+    assert not 0.0 <= value <= 1.0
+    for tasks in (1, 3):  # one head per label column, or refused in one line before a step
+        with pytest.raises(RecipeError, match=rf"model.num_tasks={tasks}, but .* holds 2 label columns "
+                                              r"\['lipophilic', 'polar'\]"):
+            main(_argv(classification, str(tmp_path / f"heads{tasks}"), tasks, "classification"))
+        assert not (tmp_path / f"heads{tasks}" / "checkpoints").exists()
     run = tmp_path / "cls"
-    with pytest.raises(RecipeError, match=r"model.task_type=classification learns labels of 0 and 1, but label "
+    with pytest.raises(RecipeError, match=r"model.task_type=classification learns labels from 0 to 1 .*, but label "
                                           r"'logp' .* is [0-9.]+ \(row 0 of the split\)") as err:
         main(_argv(regression, str(run), 2, "classification"))
     assert "\n" not in str(err.value)
