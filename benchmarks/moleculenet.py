@@ -91,45 +91,44 @@ SAMPLE = os.path.join(ROOT, "molds", "sample_data", "moses_sample.csv.gz")
 SETS = {"bbbp": ("bbbp.csv.gz", "smiles"), "bace": ("bace.csv.gz", "mol"), "tox21": ("tox21.csv.gz", "smiles"),
         "hiv": ("hiv.csv.gz", "smiles"), "esol": ("delaney.csv.gz", "smiles"), "lipo": ("lipo.csv.gz", "smiles")}
 SPLIT_NAMES = ("train", "valid", "test")
-MISSING = {"", "na", "nan", "none", "null"}
 #: the ETL's widest size caps (preprocessing/config.py): no molecule is left out for its size
 MAX_HEAVY_ATOMS, MAX_SMILES_LENGTH = 1000, 20000
 #: the columns of ``peers.csv`` beside the labels
 PEER_COLUMNS = ("smiles", "split")
 
 
-def _open(path: str):
-    """A set's file as the ETL opens it (``preprocessing/readers.py``): gzip or zstd, UTF-8 with
-    or without a byte-order mark, UTF-16 behind its mark; so the header read here is the one
-    the ETL reads (a BOM would otherwise hide the first column's name)."""
-    from molds.preprocessing.readers import _open_text
-
-    return _open_text(path)
-
-
 def describe_set(name: str, path: str, smiles_column: str, label_columns: list[str] | None,
                  task_type: str | None) -> dict:
     """A set as the benchmark runs it: its columns and task type, read from the file's header
-    and labels where not given."""
-    with _open(path) as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if not header or smiles_column not in header:
-            raise SystemExit(f"{path}: no column {smiles_column!r}; the header is {header}")
-        labels = label_columns or [c for c in header if c != smiles_column]
-        missing = [c for c in labels if c not in header]
-        if missing or not labels:
-            raise SystemExit(f"{path}: label columns {missing or labels} are not in the header {header}")
-        clash = [c for c in labels if c in PEER_COLUMNS or labels.count(c) > 1]
-        if clash:  # peers.csv names its own columns so, and one name must be one column
-            raise SystemExit(f"{path}: label column {clash[0]!r} is named twice or like a column of the peers' "
-                             f"file {PEER_COLUMNS}; rename it in the file's header")
-        at = [header.index(c) for c in labels]
-        values = set()
-        for row in reader:
-            values.update(v for v in (row[i].strip() if i < len(row) else "" for i in at) if v.lower() not in MISSING)
-            if len(values) > 2:  # more than two values: no binary labels
-                break
+    and labels where not given, as the ETL reads them (``delimited_lines``: compression,
+    byte-order marks, TSV, Excel's ``sep=`` line; a column found by name, else but for case;
+    a missing label as the ETL's ``MISSING_LABELS``)."""
+    from molds.errors import MoldsError
+    from molds.preprocessing.map_stage import MISSING_LABELS
+    from molds.preprocessing.readers import column_index, delimited_lines
+
+    lines = delimited_lines(path)
+    header = [h.strip() for h in next(lines, (0, []))[1]]
+    if not header:
+        raise SystemExit(f"{path}: the file is empty")
+    try:
+        smiles_at = column_index(path, header, smiles_column, "SMILES")
+        labels = label_columns or [c for i, c in enumerate(header) if i != smiles_at]
+        at = [column_index(path, header, c) for c in labels]
+    except MoldsError as exc:
+        raise SystemExit(str(exc)) from None
+    if not labels:
+        raise SystemExit(f"{path}: no label column beside the SMILES; the header is {header}")
+    clash = [c for c in labels if c.lower() in PEER_COLUMNS or [x.lower() for x in labels].count(c.lower()) > 1]
+    if clash:  # peers.csv names its own columns so, and one name must be one column
+        raise SystemExit(f"{path}: label column {clash[0]!r} is named twice or like a column of the peers' "
+                         f"file {PEER_COLUMNS}; rename it in the file's header")
+    values = set()
+    for _, row in lines:
+        values.update(v for v in (row[i].strip() if i < len(row) else "" for i in at)
+                      if v.lower() not in MISSING_LABELS)
+        if len(values) > 2:  # more than two values: no binary labels
+            break
     try:
         binary = bool(values) and {float(v) for v in values} <= {0.0, 1.0}
     except ValueError:
@@ -139,19 +138,25 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
     elif task_type == "classification" and not binary:
         raise SystemExit(f"{path}: --task-type classification, but the labels {labels} hold "
                          f"{sorted(values)[:3]}, not only 0 and 1")
-    return {"name": name, "path": os.path.abspath(path), "smiles_column": smiles_column, "labels": labels,
-            "task_type": task_type}
+    return {"name": name, "path": os.path.abspath(path), "smiles_column": smiles_column,
+            "labels": [header[i] for i in at], "task_type": task_type}
+
+
+def read_column(path: str, column: str) -> list[str]:
+    """One column of a CSV / TSV file, read as the ETL reads it."""
+    from molds.errors import MoldsError
+    from molds.preprocessing.readers import column_index, delimited_lines
+
+    lines = delimited_lines(path)
+    header = [h.strip() for h in next(lines, (0, []))[1]]
+    try:
+        at = column_index(path, header, column, "SMILES")
+    except MoldsError as exc:
+        raise SystemExit(str(exc)) from None
+    return [row[at].strip() if at < len(row) else "" for _, row in lines if row]
 
 
 # --- the pretraining corpus, less the benchmark's molecules ---------------------------------
-
-def read_column(path: str, column: str) -> list[str]:
-    with _open(path) as fh:
-        reader = csv.DictReader(fh)
-        if column not in (reader.fieldnames or []):
-            raise SystemExit(f"{path}: no column {column!r}; the header is {reader.fieldnames}")
-        return [(r[column] or "").strip() for r in reader]
-
 
 def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
     """The corpus's molecules (every ``--corpus-every``-th) not in any benchmark file, written

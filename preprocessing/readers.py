@@ -324,9 +324,15 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
 _EXCEL_SEP = re.compile(r'"?sep=(.)"?\1*', re.IGNORECASE)  # Excel's hint line: ``sep=;`` before the header
 
 
-def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
-    """CSV / TSV rows; ``delimiter`` as asked (None: ``default``, or the one an Excel
-    ``sep=X`` first line names, which is then skipped)."""
+def delimited_lines(path: str, delimiter: str | None = None, default: str | None = None):
+    """A CSV / TSV input as the ETL reads it: yields ``(line, fields)``, the header first, then
+    each record, with the line of the file it starts on; nothing for an empty file.
+    ``delimiter`` as asked (None: ``default``, else a tab for ``.tsv``/``.tab`` names and a
+    comma for others, or the one an Excel ``sep=X`` first line names, which is then skipped).
+    Decoding as ``_open_text``; a NUL byte is kept as a lone surrogate (the row is refused as
+    ``non_utf8``)."""
+    if default is None:
+        default = "\t" if detect_format(path) == "tsv" else ","
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with _open_text(path) as fh:
         lines = (line.replace("\0", "\udc80") if "\0" in line else line for line in fh)
@@ -343,30 +349,43 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
         else:
             lines = itertools.chain([first], lines)
         reader = csv.reader(lines, delimiter=delimiter or default)
-        header = next(reader, None)
-        if header is None:
-            return
-        s_idx = _resolve(path, header, cols.smiles, "SMILES")
-        i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
-        l_idx = [_resolve(path, header, name, cols.role(name)) for name in cols.labels]
-        width = len(header)
         while True:
             line = reader.line_num + 1 + skipped  # the line this record starts on (the header is line 1)
             record = next(reader, None)
             if record is None:
-                break
-            if not record:
-                continue  # a blank line is not a record
-            row = line
-            if len(record) == 1 and is_padding(record[0]):
-                yield row, None, None, None, "padding"
-            elif len(record) != width:
-                yield row, None, None, None, "malformed_row"
-            elif not all(map(is_clean, record)):
-                yield row, None, None, None, "non_utf8"
-            else:
-                yield (row, record[s_idx], record[i_idx].strip() if i_idx is not None else None,
-                       [record[i] for i in l_idx] if l_idx else None, None)
+                return
+            yield line, record
+
+
+def column_index(path: str, header: list[str], wanted: str, what: str = "label") -> int:
+    """Where the ETL finds column ``wanted`` in ``header``: its name exactly, else but for case
+    and surrounding spaces; none, or two, refused in one line naming the file's columns."""
+    return _resolve(path, header, wanted, what)
+
+
+def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
+    """CSV / TSV rows (``delimited_lines``) as (row, smiles, id, labels, reason) records."""
+    lines = delimited_lines(path, delimiter, default)
+    first = next(lines, None)
+    if first is None:
+        return
+    header = first[1]
+    s_idx = _resolve(path, header, cols.smiles, "SMILES")
+    i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
+    l_idx = [_resolve(path, header, name, cols.role(name)) for name in cols.labels]
+    width = len(header)
+    for row, record in lines:
+        if not record:
+            continue  # a blank line is not a record
+        if len(record) == 1 and is_padding(record[0]):
+            yield row, None, None, None, "padding"
+        elif len(record) != width:
+            yield row, None, None, None, "malformed_row"
+        elif not all(map(is_clean, record)):
+            yield row, None, None, None, "non_utf8"
+        else:
+            yield (row, record[s_idx], record[i_idx].strip() if i_idx is not None else None,
+                   [record[i] for i in l_idx] if l_idx else None, None)
 
 
 def _read_smi(path, has_header: bool):

@@ -194,16 +194,33 @@ def test_label_names_with_commas_are_taken_and_names_the_peers_file_uses_are_ref
         bench.describe_set("set", str(src), "mol", None, "classification")
 
 
-@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
-def test_a_file_with_a_byte_order_mark_is_read_as_the_etl_reads_it(tmp_path, encoding):
-    """Excel writes a byte-order mark before the header (UTF-8, or UTF-16 for "Unicode text"):
-    the benchmark finds the first column by its name, as the ETL does."""
+@pytest.mark.parametrize("name,encoding,text", [
+    ("set.csv", "utf-8-sig", "smiles,active\nCCO,1\nCCN,0\nCCC,?\n"),  # Excel's UTF-8 mark; '?' is missing
+    ("set.csv", "utf-16", "smiles,active\nCCO,1\nCCN,0\n"),  # "Unicode text"
+    ("set.tsv", "utf-8", "SMILES \tActive\nCCO\t1\nCCN\t0\n"),  # tabs; other case, a stray space
+    ("set.csv", "utf-8", "sep=;\nsmiles;active\nCCO;1\nCCN;0\n"),  # Excel's delimiter line
+])
+def test_a_vendor_file_is_read_as_the_etl_reads_it(tmp_path, name, encoding, text):
+    """What the benchmark reads of a set's file (its columns, the task type, the SMILES for the
+    pretraining's exclusion) is what the ETL reads: compression and byte-order marks, TSV,
+    Excel's ``sep=`` line, a column name but for case, the ETL's missing-label spellings; and
+    the ETL, given the names the benchmark passes, reads every row."""
+    from molds.data.manifest import Manifest
+    from molds.preprocessing.cli import parse
+    from molds.preprocessing.pipeline import run
+
     bench = benchmark_script("moleculenet")
-    src = tmp_path / "set.csv"
-    with open(src, "w", encoding=encoding, newline="") as fh:
-        csv.writer(fh).writerows([["smiles", "active"], ["CCO", 1], ["CCN", 0]])
-    assert bench.describe_set("set", str(src), "smiles", None, None)["labels"] == ["active"]
-    assert bench.read_column(str(src), "smiles") == ["CCO", "CCN"]
+    src = tmp_path / (name + ".gz")
+    with gzip.open(src, "wt", encoding=encoding, newline="") as fh:
+        fh.write(text)
+    s = bench.describe_set("set", str(src), "smiles", None, None)
+    assert s["labels"] in (["active"], ["Active"]) and s["task_type"] == "classification"
+    assert bench.read_column(str(src), "smiles") == ["CCO", "CCN", "CCC"][:text.count("\n") - 1 - text.startswith("sep")]
+    out = str(tmp_path / "data")
+    run(parse([*bench.etl_args(s, "random", 0), "--output", out, "--workers", "1", "--progress", "false"]))
+    m = Manifest.load(out)
+    assert m.data["stats"]["rows_in"] == len(bench.read_column(str(src), "smiles"))
+    assert m.label_columns == s["labels"]
 
 
 def test_a_task_without_a_training_label_is_scored_for_no_model(tmp_path, monkeypatch):
