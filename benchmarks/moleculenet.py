@@ -172,7 +172,12 @@ def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
         for keys in parents(read_column(s["path"], s["smiles_column"]), args.nproc, sides=True):
             exclude.update(keys)
     smiles = read_column(args.corpus, args.corpus_column)[::args.corpus_every]
-    kept = [s for s, k in zip(smiles, parents(smiles, args.nproc)) if k not in exclude]
+    kept, kept_keys = [], []
+    for text, key in zip(smiles, parents(smiles, args.nproc)):
+        if key not in exclude:
+            kept.append(text)
+            kept_keys.append(key)
+    write_corpus_keys(kept_keys, corpus_keys_path(out))
     names = DESCRIPTORS if args.pretrain_labels == "descriptors" else ()
     values = descriptor_rows(kept, args.nproc) if names else [[] for _ in kept]
     tmp = out + ".tmp"
@@ -187,6 +192,38 @@ def pretraining_corpus(args, sets: list[dict], out: str) -> dict:
     with open(done, "w") as fh:
         json.dump(info, fh)
     return info
+
+
+def corpus_keys_path(corpus: str) -> str:
+    return corpus.replace(".csv.gz", "") + "-keys.txt.gz"
+
+
+def write_corpus_keys(keys: list, path: str) -> None:
+    """The pretraining corpus's molecules as the exclusion compares them (their parents: one
+    per line, a molecule RDKit cannot read as an empty line)."""
+    tmp = path + ".tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8") as fh:
+        fh.writelines(f"{k or ''}\n" for k in keys)
+    os.replace(tmp, path)
+
+
+def in_pretraining_corpus(pretrained: str, s: dict, workers: int) -> int | None:
+    """How many molecules of set ``s`` the pretraining corpus of run ``pretrained`` holds
+    (compared as the exclusion compares them); None when the run was not pretrained by this
+    benchmark (no ``corpus.csv.gz`` beside it). The keys of a corpus written before they were
+    kept are computed once and kept."""
+    from molds.chemistry.overlap import parents  # here: --help loads no RDKit
+
+    corpus = os.path.join(os.path.dirname(os.path.abspath(pretrained)), "corpus.csv.gz")
+    if not os.path.exists(corpus):
+        return None
+    path = corpus_keys_path(corpus)
+    if not os.path.exists(path):
+        write_corpus_keys(parents(read_column(corpus, "SMILES"), workers), path)
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        keys = {line.rstrip("\n") for line in fh} - {""}
+    mine = parents(read_column(s["path"], s["smiles_column"]), workers, sides=True)
+    return sum(1 for sides in mine if any(k in keys for k in sides))
 
 
 #: ``--pretrain-labels descriptors``: what the encoder learns to predict from its first token
@@ -602,6 +639,13 @@ def run_set(args, s: dict, pretrained: str) -> dict:
 
     base = os.path.join(args.output_dir, s["name"])
     entry = {"file": os.path.basename(s["path"]), "labels": s["labels"], "task_type": s["task_type"], "splits": {}}
+    if "molds" in args.models:
+        # the pretraining leaves out the files it is given; a set it was not given may be in its corpus
+        entry["in_pretraining_corpus"] = seen = in_pretraining_corpus(pretrained, s, args.nproc)
+        if seen:
+            print(f"[moleculenet] {s['name']}: {seen} of its molecules are in the pretraining corpus of {pretrained} "
+                  f"(unlabelled, but seen): pretrain with this file among --data-dir or as --input to leave them "
+                  f"out", file=sys.stderr, flush=True)
     for method in args.splits:
         split_seeds = [0] if method == "scaffold" else args.seeds
         runs = {m: [] for m in args.models}

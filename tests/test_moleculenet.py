@@ -223,6 +223,31 @@ def test_a_vendor_file_is_read_as_the_etl_reads_it(tmp_path, name, encoding, tex
     assert m.label_columns == s["labels"]
 
 
+def test_a_sets_molecules_in_the_pretraining_corpus_are_counted(tmp_path):
+    """A set run against an encoder pretrained without it: its molecules that the corpus holds
+    are counted as the exclusion compares them (a salt of a set molecule is that molecule),
+    from the keys the pretraining keeps, or computed once for a corpus written before them."""
+    bench = benchmark_script("moleculenet")
+    src = tmp_path / "set.csv"
+    mine = ["CC(=O)Oc1ccccc1C(=O)O", "c1ccc2[nH]ccc2c1", "CCN(CC)CC", "O=C(O)c1ccccc1", "CCCCCCO"]
+    with open(src, "w", newline="") as fh:
+        csv.writer(fh).writerows([["smiles", "y"], *([m, i % 2] for i, m in enumerate(mine))])
+    s = bench.describe_set("set", str(src), "smiles", None, None)
+    pretrain = tmp_path / "pretrain"
+    (pretrain / "run").mkdir(parents=True)
+    corpus = ["c1ccc2[nH]ccc2c1", "CC(=O)Oc1ccccc1C(=O)O", "[Na+].O=C([O-])c1ccccc1",  # three of the set's
+              "CCOC(=O)c1ccccc1", "c1ccncc1", "C1CC(N"]  # none of the set's; one RDKit refuses
+    with gzip.open(pretrain / "corpus.csv.gz", "wt", newline="") as fh:
+        csv.writer(fh).writerows([["SMILES"], *([c] for c in corpus)])
+    assert bench.in_pretraining_corpus(str(pretrain / "run"), s, 1) == 3
+    keys = pretrain / "corpus-keys.txt.gz"
+    assert keys.exists() and len(gzip.open(keys, "rt").read().splitlines()) == len(corpus)
+    (pretrain / "corpus.csv.gz").unlink()  # the kept keys are what is read from now on
+    (pretrain / "corpus.csv.gz").write_bytes(b"")
+    assert bench.in_pretraining_corpus(str(pretrain / "run"), s, 1) == 3
+    assert bench.in_pretraining_corpus(str(tmp_path / "elsewhere" / "run"), s, 1) is None
+
+
 def test_a_task_without_a_training_label_is_scored_for_no_model(tmp_path, monkeypatch):
     """Where a split leaves a task no training label (a sparse ToxCast column can), no model
     learns it: the benchmark names it and scores the others, for every model alike (before,
@@ -307,6 +332,8 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     assert again.returncode != 0 and "give another --output-dir" in again.stderr, again.stderr[-2000:]
     entry = result["sets"]["set"]
     assert entry["rows"]["in"] == held["rows"] and entry["rows"]["kept"] == held["rows"] - 2
+    # the pretraining left the set out, and kept the keys it compared by
+    assert entry["in_pretraining_corpus"] == 0 and (out / "pretrain" / "corpus-keys.txt.gz").exists()
     assert entry["rows"]["tokens_added"] > 0
     assert result["pretraining"]["read"] == 500 and result["pretraining"]["steps"] > 0
     split = entry["splits"]["scaffold_random"]
