@@ -107,11 +107,11 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
     from molds.preprocessing.map_stage import MISSING_LABELS
     from molds.preprocessing.readers import column_index, delimited_lines
 
-    lines = delimited_lines(path)
-    header = [h.strip() for h in next(lines, (0, []))[1]]
-    if not header:
-        raise SystemExit(f"{path}: the file is empty")
     try:
+        lines = delimited_lines(path)
+        header = [h.strip() for h in next(lines, (0, []))[1]]
+        if not header:
+            raise SystemExit(f"{path}: the file is empty")
         smiles_at = column_index(path, header, smiles_column, "SMILES")
         labels = label_columns or [c for i, c in enumerate(header) if i != smiles_at]
         at = [column_index(path, header, c) for c in labels]
@@ -147,9 +147,9 @@ def read_column(path: str, column: str) -> list[str]:
     from molds.errors import MoldsError
     from molds.preprocessing.readers import column_index, delimited_lines
 
-    lines = delimited_lines(path)
-    header = [h.strip() for h in next(lines, (0, []))[1]]
     try:
+        lines = delimited_lines(path)
+        header = [h.strip() for h in next(lines, (0, []))[1]]
         at = column_index(path, header, column, "SMILES")
     except MoldsError as exc:
         raise SystemExit(str(exc)) from None
