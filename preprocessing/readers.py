@@ -257,7 +257,7 @@ def _matching(path: str, names: list[str], wanted: str) -> int | None:
     return found[0] if found else None
 
 
-def _resolve(path: str, header: list[str], wanted: str, what: str) -> int:
+def column_index(path: str, header: list[str], wanted: str, what: str = "label") -> int:
     """Index of column ``wanted`` (``_matching``), else refused naming the columns."""
     names = [h.strip() for h in header]
     found = _matching(path, names, wanted)
@@ -357,12 +357,6 @@ def delimited_lines(path: str, delimiter: str | None = None, default: str | None
             yield line, record
 
 
-def column_index(path: str, header: list[str], wanted: str, what: str = "label") -> int:
-    """Where the ETL finds column ``wanted`` in ``header``: its name exactly, else but for case
-    and surrounding spaces; none, or two, refused in one line naming the file's columns."""
-    return _resolve(path, header, wanted, what)
-
-
 def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
     """CSV / TSV rows (``delimited_lines``) as (row, smiles, id, labels, reason) records."""
     lines = delimited_lines(path, delimiter, default)
@@ -370,9 +364,9 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
     if first is None:
         return
     header = first[1]
-    s_idx = _resolve(path, header, cols.smiles, "SMILES")
-    i_idx = _resolve(path, header, cols.id, "id") if cols.id else None
-    l_idx = [_resolve(path, header, name, cols.role(name)) for name in cols.labels]
+    s_idx = column_index(path, header, cols.smiles, "SMILES")
+    i_idx = column_index(path, header, cols.id, "id") if cols.id else None
+    l_idx = [column_index(path, header, name, cols.role(name)) for name in cols.labels]
     width = len(header)
     for row, record in lines:
         if not record:
@@ -481,7 +475,7 @@ def _check_smiles_type(path: str, schema, cols: Columns) -> None:
     counted row by row as missing."""
     import pyarrow as pa
 
-    field = schema.field(_resolve(path, schema.names, cols.smiles, "SMILES"))
+    field = schema.field(column_index(path, schema.names, cols.smiles, "SMILES"))
     kind = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
             or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
@@ -489,9 +483,9 @@ def _check_smiles_type(path: str, schema, cols: Columns) -> None:
 
 
 def _read_arrow_batches(path, batches, names: list[str], cols: Columns):
-    s_name = names[_resolve(path, names, cols.smiles, "SMILES")]
-    i_name = names[_resolve(path, names, cols.id, "id")] if cols.id else None
-    l_names = [names[_resolve(path, names, n, cols.role(n))] for n in cols.labels]
+    s_name = names[column_index(path, names, cols.smiles, "SMILES")]
+    i_name = names[column_index(path, names, cols.id, "id")] if cols.id else None
+    l_names = [names[column_index(path, names, n, cols.role(n))] for n in cols.labels]
     row = 0
     for batch in batches:
         smiles = batch.column(s_name).to_pylist()
@@ -515,7 +509,7 @@ def _read_parquet(path, cols: Columns, chunk_rows: int):
         names = pf.schema_arrow.names
         _check_smiles_type(path, pf.schema_arrow, cols)
         wanted = [cols.smiles] + ([cols.id] if cols.id else []) + list(cols.labels)
-        resolved = sorted({names[_resolve(path, names, w, "requested")] for w in wanted})
+        resolved = sorted({names[column_index(path, names, w, "requested")] for w in wanted})
         yield from _read_arrow_batches(path, pf.iter_batches(batch_size=chunk_rows, columns=resolved), names, cols)
 
 
