@@ -107,6 +107,7 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
     from molds.preprocessing.map_stage import MISSING_LABELS
     from molds.preprocessing.readers import column_index, delimited_lines
 
+    require_delimited(path)
     try:
         lines = delimited_lines(path)
         header = [h.strip() for h in next(lines, (0, []))[1]]
@@ -142,11 +143,29 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
             "labels": [header[i] for i in at], "task_type": task_type}
 
 
+def require_delimited(path: str) -> None:
+    """A file the benchmark reads must be one the ETL reads as CSV or TSV (by its name, as the
+    ETL tells formats): a ``.smi``/``.txt`` file has no label columns, another name none the ETL
+    knows."""
+    from molds.errors import MoldsError
+    from molds.preprocessing.readers import detect_format
+
+    try:
+        fmt = detect_format(path)
+    except MoldsError:
+        fmt = None
+    if fmt not in ("csv", "tsv"):
+        raise SystemExit(f"{path}: the benchmark reads a CSV or TSV file with a header (named .csv, .tsv or .tab, "
+                         f"optionally compressed: .gz, .bz2, .xz, .zst); this name is read as "
+                         f"{fmt or 'no format the ETL knows'}")
+
+
 def read_column(path: str, column: str) -> list[str]:
     """One column of a CSV / TSV file, read as the ETL reads it."""
     from molds.errors import MoldsError
     from molds.preprocessing.readers import column_index, delimited_lines
 
+    require_delimited(path)
     try:
         lines = delimited_lines(path)
         header = [h.strip() for h in next(lines, (0, []))[1]]
