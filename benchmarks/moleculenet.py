@@ -518,7 +518,8 @@ def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
         rows = list(csv.DictReader(fh))
     if [r["smiles"] for r in rows] != data["test"][0]:
         raise SystemExit(f"{preds}: chemprop's predictions are not one per test molecule, in order")
-    return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
+    return (np.asarray([[float(r[c]) for c in labels] for r in rows], float),
+            sum(r["note"].startswith("truncated") for r in rows))
 
 
 def steps_per_epoch(manifest: str, nproc: int, overrides: dict | None = None) -> int:
@@ -585,11 +586,11 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     test_in = os.path.join(out, "test.csv")
     write_smiles(data["test"][0], test_in)
     t0 = time.perf_counter()
-    pred = predict(best, test_in, os.path.join(out, "test_predictions.csv"), s["labels"], args.augment, seed,
-                   args.nproc)
+    pred, truncated = predict(best, test_in, os.path.join(out, "test_predictions.csv"), s["labels"], args.augment,
+                              seed, args.nproc)
     predict_s = time.perf_counter() - t0
     return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs, "select_s": select_s,
-                                                   "chosen": os.path.basename(best),
+                                                   "chosen": os.path.basename(best), "test_truncated": truncated,
                                                    "valid": None if best_score is None else (
                                                        {"valid_roc_auc": best_score}
                                                        if s["task_type"] == "classification"
@@ -617,7 +618,8 @@ def override_args(overrides: dict) -> list[str]:
 
 def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augment: int, seed: int,
             threads: int = 1):
-    """``molds-predict`` on a SMILES file: predictions [N, T], every molecule predicted."""
+    """``molds-predict`` on a SMILES file: predictions [N, T], every molecule predicted, and how
+    many of them were read cut to the recipe's ``data.max_length`` (as its training cut them)."""
     import numpy as np
 
     _quiet_run([sys.executable, "-m", "molds.cli.predict", checkpoint, "--input", smiles_csv, "--column", "smiles",
@@ -627,7 +629,8 @@ def predict(checkpoint: str, smiles_csv: str, out: str, labels: list[str], augme
     unscored = [r for r in rows if any(r[c] == "" for c in labels)]  # a note alone may say it was cut
     if unscored:
         raise SystemExit(f"{out}: {len(unscored)} molecules have no prediction, first {unscored[0]}")
-    return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
+    return (np.asarray([[float(r[c]) for c in labels] for r in rows], float),
+            sum(r["note"].startswith("truncated") for r in rows))
 
 
 # --- scores --------------------------------------------------------------------------------
@@ -648,7 +651,7 @@ def summarize(runs: list[dict]) -> dict:
     out = {}
     for key in runs[0]:
         vals = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and r[key] is not None]
-        if vals and key not in ("seed", "tasks_scored", "steps"):
+        if vals and key not in ("seed", "tasks_scored", "steps", "test_truncated"):
             out[key] = {"mean": round(float(np.mean(vals)), 4), "std": round(float(np.std(vals)), 4)}
     return out
 
@@ -712,7 +715,10 @@ def run_set(args, s: dict, pretrained: str) -> dict:
                               "predict_s": round(predict_s, 1)}
                     if extra:
                         # the chosen checkpoint's score on the validation split: what settings are compared by
+                        # test molecules longer than the recipe's data.max_length: scored on their
+                        # first tokens, as the fine-tuning read them
                         result.update(chosen=extra["chosen"], steps=extra["steps"],
+                                      test_truncated=extra["test_truncated"],
                                       select_s=round(extra["select_s"], 1),
                                       **(extra["valid"] or {}))
                     runs[model].append(result)

@@ -320,13 +320,13 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
                            "--smiles-column", "SMILES", "--splits", "scaffold_random", "--seeds", "0",
                            "--models", "molds", "rf", "--corpus-every", "40", "--pretrain-time", "8s", "--epochs", "2",
                            "--min-steps", "30", "--finetune", "optim.lr=3e-4", "data.max_tokens_per_batch=1024",
-                           "--augment", "2", "--nproc", "1", "--output-dir", str(out)],
+                           "data.max_length=40", "--augment", "2", "--nproc", "1", "--output-dir", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # --finetune's overrides reach the fine-tuning, and its length counts the batches they make,
     # raised to --min-steps where the two passes make fewer
-    assert result["finetune"] == {"optim.lr": "3e-4", "data.max_tokens_per_batch": "1024"}
+    assert result["finetune"] == {"optim.lr": "3e-4", "data.max_tokens_per_batch": "1024", "data.max_length": "40"}
     run_dir = out / "set" / "scaffold_random-0" / "molds-0"
     recipe = json.load(open(run_dir / "recipe.json"))
     assert recipe["optim"]["lr"] == 3e-4 and recipe["data"]["max_tokens_per_batch"] == 1024
@@ -360,6 +360,13 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     with open(out / "set" / "scaffold_random-0" / "molds-0" / "test_predictions.csv", newline="") as fh:
         preds = list(csv.DictReader(fh))
     assert len(preds) == test_rows and all(r["note"] == "" or r["note"].startswith("truncated") for r in preds)
+    # the test molecules longer than the fine-tuning's 40 tokens, counted from the tokenizer
+    # directly: each is scored on its first tokens, and the result says how many
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out / "set" / "scaffold_random-0" / "data" / "tokenizer"))
+    longer = sum(len(tok(r["canonical"], add_special_tokens=False)["input_ids"]) + 2 > 40 for r in preds)
+    assert longer > 0 and split["molds"]["runs"][0]["test_truncated"] == longer
     salts_in_test = [r for r in preds if any(t in r["canonical"] for t in ("Na+", "K+", "Br-"))]
     assert salts_in_test and all(r["lipophilic"] != "" for r in salts_in_test)
     assert set(result["headline"]["scaffold_random"]["roc_auc"]) == {"molds", "rf"}
