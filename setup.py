@@ -34,10 +34,10 @@ setup(
         "pyarrow>=15",
         "numpy>=1.24",
         "fsspec>=2023.1",
-        # ISA-L's inflate for .gz inputs (preprocessing/inflate.py), ~4x zlib's speed
+        # ISA-L's inflate for .gz inputs (molds/data/inflate.py), ~4x zlib's speed
         "isal>=1.6",
         "xxhash>=3.0",
-        # .zst inputs (preprocessing/unzstd.py)
+        # .zst inputs (molds/data/unzstd.py)
         "zstandard>=0.19",
         "jsonargparse[signatures]>=4.30",
         "tensorboard>=2.14",

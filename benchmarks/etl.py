@@ -339,7 +339,7 @@ def main() -> None:
     rows = manifest["stats"]["rows_in"]
     mps = rows / wall
     from molds.runtime.lifecycle import cpu_description
-    from molds.preprocessing.inflate import backend as inflate_backend
+    from molds.data.inflate import backend as inflate_backend
 
     print(json.dumps({"cpu": cpu_description(),
         "molecules": rows,

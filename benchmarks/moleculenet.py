@@ -105,7 +105,7 @@ def describe_set(name: str, path: str, smiles_column: str, label_columns: list[s
     a missing label as the ETL's ``MISSING_LABELS``)."""
     from molds.errors import MoldsError
     from molds.preprocessing.map_stage import MISSING_LABELS
-    from molds.preprocessing.readers import column_index, delimited_lines
+    from molds.data.inputs import column_index, delimited_lines
 
     require_delimited(path)
     try:
@@ -148,7 +148,7 @@ def require_delimited(path: str) -> None:
     ETL tells formats): a ``.smi``/``.txt`` file has no label columns, another name none the ETL
     knows."""
     from molds.errors import MoldsError
-    from molds.preprocessing.readers import detect_format
+    from molds.data.inputs import detect_format
 
     try:
         fmt = detect_format(path)
@@ -163,7 +163,7 @@ def require_delimited(path: str) -> None:
 def read_column(path: str, column: str) -> list[str]:
     """One column of a CSV / TSV file, read as the ETL reads it."""
     from molds.errors import MoldsError
-    from molds.preprocessing.readers import column_index, delimited_lines
+    from molds.data.inputs import column_index, delimited_lines
 
     require_delimited(path)
     try:

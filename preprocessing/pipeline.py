@@ -11,9 +11,10 @@ from collections import Counter
 import numpy as np
 
 from molds.chemistry.canonical import ChemOptions
+from molds.data.inputs import detect_format
 from molds.data.manifest import vocab_hash
 from .config import PreprocessConfig
-from .readers import Columns, InputError, detect_format, expand_inputs
+from .readers import Columns, InputError, expand_inputs
 from .report import write_failure_report, write_outputs
 from .split import SPLITS, check_fractions, large_group_size, plan_split
 from .stages import (NUM_BUCKETS, StageOptions, evaluation_kept_whole, finalize_partition, load_group_table,

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import csv
 import glob
-import io
-import itertools
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 
 from molds.chemistry.canonical import split_cxsmiles
+from molds.data.inputs import (  # the text layer, shared with molds-predict
+    column_index,
+    delimited_lines,
+    is_clean,
+    is_padding,
+    matching_column,
+    open_binary,
+    open_sd,
+    open_text,
+)
 from molds.errors import InputError  # a problem with an input file as a whole (names the file)
-
-_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
-_FORMATS = {
-    ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".smi": "smi", ".smiles": "smi", ".txt": "smi",
-    ".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-    ".sdf": "sdf", ".sd": "sdf", ".mol": "sdf",
-}
 
 
 class TruncatedInputError(InputError):
@@ -115,165 +115,6 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     return unique
 
 
-def detect_format(path: str, forced: str = "auto") -> str:
-    if forced != "auto":
-        return forced
-    if path.startswith("datasets:"):
-        return "hf"
-    if os.path.isdir(path):
-        names = set(os.listdir(path))
-        if names & {"dataset_info.json", "state.json", "dataset_dict.json"}:
-            return "hf"
-        raise InputError(f"input {path!r} is a directory but not a saved HuggingFace dataset")
-    stem = path.lower()
-    for ext in _COMPRESSIONS:
-        if stem.endswith(ext):
-            stem = stem[: -len(ext)]
-    for ext, fmt in _FORMATS.items():
-        if stem.endswith(ext):
-            return fmt
-    raise InputError(
-        f"input {path!r}: cannot tell its format from the name; pass --input_format "
-        f"(one of csv, tsv, smi, sdf, parquet, jsonl, hf)"
-    )
-
-
-def _open_binary(path: str):
-    """The file's bytes, decompressed (by its name: .gz .bz2 .xz .zst); gzip by
-    ``inflate.open_gzip`` (ISA-L, every byte before a cut), zstd by ``unzstd.open_zstd``
-    (a cut said, where fsspec's reader ends quietly), bz2 and xz by fsspec."""
-    import fsspec
-
-    compression = next((c for ext, c in _COMPRESSIONS.items() if path.lower().endswith(ext)), None)
-    if compression == "gzip":
-        from .inflate import open_gzip
-
-        return open_gzip(fsspec.open(path, "rb").open())
-    if compression == "zstd":
-        try:
-            from .unzstd import open_zstd
-        except ImportError:
-            raise InputError(f"input {path!r}: reading zstd needs the zstandard package (pip install zstandard)") \
-                from None
-        return open_zstd(fsspec.open(path, "rb").open())
-    return fsspec.open(path, "rb", compression=compression).open()
-
-
-_TEXT_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
-              (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
-
-
-def _bom_encoding(head: bytes) -> str | None:
-    """UTF-16 / UTF-32 by the byte-order mark a file starts with, else None."""
-    return next((enc for bom, enc in _TEXT_BOMS if head.startswith(bom)), None)
-
-
-def _open_at_start(path: str):
-    """``(binary stream at its start, its first 4 bytes)``: the head is read from the stream
-    that is then read (seeked back), not from a second open (a second request for an HTTP
-    input), unless the stream cannot seek."""
-    fh = _open_binary(path)
-    head = fh.read(4)
-    if fh.seekable():  # local, gzip and fsspec remote files: back to the start, no second open
-        fh.seek(0)
-    else:
-        fh.close()
-        fh = _open_binary(path)
-    return fh, head
-
-
-def _open_text(path: str):
-    """UTF-8 (with or without a BOM), or UTF-16 / UTF-32 when the file starts with their BOM
-    (Excel's "Unicode text" export is UTF-16 with tabs). surrogateescape keeps undecodable
-    bytes as lone surrogates: the row is then rejected as non_utf8 instead of the whole file
-    failing."""
-    fh, head = _open_at_start(path)
-    encoding = _bom_encoding(head) or "utf-8-sig"
-    return io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
-
-
-class _Utf8Bytes:
-    """A UTF-16 / UTF-32 text stream read as the UTF-8 bytes the SD splitter and RDKit
-    take (undecodable units pass through surrogateescape, so a record that holds them is
-    refused as non_utf8, as in the text path). Line ends are kept as written."""
-
-    def __init__(self, fh, encoding: str):
-        self._text = io.TextIOWrapper(fh, encoding=encoding, errors="surrogateescape", newline="")
-
-    def read(self, n: int = -1) -> bytes:
-        return self._text.read(n).encode("utf-8", "surrogateescape")
-
-    read1 = read
-
-    def close(self) -> None:
-        self._text.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _open_sd(path: str):
-    """An SD file as bytes: a UTF-8 byte-order mark (Windows tools write one) is dropped, so
-    that it does not become part of the first record's title (an id read from ``_Name``);
-    UTF-16 / UTF-32 files (marked by their BOM) are read through as UTF-8."""
-    fh, head = _open_at_start(path)
-    encoding = _bom_encoding(head)
-    if encoding is not None:
-        return _Utf8Bytes(fh, encoding)
-    if head.startswith(b"\xef\xbb\xbf"):
-        fh.read(3)
-    return fh
-
-
-_PADDING = " \t\r\n\x00\x1a\udc80"  # NUL (also as the CSV reader's stand-in), Ctrl-Z, whitespace
-
-
-def is_padding(text: str) -> bool:
-    """A line of nothing but NUL bytes or Ctrl-Z (with whitespace): ``padding``, not a record."""
-    return bool(text.strip()) and not text.strip(_PADDING)
-
-
-def is_clean(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return "\0" not in text
-
-
-def _matching(path: str, names: list[str], wanted: str) -> int | None:
-    """Index of the one name that is ``wanted`` (exactly, else but for case), None for none;
-    two that match are refused (which one holds the data is not for molds to guess)."""
-    found = [i for i, h in enumerate(names) if h == wanted]
-    if not found:
-        found = [i for i, h in enumerate(names) if h.lower() == wanted.strip().lower()]
-    if len(found) > 1:
-        raise InputError(f"{path}: {len(found)} columns match {wanted!r} (columns "
-                         f"{', '.join(str(i + 1) for i in found)} of {names}); rename one, or name the other "
-                         f"exactly if they differ in case")
-    return found[0] if found else None
-
-
-def column_index(path: str, header: list[str], wanted: str, what: str = "label") -> int:
-    """Index of column ``wanted`` (``_matching``), else refused naming the columns."""
-    names = [h.strip() for h in header]
-    found = _matching(path, names, wanted)
-    if found is not None:
-        return found
-    hint = ""
-    if len(names) == 1:  # a single column: the file is likely split by another character
-        for sep, how in ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "--input_format tsv"),
-                         (",", "--input_format csv")):
-            cells = [c.strip().lower() for c in names[0].split(sep)]
-            if len(cells) > 1 and wanted.strip().lower() in cells:
-                hint = f" (its header is split by {sep!r}: pass {how})"
-                break
-    raise InputError(f"{path}: no {what} column {wanted!r}; the file has columns {names}{hint}")
-
-
 def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "smiles"):
     """Group (row, smiles, id, labels, reason) records into RawChunks (for ``kind`` "sdf":
     (row, record number, text, reason)). If reading fails part-way (a truncated archive),
@@ -321,41 +162,6 @@ def _chunked(file_index: int, path: str, records, chunk_rows: int, kind: str = "
         yield chunk
 
 
-_EXCEL_SEP = re.compile(r'"?sep=(.)"?\1*', re.IGNORECASE)  # Excel's hint line: ``sep=;`` before the header
-
-
-def delimited_lines(path: str, delimiter: str | None = None, default: str | None = None):
-    """A CSV / TSV input as the ETL reads it: yields ``(line, fields)``, the header first, then
-    each record, with the line of the file it starts on; nothing for an empty file.
-    ``delimiter`` as asked (None: ``default``, else a tab for ``.tsv``/``.tab`` names and a
-    comma for others, or the one an Excel ``sep=X`` first line names, which is then skipped).
-    Decoding as ``_open_text``; a NUL byte is kept as a lone surrogate (the row is refused as
-    ``non_utf8``)."""
-    if default is None:
-        default = "\t" if detect_format(path) == "tsv" else ","
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with _open_text(path) as fh:
-        lines = (line.replace("\0", "\udc80") if "\0" in line else line for line in fh)
-        first = next(lines, None)
-        if first is None:
-            return
-        hint = _EXCEL_SEP.fullmatch(first.rstrip("\r\n"))  # not strip(): ``sep=<tab>``
-        skipped = 0
-        if hint is not None:
-            if delimiter is not None and delimiter != hint.group(1):
-                raise InputError(f"{path}: its first line {first.strip()!r} (Excel's delimiter hint) says the "
-                                 f"fields are separated by {hint.group(1)!r}, but --delimiter is {delimiter!r}")
-            delimiter, skipped = hint.group(1), 1
-        else:
-            lines = itertools.chain([first], lines)
-        reader = csv.reader(lines, delimiter=delimiter or default)
-        while True:
-            line = reader.line_num + 1 + skipped  # the line this record starts on (the header is line 1)
-            record = next(reader, None)
-            if record is None:
-                return
-            yield line, record
-
 
 def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
     """CSV / TSV rows (``delimited_lines``) as (row, smiles, id, labels, reason) records."""
@@ -383,7 +189,7 @@ def _read_delimited(path, cols: Columns, delimiter: str | None, default: str):
 
 
 def _read_smi(path, has_header: bool):
-    with _open_text(path) as fh:
+    with open_text(path) as fh:
         for n, line in enumerate(fh):
             if n == 0 and has_header:
                 continue
@@ -416,13 +222,13 @@ def _read_jsonl(path, cols: Columns):
         if wanted in rec:
             return rec[wanted]
         keys = list(rec)
-        found = _matching(f"{path} line {row}", keys, wanted)
+        found = matching_column(f"{path} line {row}", keys, wanted)
         return None if found is None else rec[keys[found]]
 
     units = cols.units + ((cols.rank,) if cols.rank and cols.rank not in cols.units else ())
     no_fields = ({},) if units else ()  # a refused record's (empty) fields, when they are read
     found, seen, records, unit_found = False, set(), 0, set()
-    with _open_text(path) as fh:
+    with open_text(path) as fh:
         for n, line in enumerate(fh):
             if not line.strip():
                 continue
@@ -504,7 +310,7 @@ def _read_arrow_batches(path, batches, names: list[str], cols: Columns):
 def _read_parquet(path, cols: Columns, chunk_rows: int):
     import pyarrow.parquet as pq
 
-    with _open_binary(path) as fh:
+    with open_binary(path) as fh:
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
         _check_smiles_type(path, pf.schema_arrow, cols)
@@ -552,7 +358,7 @@ def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
         ([cols.rank] if cols.rank else [])
     seen: set[str] = set()
     missing = list(wanted)
-    with _open_sd(path) as fh:
+    with open_sd(path) as fh:
         for chunk in _chunked(file_index, path, read_sd_records(fh), chunk_rows, kind="sdf"):
             if missing:  # scanned only until every requested tag has been seen
                 seen |= sd_tags(chunk.smiles)

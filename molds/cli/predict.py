@@ -4,7 +4,9 @@
     molds-predict runs/forward --input reactants.smi --beams 10 --out predictions.csv
 
 The input holds one source a line (reactants for ``forward``, or ``reactants>reagents``; a
-product for ``retro``; a molecule for ``mol2mol``; a CSV with ``--column``), canonicalized
+product for ``retro``; a molecule for ``mol2mol``), or is a CSV / TSV whose ``--column``
+(default: ``smiles``) holds them, read as ``molds-preprocess`` reads its inputs (compressed,
+a byte-order mark, UTF-16, Excel's ``sep=`` line, a column name but for case); canonicalized
 as the ETL canonicalized the model's training sources (a forward model's reagents mixed in,
 kept apart or dropped as its training pairs had them). The output is a CSV with one row per
 prediction: ``row`` (the input's line or row), ``input``, ``rank``, ``prediction``
@@ -29,14 +31,14 @@ length). ``--augment K``: the mean over the canonical spelling and K - 1 randomi
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import json
 import sys
 
 from ..chemistry.canonical import ATOM_MAP
 from ..chemistry.tasks import TASKS, direction, lineage_block
-from ..errors import MoldsError, run_cli
+from ..data.inputs import column_index, delimited_lines, detect_format, is_clean, is_padding, open_text
+from ..errors import InputError, MoldsError, run_cli
 from ..runtime.atomic import write_text
 from . import CHECKPOINT_HELP, new_parser, parse
 
@@ -46,8 +48,13 @@ def build_parser():
                                     "or a property model's predictions for each molecule.")
     p.add_argument("checkpoint", type=str, help=CHECKPOINT_HELP)
     p.add_argument("--input", type=str, required=True,
-                   help="sources, one a line (.smi/.txt: the first field), or a CSV with --column")
-    p.add_argument("--column", type=str, default=None, help="the CSV column holding the sources")
+                   help="sources, one a line (.smi/.txt: the first field), or a CSV / TSV (read as molds-preprocess "
+                        "reads them: compressed, a byte-order mark, UTF-16, Excel's sep= line)")
+    p.add_argument("--delimiter", type=str, default=None,
+                   help="a CSV's field delimiter when it is not a comma (a tab for .tsv / .tab names; an Excel sep= "
+                        "first line is honoured), as molds-preprocess --delimiter")
+    p.add_argument("--column", type=str, default=None,
+                   help="the CSV / TSV column holding the sources (default: the one named smiles, but for case)")
     p.add_argument("--beams", type=int, default=10, help="predictions per source (the beam width)")
     p.add_argument("--length_penalty", type=float, default=1.0,
                    help="a hypothesis scores log-probability / length ** this")
@@ -74,27 +81,54 @@ def build_parser():
     return p
 
 
-def read_sources(path: str, column: str | None) -> list[tuple[int, str]]:
-    """(line or row, text) of each source of the input (gzipped or not); blank lines are no
-    sources."""
-    opener = gzip.open if path.endswith(".gz") else open
+def read_sources(path: str, column: str | None, delimiter: str | None = None) -> list[tuple[int, str]]:
+    """(line, text) of each source of the input, read as ``molds-preprocess`` reads its files
+    (``molds.data.inputs``: compressed by name; UTF-8 with or without a byte-order mark,
+    UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name, or any file given ``--column``):
+    the column ``--column`` names, else one named ``smiles``, found by name, else but for
+    case; Excel's ``sep=`` line honoured; a row without the field is a source of no text
+    (noted, not dropped). Otherwise one source a line, its first field. Blank lines and lines
+    of padding (NUL, Ctrl-Z: ``is_padding``) are no sources, as for the ETL."""
     try:
-        return _read_sources(opener, path, column)
-    except (UnicodeDecodeError, OSError) as exc:
-        raise MoldsError(f"{path}: cannot read it as UTF-8 text{' (gzip)' if path.endswith('.gz') else ''}: "
-                         f"{exc}") from None
+        fmt = detect_format(path)
+    except InputError:  # a name the ETL does not know: lines, or a table given --column
+        fmt = None
+    if fmt not in (None, "csv", "tsv", "smi"):
+        raise MoldsError(f"{path}: read as {fmt} by its name; molds-predict reads SMILES one a line (.smi, .txt) "
+                         f"or a CSV / TSV with a SMILES column (--column): write the sources out as one of them")
+    try:
+        if fmt in ("csv", "tsv") or column is not None or delimiter is not None:
+            return _table_sources(path, column or "smiles", delimiter)
+        with open_text(path) as fh:
+            return [(n, _readable(line.split()[0])) for n, line in enumerate(fh, 1)
+                    if line.strip() and not is_padding(line)]
+    except (OSError, EOFError, csv.Error) as exc:
+        raise MoldsError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from None
 
 
-def _read_sources(opener, path: str, column: str | None) -> list[tuple[int, str]]:
-    with opener(path, "rt", encoding="utf-8", newline="") as fh:
-        if column is None:
-            return [(n, line.split()[0]) for n, line in enumerate(fh, 1) if line.strip()]
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None or column not in header:
-            raise MoldsError(f"{path}: no column {column!r}; the file has columns {header}")
-        at = header.index(column)
-        return [(n, row[at].strip()) for n, row in enumerate(reader, 2) if len(row) > at]
+#: ``--delimiter`` for a header that seems split by this character
+_DELIMITER_HINTS = ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "--delimiter $'\\t'"),
+                    (",", "--delimiter ','"))
+
+
+def _table_sources(path: str, column: str, delimiter: str | None) -> list[tuple[int, str]]:
+    if delimiter is not None and len(delimiter) != 1:
+        raise MoldsError(f"--delimiter {delimiter!r}: give one character")
+    lines = delimited_lines(path, delimiter)
+    first = next(lines, None)
+    if first is None:
+        return []
+    at = column_index(path, first[1], column, "SMILES", _DELIMITER_HINTS)
+    return [(n, _readable(row[at].strip()) if at < len(row) else "") for n, row in lines
+            if row and not (len(row) == 1 and is_padding(row[0]))]
+
+
+def _readable(text: str) -> str:
+    """Bytes that are no UTF-8 (kept by the reader as lone surrogates) as U+FFFD: the source
+    is then one RDKit refuses, noted in its row, and the output stays UTF-8."""
+    if is_clean(text):
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace").replace("\0", "\ufffd")
 
 
 def refuse_whole_reactions(path: str, sources: list[tuple[int, str]], checkpoint: str, trained: dict) -> None:
@@ -149,7 +183,7 @@ def run(argv: list[str]) -> int:
     limit = loaded.model.config.max_position_embeddings
     seq2seq = encoder_decoder(loaded.model)
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
-    sources = read_sources(args.input, args.column)
+    sources = read_sources(args.input, args.column, args.delimiter)
     refuse_whole_reactions(args.input, sources, loaded.checkpoint, trained)
     mapped = sum(1 for _, text in sources if ATOM_MAP.search(text))
     if mapped:
@@ -241,7 +275,7 @@ def _properties(args, loaded) -> int:
     if not int(loaded.recipe["model"].get("num_tasks") or 0):
         raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
                          f"no property; fork it with labels first (docs/tutorials/fine-tune.md)")
-    sources = read_sources(args.input, args.column)
+    sources = read_sources(args.input, args.column, args.delimiter)
     found = predict_properties(loaded, [text for _, text in sources], augment=args.augment, seed=args.seed)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")

@@ -351,6 +351,12 @@ def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled
         gz.write(fh.read())
     assert predict([run, "--input", str(src) + ".gz", "--column", "smiles", "--out", str(tmp_path / "z.csv")]) == 0
     assert read(tmp_path / "z.csv") == rows
+    # as Excel writes it (a byte-order mark, the column in capitals, tabs): the same rows, the
+    # column found without --column
+    vendor = tmp_path / "in.tsv"
+    vendor.write_text(open(src).read().replace(",", "\t").replace("id\tsmiles", "ID\tSMILES"), encoding="utf-8-sig")
+    assert predict([run, "--input", str(vendor), "--out", str(tmp_path / "v.csv")]) == 0
+    assert read(tmp_path / "v.csv") == rows
 
     assert predict([run, "--input", str(src), "--column", "smiles", "--augment", "3",
                     "--out", str(tmp_path / "a.csv")]) == 0

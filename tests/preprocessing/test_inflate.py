@@ -1,4 +1,4 @@
-"""The gzip reader (``preprocessing/inflate.py``) against the stdlib's ``gzip.GzipFile``:
+"""The gzip reader (``molds/data/inflate.py``) against the stdlib's ``gzip.GzipFile``:
 the same bytes, the same errors, and a stream cut short gives every byte before the cut,
 with ISA-L and with zlib underneath."""
 
@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import pytest
 
-from preprocessing import inflate
+from molds.data import inflate
 
 
 @pytest.fixture(params=["isal", "zlib"])
@@ -128,7 +128,7 @@ def test_every_sd_record_before_a_cut_is_read(backend, hostile_sdf, tmp_path):
 
 
 def test_the_etl_opens_gz_inputs_with_it_and_rewinds_after_the_head(backend, tmp_path):
-    from preprocessing.readers import _open_at_start, _open_binary, _open_text
+    from molds.data.inputs import open_at_start as _open_at_start, open_binary as _open_binary, open_text as _open_text
 
     path = tmp_path / "x.csv.gz"
     text = "smiles\n" + "".join(f"C{'C' * (i % 30)}O\n" for i in range(20000))

@@ -456,3 +456,33 @@ def test_nul_bytes_and_ctrl_z_are_counted_as_padding_by_line(tmp_path, name, tex
     line = text[: text.index("\0" if "\0" in text else "\x1a")].count("\n") + 1
     examples = json.load(open(out / "report.json"))["rejected_examples"]["padding"]
     assert [source for source, _ in examples] == [f"{path}:{line}"]
+
+
+@pytest.mark.parametrize("name,data", [
+    ("in.csv", "ID,SMILES\n1,CCO\n2,c1ccccc1\n3,CC(=O)O\n".encode("utf-8-sig")),  # Excel's UTF-8 mark; capitals
+    ("in.tsv.gz", gzip.compress("smiles\tname\nCCO\ta\nc1ccccc1\tb\n".encode("utf-16"))),  # "Unicode text", tabs
+    ("in.csv", b'sep=;\nid;Smiles\n1;CCO\n2;"C\nC"\n3;CCN\n'),  # Excel's delimiter line; a quoted newline
+    ("in.txt", "CCO first\n\nc1ccccc1 second\nCCN\n".encode("utf-8-sig")),  # one a line, a blank line, a mark
+    ("in.csv", b"smiles,y\nCCO,1\nc1cc\xffcc1,0\n\0\0\0\nCCN,1\n"),  # a byte that is no UTF-8; NUL padding
+    ("in.smi", b"CCO a\nc1cc\xffcc1 b\n\x1a\x1a\nCCN\n"),  # the same, one a line; Ctrl-Z padding
+], ids=["bom-capitals", "utf16-tsv-gz", "excel-sep", "lines-bom", "bad-byte-csv", "bad-byte-smi"])
+def test_molds_predict_reads_a_file_as_the_etl_reads_it(tmp_path, name, data):
+    """``molds-predict``'s sources are the ETL's records of the same file, row for row: the
+    same lines, the same SMILES, a line of padding no source (a byte that is no UTF-8 as
+    U+FFFD, which RDKit refuses, where the ETL refuses the row as non_utf8); before,
+    molds-predict read a CSV with ``csv.reader`` on UTF-8 alone: a byte-order mark hid the
+    column, UTF-16 and TSV did not read."""
+    from molds.cli.predict import read_sources
+    from molds.data.inputs import detect_format
+    from molds.preprocessing.readers import Columns, read_chunks
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    fmt = detect_format(str(path))
+    etl = [(row, smiles, chunk.reasons.get(i)) for chunk in read_chunks(0, str(path), fmt, Columns("smiles"), 100)
+           for i, (row, smiles) in enumerate(zip(chunk.rows, chunk.smiles))]
+    ours = read_sources(str(path), None)
+    assert [(row, s) for row, s in ours if "\ufffd" not in s] == [(row, s) for row, s, why in etl if why is None]
+    assert [row for row, s in ours if "\ufffd" in s] == [row for row, _, why in etl if why == "non_utf8"]
+    assert {why for _, _, why in etl} <= {None, "non_utf8", "padding"} and len(ours) == sum(
+        why != "padding" for _, _, why in etl)

@@ -71,7 +71,7 @@ class _Inflate(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Back to the start (``_open_at_start`` reads the head, then rewinds); nothing else."""
+        """Back to the start (``inputs.open_at_start`` reads the head, then rewinds); nothing else."""
         target = offset if whence == io.SEEK_SET else self._pos + offset if whence == io.SEEK_CUR else None
         if target == self._pos:
             return self._pos

@@ -21,7 +21,7 @@ class _Unzstd(io.RawIOBase):
     """The decompressed bytes of a zstd stream (one frame or several)."""
 
     def __init__(self, raw):
-        import zstandard
+        import zstandard  # an optional dependency: read only for a .zst input
 
         self._raw = raw
         self._new = zstandard.ZstdDecompressor().decompressobj
