@@ -30,8 +30,9 @@ length). ``--augment K``: the mean over the canonical spelling and K - 1 randomi
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import io
+import itertools
 import json
 import sys
 
@@ -39,7 +40,7 @@ from ..chemistry.canonical import ATOM_MAP
 from ..chemistry.tasks import TASKS, direction, lineage_block
 from ..data.inputs import column_index, delimited_lines, detect_format, is_clean, is_padding, open_text
 from ..errors import InputError, MoldsError, run_cli
-from ..runtime.atomic import write_text
+from ..runtime.atomic import atomic_file
 from . import CHECKPOINT_HELP, new_parser, parse
 
 
@@ -77,18 +78,27 @@ def build_parser():
                         "beam's molecules, noted as such) instead of the distinct valid predictions (--augment "
                         "writes the voted ones)")
     p.add_argument("--batch_size", type=int, default=64, help="sources searched together")
+    p.add_argument("--chunk_size", type=int, default=65536,
+                   help="a property model: sources read, predicted and written at a time (memory stays that of one "
+                        "chunk, whatever the input's size)")
     p.add_argument("--out", type=str, default="-", help="output CSV (-: standard output)")
     return p
 
 
 def read_sources(path: str, column: str | None, delimiter: str | None = None) -> list[tuple[int, str]]:
-    """(line, text) of each source of the input, read as ``molds-preprocess`` reads its files
-    (``molds.data.inputs``: compressed by name; UTF-8 with or without a byte-order mark,
-    UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name, or any file given ``--column``):
-    the column ``--column`` names, else one named ``smiles``, found by name, else but for
-    case; Excel's ``sep=`` line honoured; a row without the field is a source of no text
-    (noted, not dropped). Otherwise one source a line, its first field. Blank lines and lines
-    of padding (NUL, Ctrl-Z: ``is_padding``) are no sources, as for the ETL."""
+    """Every source of the input (``iter_sources``), as a list."""
+    return list(iter_sources(path, column, delimiter))
+
+
+def iter_sources(path: str, column: str | None, delimiter: str | None = None):
+    """(line, text) of each source of the input, one at a time, read as ``molds-preprocess``
+    reads its files (``molds.data.inputs``: compressed by name; UTF-8 with or without a
+    byte-order mark, UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name, or any file given
+    ``--column`` or ``--delimiter``): the column ``--column`` names, else one named
+    ``smiles``, found by name, else but for case; Excel's ``sep=`` line honoured; a row
+    without the field is a source of no text (noted, not dropped). Otherwise one source a
+    line, its first field. Blank lines and lines of padding (NUL, Ctrl-Z: ``is_padding``) are
+    no sources, as for the ETL."""
     try:
         fmt = detect_format(path)
     except InputError:  # a name the ETL does not know: lines, or a table given --column
@@ -98,10 +108,12 @@ def read_sources(path: str, column: str | None, delimiter: str | None = None) ->
                          f"or a CSV / TSV with a SMILES column (--column): write the sources out as one of them")
     try:
         if fmt in ("csv", "tsv") or column is not None or delimiter is not None:
-            return _table_sources(path, column or "smiles", delimiter)
+            yield from _table_sources(path, column or "smiles", delimiter)
+            return
         with open_text(path) as fh:
-            return [(n, _readable(line.split()[0])) for n, line in enumerate(fh, 1)
-                    if line.strip() and not is_padding(line)]
+            for n, line in enumerate(fh, 1):
+                if line.strip() and not is_padding(line):
+                    yield n, _readable(line.split()[0])
     except (OSError, EOFError, csv.Error) as exc:
         raise MoldsError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from None
 
@@ -117,10 +129,11 @@ def _table_sources(path: str, column: str, delimiter: str | None) -> list[tuple[
     lines = delimited_lines(path, delimiter)
     first = next(lines, None)
     if first is None:
-        return []
+        return
     at = column_index(path, first[1], column, "SMILES", _DELIMITER_HINTS)
-    return [(n, _readable(row[at].strip()) if at < len(row) else "") for n, row in lines
-            if row and not (len(row) == 1 and is_padding(row[0]))]
+    for n, row in lines:
+        if row and not (len(row) == 1 and is_padding(row[0])):
+            yield n, _readable(row[at].strip()) if at < len(row) else ""
 
 
 def _readable(text: str) -> str:
@@ -160,8 +173,8 @@ def run(argv: list[str]) -> int:
         verifier,
     )
 
-    if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1:
-        raise MoldsError("--beams, --batch_size and --augment must be >= 1, --max_tokens >= 0")
+    if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1 or args.chunk_size < 1:
+        raise MoldsError("--beams, --batch_size, --augment and --chunk_size must be >= 1, --max_tokens >= 0")
     loaded = open_checkpoint(args.checkpoint)
     if loaded.family == "encoder":
         return _properties(args, loaded)
@@ -222,27 +235,27 @@ def run(argv: list[str]) -> int:
     if verify is not None:  # each prediction's reactants through the forward model
         checks = dict(zip(rows, round_trip(verify, [texts[r] for r in rows], [found[r] for r in rows],
                                            batch_size=args.batch_size)))
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    extra = ["round_trip", "forward_prediction", "forward_score"] if verify is not None else []
-    w.writerow(["row", "input", "rank", "prediction", "score", "text", *extra, "note"])
-    for row, text in sources:
-        if row in notes:
-            w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
-            continue
-        if not found[row]:  # every beam was no molecule: the input is still accounted for
-            w.writerow([row, text, "", "", "", "", *[""] * len(extra), "no_valid_prediction"])
-            continue
-        seen = set()
-        for rank, p in enumerate(found[row], 1):
-            more = []
-            if verify is not None:
-                c = checks[row][rank - 1]
-                more = ["", "", ""] if c is None else ["yes" if c.back else "no", c.product or "", f"{c.score:.6f}"]
-            note = ("unfinished" if not p.ended else "invalid") if not p.side else ("repeat" if p.side in seen else "")
-            seen.add(p.side)
-            w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more, note])
-    _write_out(args.out, buf.getvalue())
+    with _output(args.out) as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        extra = ["round_trip", "forward_prediction", "forward_score"] if verify is not None else []
+        w.writerow(["row", "input", "rank", "prediction", "score", "text", *extra, "note"])
+        for row, text in sources:
+            if row in notes:
+                w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
+                continue
+            if not found[row]:  # every beam was no molecule: the input is still accounted for
+                w.writerow([row, text, "", "", "", "", *[""] * len(extra), "no_valid_prediction"])
+                continue
+            seen = set()
+            for rank, p in enumerate(found[row], 1):
+                more = []
+                if verify is not None:
+                    c = checks[row][rank - 1]
+                    more = ["", "", ""] if c is None else \
+                        ["yes" if c.back else "no", c.product or "", f"{c.score:.6f}"]
+                note = ("unfinished" if not p.ended else "invalid") if not p.side else ("repeat" if p.side in seen else "")
+                seen.add(p.side)
+                w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more, note])
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "reads": trained["source_format"],
                "writes": trained["target_format"], "inputs": len(sources), "atom_maps_removed": mapped,
                "predicted": len(rows), "refused": dict(sorted(
@@ -257,17 +270,27 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _write_out(out: str, text: str) -> None:
-    """The CSV to ``out``, atomically, or to standard output for ``-``."""
+def _chunks(items, n: int):
+    """Lists of ``n`` consecutive items (the last one shorter), read as they are needed."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, n)):
+        yield chunk
+
+
+@contextlib.contextmanager
+def _output(out: str):
+    """A text file to write the output CSV into as it is made: renamed to ``out`` when the
+    block ends without error (nothing at ``out`` otherwise), or standard output for ``-``."""
     if out == "-":
-        sys.stdout.write(text)
-    else:
-        write_text(out, text)
+        yield sys.stdout
+        return
+    with atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
+        yield fh
 
 
 def _properties(args, loaded) -> int:
     """An encoder's property predictions, one row per input."""
-    from ..eval.properties import predict_properties  # torch and transformers: loaded only to predict
+    from ..eval.properties import predict_properties, task_names  # torch and transformers: loaded only to predict
 
     if args.verify_with or args.task:
         raise MoldsError(f"{'--verify_with' if args.verify_with else '--task'} is for pair models; "
@@ -275,23 +298,29 @@ def _properties(args, loaded) -> int:
     if not int(loaded.recipe["model"].get("num_tasks") or 0):
         raise MoldsError(f"{loaded.checkpoint} is an encoder without property heads (model.num_tasks 0): it predicts "
                          f"no property; fork it with labels first (docs/tutorials/fine-tune.md)")
-    sources = read_sources(args.input, args.column, args.delimiter)
-    found = predict_properties(loaded, [text for _, text in sources], augment=args.augment, seed=args.seed)
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["row", "input", "canonical", *found.tasks, "note"])
-    for i, (row, text) in enumerate(sources):
-        values = found.values.get(i)
-        w.writerow([row, text, found.canonical.get(i, ""),
-                    *([f"{v:.9g}" for v in values] if values is not None else [""] * len(found.tasks)),
-                    found.notes.get(i, "")])
-    _write_out(args.out, buf.getvalue())
-    refused = [found.notes[i] for i in range(len(sources)) if i not in found.values]
-    summary = {"checkpoint": loaded.checkpoint, "tasks": found.tasks, "task_type": loaded.recipe["model"]["task_type"],
-               "inputs": len(sources), "predicted": len(found.values),
-               "refused": dict(sorted({r: refused.count(r) for r in set(refused)}.items())),
-               "truncated": found.truncated, "augment": args.augment, "spellings": found.spellings,
-               "spellings_skipped": found.spellings_skipped, "out": args.out}
+    tasks = task_names(loaded)
+    counts = {"inputs": 0, "predicted": 0, "truncated": 0, "spellings": 0, "spellings_skipped": 0}
+    refused: dict[str, int] = {}
+    with _output(args.out) as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["row", "input", "canonical", *tasks, "note"])
+        # a chunk of sources at a time: memory stays that of one chunk, whatever the input's size
+        for chunk in _chunks(iter_sources(args.input, args.column, args.delimiter), args.chunk_size):
+            found = predict_properties(loaded, [text for _, text in chunk], augment=args.augment, seed=args.seed)
+            for i, (row, text) in enumerate(chunk):
+                values = found.values.get(i)
+                if values is None:
+                    refused[found.notes[i]] = refused.get(found.notes[i], 0) + 1
+                w.writerow([row, text, found.canonical.get(i, ""),
+                            *([f"{v:.9g}" for v in values] if values is not None else [""] * len(tasks)),
+                            found.notes.get(i, "")])
+            for key, n in (("inputs", len(chunk)), ("predicted", len(found.values)), ("truncated", found.truncated),
+                           ("spellings", found.spellings), ("spellings_skipped", found.spellings_skipped)):
+                counts[key] += n
+    summary = {"checkpoint": loaded.checkpoint, "tasks": tasks, "task_type": loaded.recipe["model"]["task_type"],
+               "inputs": counts["inputs"], "predicted": counts["predicted"], "refused": dict(sorted(refused.items())),
+               "truncated": counts["truncated"], "augment": args.augment, "spellings": counts["spellings"],
+               "spellings_skipped": counts["spellings_skipped"], "out": args.out}
     print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
     return 0
 

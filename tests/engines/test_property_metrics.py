@@ -357,6 +357,21 @@ def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled
     vendor.write_text(open(src).read().replace(",", "\t").replace("id\tsmiles", "ID\tSMILES"), encoding="utf-8-sig")
     assert predict([run, "--input", str(vendor), "--out", str(tmp_path / "v.csv")]) == 0
     assert read(tmp_path / "v.csv") == rows
+    # read, predicted and written three sources at a time: the same rows (the values to float
+    # precision: other molecules share a batch)
+    assert predict([run, "--input", str(src), "--chunk_size", "3", "--out", str(tmp_path / "c.csv")]) == 0
+    chunked = read(tmp_path / "c.csv")
+    assert [{k: v for k, v in r.items() if k not in tasks} for r in chunked] == \
+        [{k: v for k, v in r.items() if k not in tasks} for r in rows]
+    assert np.allclose([[float(r[t] or "nan") for t in tasks] for r in chunked],
+                       [[float(r[t] or "nan") for t in tasks] for r in rows], rtol=1e-6, atol=1e-6, equal_nan=True)
+    # an input cut short half-way: refused in one line after the first chunks were written, and
+    # no output file left behind
+    blob = open(str(src) + ".gz", "rb").read()
+    open(tmp_path / "cut.csv.gz", "wb").write(blob[:len(blob) // 2])
+    assert predict([run, "--input", str(tmp_path / "cut.csv.gz"), "--chunk_size", "2",
+                    "--out", str(tmp_path / "cut.csv")]) == 2
+    assert not os.path.exists(tmp_path / "cut.csv") and not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
 
     assert predict([run, "--input", str(src), "--column", "smiles", "--augment", "3",
                     "--out", str(tmp_path / "a.csv")]) == 0
