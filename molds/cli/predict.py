@@ -108,7 +108,7 @@ def iter_sources(path: str, column: str | None, delimiter: str | None = None):
                          f"or a CSV / TSV with a SMILES column (--column): write the sources out as one of them")
     try:
         if fmt in ("csv", "tsv") or column is not None or delimiter is not None:
-            yield from _table_sources(path, column or "smiles", delimiter)
+            yield from _table_sources(path, column, delimiter)
             return
         with open_text(path) as fh:
             for n, line in enumerate(fh, 1):
@@ -123,14 +123,20 @@ _DELIMITER_HINTS = ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "
                     (",", "--delimiter ','"))
 
 
-def _table_sources(path: str, column: str, delimiter: str | None) -> list[tuple[int, str]]:
+def _table_sources(path: str, column: str | None, delimiter: str | None):
     if delimiter is not None and len(delimiter) != 1:
         raise MoldsError(f"--delimiter {delimiter!r}: give one character")
     lines = delimited_lines(path, delimiter)
     first = next(lines, None)
     if first is None:
         return
-    at = column_index(path, first[1], column, "SMILES", _DELIMITER_HINTS)
+    try:
+        at = column_index(path, first[1], column or "smiles", "SMILES", _DELIMITER_HINTS)
+    except InputError as exc:
+        if column is not None:
+            raise
+        raise InputError(f"{exc}: name the column with --column, or, for SMILES one a line without a header, "
+                         f"name the file .smi or .txt") from None
     for n, row in lines:
         if row and not (len(row) == 1 and is_padding(row[0])):
             yield n, _readable(row[at].strip()) if at < len(row) else ""
@@ -301,11 +307,14 @@ def _properties(args, loaded) -> int:
     tasks = task_names(loaded)
     counts = {"inputs": 0, "predicted": 0, "truncated": 0, "spellings": 0, "spellings_skipped": 0}
     refused: dict[str, int] = {}
+    # a chunk of sources at a time: memory stays that of one chunk, whatever the input's size;
+    # the first read before anything is written, so that a file of the wrong kind writes nothing
+    chunks = _chunks(iter_sources(args.input, args.column, args.delimiter), args.chunk_size)
+    first = next(chunks, [])
     with _output(args.out) as fh:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(["row", "input", "canonical", *tasks, "note"])
-        # a chunk of sources at a time: memory stays that of one chunk, whatever the input's size
-        for chunk in _chunks(iter_sources(args.input, args.column, args.delimiter), args.chunk_size):
+        for chunk in itertools.chain([first] if first else [], chunks):
             found = predict_properties(loaded, [text for _, text in chunk], augment=args.augment, seed=args.seed)
             for i, (row, text) in enumerate(chunk):
                 values = found.values.get(i)

@@ -486,3 +486,20 @@ def test_molds_predict_reads_a_file_as_the_etl_reads_it(tmp_path, name, data):
     assert [row for row, s in ours if "\ufffd" in s] == [row for row, _, why in etl if why == "non_utf8"]
     assert {why for _, _, why in etl} <= {None, "non_utf8", "padding"} and len(ours) == sum(
         why != "padding" for _, _, why in etl)
+
+
+def test_molds_predict_says_in_one_line_what_it_cannot_read(tmp_path):
+    """A CSV without a smiles column (SMILES one a line, no header), one split by semicolons,
+    and a file of a kind molds-predict does not read: each refused with what to do, in
+    molds-predict's own options (the ETL's line named --input_format)."""
+    from molds.cli.predict import read_sources
+    from molds.errors import MoldsError
+
+    for name, text, want in (("h.csv", "CCO\nCCN\n", r"no SMILES column 'smiles'.*--column.*name the file \.smi"),
+                             ("s.csv", "id;smiles\n1;CCO\n", r"split by ';': pass --delimiter ';'"),
+                             ("m.sdf", "x\n", r"read as sdf by its name; molds-predict reads")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(MoldsError, match=want) as exc:
+            read_sources(str(tmp_path / name), None)
+        assert "\n" not in str(exc.value) and "--input_format" not in str(exc.value)
+    assert read_sources(str(tmp_path / "s.csv"), None, ";") == [(2, "CCO")]
