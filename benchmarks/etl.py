@@ -121,7 +121,7 @@ def sd_records(path: str, limit: int = 0):
     """The raw bytes of each record of an SD file, streamed (molds' splitter)."""
     import fsspec
 
-    from molds.preprocessing.sdf import read_sd_records
+    from molds.data.sdf import read_sd_records
 
     with fsspec.open(path, "rb", compression="infer") as fh:
         for n, (_, _, text, _) in enumerate(read_sd_records(fh)):

@@ -50,9 +50,10 @@ MOVED = {
     "molds.conformers": "molds.chemistry.conformers",
     "molds.pairs": "molds.chemistry.pairs",
     "molds.tokens": "molds.chemistry.tokens",
-    # the ETL's decompressors, now beside the text layer molds-predict shares (molds.data.inputs)
+    # the ETL's decompressors and SD reader, now beside the text layer molds-predict shares (molds.data.inputs)
     "molds.preprocessing.inflate": "molds.data.inflate",
     "molds.preprocessing.unzstd": "molds.data.unzstd",
+    "molds.preprocessing.sdf": "molds.data.sdf",
 }
 # (molds.recipe and molds.runtime are now the packages; their __init__ keeps the old module's names)
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from molds.chemistry.canonical import Canonicalizer, Molecule
+from molds.data.sdf import Misaligned, SDRecordParser
 from .readers import RawChunk, is_clean
 from .stages import BUCKET_SHIFT, GROUP_SALT, StageOptions, Stats, hash64, spill_sorted
 from .tokenizer import GRAMMARS, counts_of_codes, token_codes
@@ -207,8 +208,6 @@ class MapStage:
         as it is read (used and freed while in cache, as a bare RDKit loop does); when the
         supplier turns out not to have given one molecule per record, what was made of the
         batch is dropped and its records are read one at a time (``SDRecordParser.read_each``)."""
-        from .sdf import Misaligned
-
         parser = self._sd()
         readable = [pos for pos, data in enumerate(chunk.smiles) if data is not None]
         out = {}
@@ -256,8 +255,6 @@ class MapStage:
     def _sd(self):
         """The SD record parser (RDKit), built at the first SD chunk."""
         if self._sd_parser is None:
-            from .sdf import SDRecordParser
-
             columns = self.options.columns
             tags = (columns.labels + ((columns.rank,) if columns.rank else ())) if columns else ()
             self._sd_parser = SDRecordParser(columns.id if columns else None, tags)

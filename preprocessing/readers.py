@@ -32,6 +32,7 @@ from molds.data.inputs import (  # the text layer, shared with molds-predict
     open_sd,
     open_text,
 )
+from molds.data.sdf import TITLE_TAG, read_sd_records, resolve_tag, sd_tags
 from molds.errors import InputError  # a problem with an input file as a whole (names the file)
 
 
@@ -352,8 +353,6 @@ def _read_hf(path, cols: Columns, chunk_rows: int):
 def _read_sdf(file_index: int, path: str, cols: Columns, chunk_rows: int):
     """The records of an SD file as chunks; at its end, a requested SD tag that no record
     had is refused (a misspelt ``--id-column`` / ``--label-columns``), naming the tags seen."""
-    from .sdf import TITLE_TAG, read_sd_records, resolve_tag, sd_tags
-
     wanted = ([cols.id] if cols.id and cols.id != TITLE_TAG else []) + list(cols.labels) + \
         ([cols.rank] if cols.rank else [])
     seen: set[str] = set()

@@ -11,7 +11,7 @@ from molds import __version__
 from molds.data.manifest import FORMAT_VERSION, vocab_hash
 
 from molds.chemistry.canonical import REJECT_REASONS
-from .sdf import LEADING_BLANK_LINES
+from molds.data.sdf import LEADING_BLANK_LINES
 from .split import SPLITS
 
 _DECIMAL_COMMA = re.compile(r"'\s*[-+]?\d*,\d+\s*'")  # a label example such as ['5,2']

@@ -247,7 +247,7 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out.pop("names") == [True, True, True]
-    assert set(out) == set(molds.MOVED) and len(out) == 16
+    assert set(out) == set(molds.MOVED) and len(out) == 17
     for old, (same, name, spec, warned) in out.items():
         new = molds.MOVED[old]
         assert same and name == new and spec == new, (old, name, spec)

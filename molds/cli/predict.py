@@ -5,8 +5,9 @@
 
 The input holds one source a line (reactants for ``forward``, or ``reactants>reagents``; a
 product for ``retro``; a molecule for ``mol2mol``), or is a CSV / TSV whose ``--column``
-(default: ``smiles``) holds them, read as ``molds-preprocess`` reads its inputs (compressed,
-a byte-order mark, UTF-16, Excel's ``sep=`` line, a column name but for case); canonicalized
+(default: ``smiles``) holds them, or an SD file (a record each), read as ``molds-preprocess``
+reads its inputs (compressed, a byte-order mark, UTF-16, Excel's ``sep=`` line, a column name
+but for case; an SD record RDKit refuses is a row noting the ETL's reason); canonicalized
 as the ETL canonicalized the model's training sources (a forward model's reagents mixed in,
 kept apart or dropped as its training pairs had them). The output is a CSV with one row per
 prediction: ``row`` (the input's line or row), ``input``, ``rank``, ``prediction``
@@ -38,7 +39,7 @@ import sys
 
 from ..chemistry.canonical import ATOM_MAP
 from ..chemistry.tasks import TASKS, direction, lineage_block
-from ..data.inputs import column_index, delimited_lines, detect_format, is_clean, is_padding, open_text
+from ..data.inputs import column_index, delimited_lines, detect_format, is_clean, is_padding, open_sd, open_text
 from ..errors import InputError, MoldsError, run_cli
 from ..runtime.atomic import atomic_file
 from . import CHECKPOINT_HELP, new_parser, parse
@@ -49,8 +50,9 @@ def build_parser():
                                     "or a property model's predictions for each molecule.")
     p.add_argument("checkpoint", type=str, help=CHECKPOINT_HELP)
     p.add_argument("--input", type=str, required=True,
-                   help="sources, one a line (.smi/.txt: the first field), or a CSV / TSV (read as molds-preprocess "
-                        "reads them: compressed, a byte-order mark, UTF-16, Excel's sep= line)")
+                   help="sources, one a line (.smi/.txt: the first field), a CSV / TSV, or an SD file (a record each, "
+                        "row: the line it starts on), read as molds-preprocess reads them (compressed, a byte-order "
+                        "mark, UTF-16, Excel's sep= line)")
     p.add_argument("--delimiter", type=str, default=None,
                    help="a CSV's field delimiter when it is not a comma (a tab for .tsv / .tab names; an Excel sep= "
                         "first line is honoured), as molds-preprocess --delimiter")
@@ -85,37 +87,73 @@ def build_parser():
     return p
 
 
-def read_sources(path: str, column: str | None, delimiter: str | None = None) -> list[tuple[int, str]]:
+def read_sources(path: str, column: str | None, delimiter: str | None = None) -> list[tuple[int, str, str | None]]:
     """Every source of the input (``iter_sources``), as a list."""
     return list(iter_sources(path, column, delimiter))
 
 
 def iter_sources(path: str, column: str | None, delimiter: str | None = None):
-    """(line, text) of each source of the input, one at a time, read as ``molds-preprocess``
-    reads its files (``molds.data.inputs``: compressed by name; UTF-8 with or without a
-    byte-order mark, UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name, or any file given
-    ``--column`` or ``--delimiter``): the column ``--column`` names, else one named
-    ``smiles``, found by name, else but for case; Excel's ``sep=`` line honoured; a row
-    without the field is a source of no text (noted, not dropped). Otherwise one source a
-    line, its first field. Blank lines and lines of padding (NUL, Ctrl-Z: ``is_padding``) are
-    no sources, as for the ETL."""
+    """(line, text, note) of each source of the input, one at a time, read as
+    ``molds-preprocess`` reads its files (``molds.data.inputs``: compressed by name; UTF-8
+    with or without a byte-order mark, UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name,
+    or any file given ``--column`` or ``--delimiter``): the column ``--column`` names, else
+    one named ``smiles``, found by name, else but for case; Excel's ``sep=`` line honoured; a
+    row without the field is a source of no text (noted, not dropped). An SD file (by its
+    name): each record RDKit reads, as its SMILES, the line its record starts on; a record it
+    refuses has no text and the ETL's reason as its note. Otherwise one source a line, its
+    first field. Blank lines and lines of padding (NUL, Ctrl-Z: ``is_padding``) are no
+    sources, as for the ETL. ``note`` is None but for a refused SD record."""
     try:
         fmt = detect_format(path)
     except InputError:  # a name the ETL does not know: lines, or a table given --column
         fmt = None
-    if fmt not in (None, "csv", "tsv", "smi"):
-        raise MoldsError(f"{path}: read as {fmt} by its name; molds-predict reads SMILES one a line (.smi, .txt) "
-                         f"or a CSV / TSV with a SMILES column (--column): write the sources out as one of them")
+    if fmt not in (None, "csv", "tsv", "smi", "sdf"):
+        raise MoldsError(f"{path}: read as {fmt} by its name; molds-predict reads SMILES one a line (.smi, .txt), "
+                         f"a CSV / TSV with a SMILES column (--column) or an SD file: write the sources out as one "
+                         f"of them")
     try:
-        if fmt in ("csv", "tsv") or column is not None or delimiter is not None:
+        if fmt == "sdf":
+            yield from _sd_sources(path)
+        elif fmt in ("csv", "tsv") or column is not None or delimiter is not None:
             yield from _table_sources(path, column, delimiter)
-            return
-        with open_text(path) as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip() and not is_padding(line):
-                    yield n, _readable(line.split()[0])
+        else:
+            with open_text(path) as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip() and not is_padding(line):
+                        yield n, _readable(line.split()[0]), None
     except (OSError, EOFError, csv.Error) as exc:
         raise MoldsError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from None
+
+
+def _sd_sources(path: str, batch: int = 256):
+    """An SD file's records as the ETL splits and reads them (``molds.data.sdf``: one RDKit
+    supplier a batch, each record alone where the batch does not align)."""
+    from ..data.sdf import Misaligned, SDRecordParser, read_sd_records  # RDKit: for an SD input alone
+
+    parser = SDRecordParser(None, ())
+
+    def read(records):
+        try:
+            parsed = list(parser.stream([d for _, d in records], [r for r, _ in records]))
+        except Misaligned:
+            parsed = parser.read_each([d for _, d in records], [r for r, _ in records])
+        for (row, _), (mol, *_) in zip(records, parsed):
+            yield (row, "", mol) if isinstance(mol, str) else (row, parser.Chem.MolToSmiles(mol), None)
+
+    with open_sd(path) as fh:
+        pending = []
+        for row, _, data, reason in read_sd_records(fh):
+            if reason is not None:
+                yield from read(pending)
+                pending = []
+                if reason != "padding":
+                    yield row, "", reason
+            else:
+                pending.append((row, data))
+                if len(pending) == batch:
+                    yield from read(pending)
+                    pending = []
+        yield from read(pending)
 
 
 #: ``--delimiter`` for a header that seems split by this character
@@ -139,7 +177,7 @@ def _table_sources(path: str, column: str | None, delimiter: str | None):
                          f"name the file .smi or .txt") from None
     for n, row in lines:
         if row and not (len(row) == 1 and is_padding(row[0])):
-            yield n, _readable(row[at].strip()) if at < len(row) else ""
+            yield n, _readable(row[at].strip()) if at < len(row) else "", None
 
 
 def _readable(text: str) -> str:
@@ -150,11 +188,11 @@ def _readable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace").replace("\0", "\ufffd")
 
 
-def refuse_whole_reactions(path: str, sources: list[tuple[int, str]], checkpoint: str, trained: dict) -> None:
+def refuse_whole_reactions(path: str, sources: list[tuple], checkpoint: str, trained: dict) -> None:
     """A whole reaction (``reactants>reagents>products``) where a model reads one side is a
     file of the wrong kind: refused in one line that names the first such row, how many
     there are and what the model reads."""
-    whole = [(row, text) for row, text in sources if text.count(">") >= 2]
+    whole = [(row, text) for row, text, _ in sources if text.count(">") >= 2]
     if whole:
         row, text = whole[0]
         shown = text if len(text) <= 80 else text[:77] + "..."
@@ -204,13 +242,16 @@ def run(argv: list[str]) -> int:
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
     sources = read_sources(args.input, args.column, args.delimiter)
     refuse_whole_reactions(args.input, sources, loaded.checkpoint, trained)
-    mapped = sum(1 for _, text in sources if ATOM_MAP.search(text))
+    mapped = sum(1 for _, text, _ in sources if ATOM_MAP.search(text))
     if mapped:
         print(f"[molds] {args.input}: atom maps removed from {mapped} of {len(sources)} sources (the model reads "
               f"{trained['source_format']} without them, as molds-preprocess wrote its training pairs)",
               file=sys.stderr)
     notes, ids, texts = {}, {}, {}
-    for row, text in sources:
+    for row, text, note in sources:
+        if note is not None:  # an SD record RDKit refuses
+            notes[row] = note
+            continue
         canonical, reason = sides.source(text)
         if reason is not None:
             notes[row] = reason
@@ -245,7 +286,7 @@ def run(argv: list[str]) -> int:
         w = csv.writer(fh, lineterminator="\n")
         extra = ["round_trip", "forward_prediction", "forward_score"] if verify is not None else []
         w.writerow(["row", "input", "rank", "prediction", "score", "text", *extra, "note"])
-        for row, text in sources:
+        for row, text, _ in sources:
             if row in notes:
                 w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
                 continue
@@ -315,14 +356,14 @@ def _properties(args, loaded) -> int:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(["row", "input", "canonical", *tasks, "note"])
         for chunk in itertools.chain([first] if first else [], chunks):
-            found = predict_properties(loaded, [text for _, text in chunk], augment=args.augment, seed=args.seed)
-            for i, (row, text) in enumerate(chunk):
+            found = predict_properties(loaded, [text for _, text, _ in chunk], augment=args.augment, seed=args.seed)
+            for i, (row, text, note) in enumerate(chunk):
                 values = found.values.get(i)
+                note = note or found.notes.get(i, "")  # an SD record RDKit refused: the ETL's reason
                 if values is None:
-                    refused[found.notes[i]] = refused.get(found.notes[i], 0) + 1
+                    refused[note] = refused.get(note, 0) + 1
                 w.writerow([row, text, found.canonical.get(i, ""),
-                            *([f"{v:.9g}" for v in values] if values is not None else [""] * len(tasks)),
-                            found.notes.get(i, "")])
+                            *([f"{v:.9g}" for v in values] if values is not None else [""] * len(tasks)), note])
             for key, n in (("inputs", len(chunk)), ("predicted", len(found.values)), ("truncated", found.truncated),
                            ("spellings", found.spellings), ("spellings_skipped", found.spellings_skipped)):
                 counts[key] += n

@@ -357,6 +357,21 @@ def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled
     vendor.write_text(open(src).read().replace(",", "\t").replace("id\tsmiles", "ID\tSMILES"), encoding="utf-8-sig")
     assert predict([run, "--input", str(vendor), "--out", str(tmp_path / "v.csv")]) == 0
     assert read(tmp_path / "v.csv") == rows
+    # the same molecules as an SD file (RDKit's mol blocks) and a record RDKit refuses: the same
+    # canonical molecules and predictions, the refused record named in its row
+    from rdkit import Chem
+
+    sd = tmp_path / "in.sdf"
+    with open(sd, "w") as fh:
+        for s_ in raws:
+            fh.write(Chem.MolToMolBlock(Chem.MolFromSmiles(s_)) + "$$$$\n")
+        fh.write("broken\n\n\n  1  0  0  0  0  0  0  0  0  0999 V2000\n" + "    0.0000    0.0000    0.0000 Xx"
+                 "  0  0  0  0  0  0  0  0  0  0  0  0\nM  END\n$$$$\n")
+    assert predict([run, "--input", str(sd), "--out", str(tmp_path / "sd.csv")]) == 0
+    from_sd = read(tmp_path / "sd.csv")
+    assert [r["canonical"] for r in from_sd[:len(raws)]] == canon
+    assert np.allclose([[float(r[t]) for t in tasks] for r in from_sd[:len(raws)]], got, rtol=1e-6, atol=1e-6)
+    assert len(from_sd) == len(raws) + 1 and from_sd[-1]["note"] == "sdf_parse_error" and from_sd[-1][tasks[0]] == ""
     # read, predicted and written three sources at a time: the same rows (the values to float
     # precision: other molecules share a batch)
     assert predict([run, "--input", str(src), "--chunk_size", "3", "--out", str(tmp_path / "c.csv")]) == 0

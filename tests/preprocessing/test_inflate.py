@@ -106,7 +106,7 @@ def test_a_corrupt_member_is_refused_as_gzip_refuses_it(backend):
 def test_every_sd_record_before_a_cut_is_read(backend, hostile_sdf, tmp_path):
     """A multi-MB SD file cut short: the splitter gets every record the stdlib gives before
     the cut, and the cut record (fsspec's isal.igzip drops up to one read's worth here)."""
-    from preprocessing.sdf import read_sd_records
+    from molds.data.sdf import read_sd_records
 
     paths, _, _ = hostile_sdf
     good = open(paths[0], "rb").read()

@@ -481,7 +481,7 @@ def test_molds_predict_reads_a_file_as_the_etl_reads_it(tmp_path, name, data):
     fmt = detect_format(str(path))
     etl = [(row, smiles, chunk.reasons.get(i)) for chunk in read_chunks(0, str(path), fmt, Columns("smiles"), 100)
            for i, (row, smiles) in enumerate(zip(chunk.rows, chunk.smiles))]
-    ours = read_sources(str(path), None)
+    ours = [(row, s) for row, s, note in read_sources(str(path), None) if note is None]
     assert [(row, s) for row, s in ours if "\ufffd" not in s] == [(row, s) for row, s, why in etl if why is None]
     assert [row for row, s in ours if "\ufffd" in s] == [row for row, _, why in etl if why == "non_utf8"]
     assert {why for _, _, why in etl} <= {None, "non_utf8", "padding"} and len(ours) == sum(
@@ -497,9 +497,39 @@ def test_molds_predict_says_in_one_line_what_it_cannot_read(tmp_path):
 
     for name, text, want in (("h.csv", "CCO\nCCN\n", r"no SMILES column 'smiles'.*--column.*name the file \.smi"),
                              ("s.csv", "id;smiles\n1;CCO\n", r"split by ';': pass --delimiter ';'"),
-                             ("m.sdf", "x\n", r"read as sdf by its name; molds-predict reads")):
+                             ("m.parquet", "x\n", r"read as parquet by its name; molds-predict reads")):
         (tmp_path / name).write_text(text)
         with pytest.raises(MoldsError, match=want) as exc:
             read_sources(str(tmp_path / name), None)
         assert "\n" not in str(exc.value) and "--input_format" not in str(exc.value)
-    assert read_sources(str(tmp_path / "s.csv"), None, ";") == [(2, "CCO")]
+    assert read_sources(str(tmp_path / "s.csv"), None, ";") == [(2, "CCO", None)]
+
+
+def test_molds_predict_reads_an_sd_file_record_for_record(tmp_path):
+    """An SD file (gzipped, a UTF-8 byte-order mark as Windows tools write it, a record RDKit
+    refuses): molds-predict's sources are RDKit's own supplier's molecules, record for record,
+    at the line each record starts on; the refused record is a source with no text and the
+    ETL's reason, not dropped and not the end of the file."""
+    from rdkit import Chem
+
+    from molds.cli.predict import read_sources
+
+    smiles = ["CCO", "c1ccccc1C(=O)O", "C[C@H](N)C(=O)O", "CN1CCC[C@H]1c1cccnc1", "O=C([O-])CC.[Na+]"]
+    blocks = [Chem.MolToMolBlock(Chem.MolFromSmiles(s)) + f">  <name>\nm{i}\n\n$$$$\n" for i, s in enumerate(smiles)]
+    five = Chem.RWMol()
+    for _ in range(6):
+        five.AddAtom(Chem.Atom(6))
+    for i in range(1, 6):
+        five.AddBond(0, i, Chem.BondType.SINGLE)
+    blocks.insert(2, Chem.MolToMolBlock(five, kekulize=False) + "$$$$\n")  # a carbon of five bonds: RDKit refuses it
+    text = "".join(blocks)
+    path = tmp_path / "vendor.sdf.gz"
+    path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + text.encode()))
+    starts = [1] + [i + 2 for i, line in enumerate(text.splitlines()) if line == "$$$$"][:-1]
+    want = []
+    for start, mol in zip(starts, Chem.ForwardSDMolSupplier(gzip.open(path))):
+        want.append((start, Chem.MolToSmiles(mol) if mol is not None else ""))
+    got = read_sources(str(path), None)
+    assert [(row, text) for row, text, _ in got] == want and len(got) == 6
+    assert [note for _, _, note in got] == [None, None, "valence_error", None, None, None]
+    assert [Chem.CanonSmiles(t) for _, t, n in got if n is None] == [Chem.CanonSmiles(s) for s in smiles]

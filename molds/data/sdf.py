@@ -145,7 +145,7 @@ class SDRecordParser:
     """
 
     def __init__(self, id_tag: str | None, label_tags: tuple[str, ...]):
-        from rdkit import Chem, RDLogger, rdBase
+        from rdkit import Chem, RDLogger, rdBase  # RDKit: loaded where SD records are parsed, not to split them
 
         RDLogger.DisableLog("rdApp.*")
         self.Chem, self.rdBase = Chem, rdBase
