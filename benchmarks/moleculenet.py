@@ -518,8 +518,7 @@ def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
         rows = list(csv.DictReader(fh))
     if [r["smiles"] for r in rows] != data["test"][0]:
         raise SystemExit(f"{preds}: chemprop's predictions are not one per test molecule, in order")
-    return (np.asarray([[float(r[c]) for c in labels] for r in rows], float),
-            sum(r["note"].startswith("truncated") for r in rows))
+    return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
 
 
 def steps_per_epoch(manifest: str, nproc: int, overrides: dict | None = None) -> int:

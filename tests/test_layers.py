@@ -203,6 +203,15 @@ def _moved_paths() -> re.Pattern:
                                [r"\b" + re.escape(f) for f in files]))
 
 
+def _imports_a_moved_module(line: str) -> bool:
+    """``from molds.preprocessing import sdf``: an old path the dotted pattern does not see."""
+    import molds
+
+    found = re.match(r"\s*from\s+([\w.]+)\s+import\s+([\w, ]+)", line)
+    return bool(found) and any(f"{found.group(1)}.{name.strip()}" in molds.MOVED
+                               for name in found.group(2).split(",") if name.strip())
+
+
 def test_nothing_uses_a_path_that_moved():
     """Code, docstrings, scripts and user docs name modules where they are now (the old paths
     keep importing for users' own code; the changelog keeps the history)."""
@@ -216,7 +225,7 @@ def test_nothing_uses_a_path_that_moved():
                 os.path.join(ROOT, f)):  # history, the aliases, this file; a file deleted but not yet committed
             continue
         for i, line in enumerate(open(os.path.join(ROOT, f), encoding="utf-8"), 1):
-            if pattern.search(line):
+            if pattern.search(line) or _imports_a_moved_module(line):
                 hits.append(f"{f}:{i}: {line.strip()}")
     assert not hits, "old module paths:\n" + "\n".join(hits)
 

@@ -116,7 +116,7 @@ def test_sdf_gives_the_molecules_and_vocabulary_of_the_same_csv(hostile_sdf, tmp
 
 @pytest.mark.parametrize("block", [7, 64, 1000])
 def test_record_splitter_is_exact_at_every_block_boundary(hostile_sdf, monkeypatch, block):
-    from molds.preprocessing import sdf
+    from molds.data import sdf
 
     paths, _, _ = hostile_sdf
     data = open(paths[0], "rb").read()
@@ -137,7 +137,7 @@ def test_record_splitter_is_exact_at_every_block_boundary(hostile_sdf, monkeypat
 
 
 def test_a_record_without_its_separator_is_skipped_within_bounded_memory(monkeypatch, tmp_path):
-    from molds.preprocessing import sdf
+    from molds.data import sdf
 
     monkeypatch.setattr(sdf, "MAX_RECORD_BYTES", 4096)
     monkeypatch.setattr(sdf, "_BLOCK", 1000)
@@ -302,7 +302,7 @@ def test_padded_sd_values_and_titles_are_stripped_as_csv_cells_are(tmp_path):
 
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 def test_lone_cr_splitting_at_small_blocks(monkeypatch, block):
-    from molds.preprocessing import sdf
+    from molds.data import sdf
 
     text = "".join(sd_record(s, f"m{i}", {}) for i, s in enumerate(["CCO", "CCN", "CCC"]))
     monkeypatch.setattr(sdf, "_BLOCK", block)
