@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 if __name__ == "__main__":  # `deepspeed molds/train.py`, `python molds/train.py` from a checkout
@@ -40,9 +41,10 @@ from molds.checkpoint.resume import (
     resumed_fp8_products,
 )
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
+from molds.chemistry.features import feature_moments, feature_names, molecule_features
 from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
-from molds.data.manifest import Manifest, first_label_outside, label_moments
+from molds.data.manifest import Manifest, first_label_outside, label_moments, split_smiles
 from molds.engines import build_engine
 from molds.errors import CheckpointError, ManifestError, MoldsError, NonFiniteError, RecipeError, run_cli  # noqa: E402
 from molds.metrics.step_profile import ProfileWindow
@@ -324,6 +326,8 @@ def setup(recipe, plan=None) -> Run:
                         device="meta" if recipe.parallel.engine == "pipeline" else None)
     if getattr(model, "regression", False) and (saved is None or recipe.checkpoint.fork):
         _standardize_labels(model, manifest, dist)  # a resume keeps the checkpoint's scale
+    if getattr(model, "features", False) and (saved is None or recipe.checkpoint.fork):
+        _standardize_features(model, manifest, dist)
     label_columns = manifest.label_columns if recipe.data.with_labels else None
     fresh_heads = fine_tune_heads(recipe, saved, model, label_columns)  # the bare model's own, before any engine
     resized = resized_vocabulary(recipe, saved, resume_from, manifest, model)
@@ -337,7 +341,7 @@ def setup(recipe, plan=None) -> Run:
     _seed_rank(recipe.run.seed, dist.rank)  # dropout and sampling differ between ranks
     topo = engine.topology
     loader = MoleculeLoader(dataclasses.replace(recipe.data, max_steps=None), rank=topo.dp_rank,
-                            world_size=topo.dp_size)
+                            world_size=topo.dp_size, features=getattr(model.config, "molecule_features", ""))
     lineage = {
         "recipe": recipe.to_dict(), "manifest_hash": manifest.hash, "manifest": manifest.path,
         "vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
@@ -346,6 +350,7 @@ def setup(recipe, plan=None) -> Run:
         "canonicalization_hash": manifest.data["canonicalization"].get("hash"),
         "pairs": lineage_block(manifest.pairs),  # the direction and formats molds-predict holds inputs to
         **({"labels": list(label_columns)} if label_columns and getattr(model, "TASK_HEADS", None) else {}),
+        **_features_lineage(model.config.molecule_features if getattr(model, "features", False) else ""),
         "code_version": _code_version(), "engine": engine.name, "schedule": recipe.parallel.schedule,
         "world_topology": topo.as_dict(), "world_size": dist.world_size,
         "global_batch_sequences": batching.global_batch, "grad_accum": batching.grad_accum,
@@ -399,6 +404,34 @@ def _standardize_labels(model, manifest, dist) -> None:
               file=sys.stderr)
 
 
+def _features_lineage(kind: str) -> dict:
+    """What a checkpoint whose heads read molecule features keeps of them: the set, the
+    features' names in the order read, and the RDKit that computed them."""
+    if not kind:
+        return {}
+    import rdkit  # here: only a model with molecule features loads RDKit
+
+    return {"molecule_features": {"kind": kind, "names": feature_names(kind), "rdkit": rdkit.__version__}}
+
+
+def _standardize_features(model, manifest, dist) -> None:
+    """Property heads that read molecule features read them standardized by the training
+    split's mean and standard deviation of each (computed here, and kept by this process for
+    the loader's passes)."""
+    kind = model.config.molecule_features
+    t0 = time.perf_counter()
+    smiles = split_smiles(manifest, "train")
+    if not smiles:
+        raise RecipeError(f"model.molecule_features={kind}: the train split of {manifest.path} has no rows to "
+                          f"take the features' scale from")
+    mean, std = feature_moments(molecule_features(smiles, kind, cache=True))
+    model.set_feature_scale(mean, std)
+    if dist.is_main:
+        print(f"[molds] model.molecule_features={kind}: the property heads read {len(mean)} features of each "
+              f"molecule beside its tokens, standardized by the train split's {len(smiles):,} molecules "
+              f"({time.perf_counter() - t0:.0f} s to compute)", file=sys.stderr)
+
+
 def _resume(run: Run, path: str, saved: dict) -> None:
     """Continue or fork ``path``, whose lineage is ``saved``."""
     recipe, dist = run.recipe, run.dist
@@ -429,8 +462,9 @@ def _resume(run: Run, path: str, saved: dict) -> None:
                 print(f"[molds] the vocabulary shrinks from {resized[0]} to {resized[1]} tokens (the checkpoint's was "
                       f"grown from the manifest's): {', '.join(sorted(resized[2]))} drop the rows of the "
                       f"{resized[0] - resized[1]} tokens this manifest lacks", file=sys.stderr)
-            if fresh:
-                print(f"[molds] fine-tuning fork: the property heads ({', '.join(p + '*' for p in fresh[0])}) start "
+            if fresh:  # (a feature scale named only where the new heads read features)
+                shown = [p for p in fresh[0] if p != "feature_" or any(k.startswith(p) for k in fresh[1])]
+                print(f"[molds] fine-tuning fork: the property heads ({', '.join(p + '*' for p in shown)}) start "
                       f"afresh, seeded by run.seed, because "
                       + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in fresh[2].items()), file=sys.stderr)
         return

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chemistry.features import feature_set
 from ..chemistry.tasks import direction, same_direction
 from ..chemistry.tokens import tokenizer_info
 from ..data.manifest import Manifest
@@ -183,6 +184,25 @@ class Loaded:
     checkpoint: str  # the checkpoint directory (a run directory: its averaged model, else its latest)
 
 
+def _same_features(checkpoint: str, lineage: dict, kind: str) -> None:
+    """A model whose heads read molecule features is read only where RDKit computes the very
+    features it was trained on (names and order); otherwise refused in one line."""
+    from ..chemistry.features import feature_names  # here: only such a checkpoint loads RDKit
+
+    kept = (lineage.get("molecule_features") or {})
+    names, now = kept.get("names"), feature_names(kind)
+    if not isinstance(names, list) or kept.get("kind") != kind:
+        raise CheckpointError(f"{checkpoint}: model.molecule_features {kind!r}, but its lineage does not name the "
+                              f"features it was trained on: damaged or not written by molds")
+    if names != now:
+        import rdkit  # here: for the line that refuses, alone
+
+        first = next((i for i, (a, b) in enumerate(zip(names, now)) if a != b), min(len(names), len(now)))
+        raise CheckpointError(f"{checkpoint} was trained on {len(names)} {kind} features computed by RDKit "
+                              f"{kept.get('rdkit')}; RDKit {rdkit.__version__} here computes {len(now)}, the first "
+                              f"difference at feature {first}: install RDKit {kept.get('rdkit')} to score with it")
+
+
 def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cpu", *,
                     with_tokenizer: bool = True) -> Loaded:
     """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
@@ -201,8 +221,13 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
         # (a checkpoint written before lineages kept their direction is taken as its manifest says)
         raise CheckpointError(f"{checkpoint} was trained on {direction(lineage['pairs'])}; {manifest.path} holds "
                               f"{direction(manifest.pairs)}: give a manifest of the checkpoint's own task")
+    if isinstance(recipe.get("model"), dict) and feature_set(recipe["model"].get("molecule_features")):
+        _same_features(checkpoint, lineage, recipe["model"]["molecule_features"])
     model = build_model(recipe["model"], info, seed=0)
     load_canonical(model, read_model(checkpoint), checkpoint)
+    if getattr(model, "features", False) and not bool((model.feature_std > 0).all()):
+        raise CheckpointError(f"{checkpoint}: the heads' feature_std must be positive: damaged or not written by "
+                              f"molds")
     if getattr(model, "regression", False) and not bool((model.label_std > 0).all()):
         # training sets a task's scale to 1 where its labels do not vary: never 0 or less
         raise CheckpointError(f"{checkpoint}: a regression head's label_std must be positive, the file holds "

@@ -117,6 +117,11 @@ class Bucketer:
                 labels[i] = unit.labels[row]
             out["labels"] = np.nan_to_num(labels, nan=0.0)
             out["label_mask"] = ~np.isnan(labels)
+        if pieces and pieces[0][0].features is not None:
+            features = np.zeros((rows, pieces[0][0].features.shape[1]), dtype=np.float32)
+            for i, (unit, row, _) in enumerate(pieces):
+                features[i] = unit.features[row]
+            out["features"] = features
         if mlm is not None and mlm.get("span_mean"):
             return denoising_batch([p[2] for p in pieces], out, mask_key, pad=self.source.pad_id, **mlm)
         if mlm is not None:

@@ -184,7 +184,9 @@ def merge_states(states: list[dict]) -> dict:
 class MoleculeLoader:
     """Iterate batches (dicts of torch tensors plus ``stats``) for one rank."""
 
-    def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1, features: str = ""):
+        """``features``: a feature set of ``molds.chemistry.features`` (``model.molecule_features``)
+        each batch also holds, as ``features`` [rows, F], for molecules of a bucketed split."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.cfg, self.rank, self.world = cfg, rank, world_size
@@ -229,7 +231,8 @@ class MoleculeLoader:
                                   max_skipped_fraction=cfg.max_skipped_fraction,
                                   span_molecules=(cfg.shuffle_window if cfg.shuffle else 0)
                                   + (cfg.lookahead if cfg.mode == "packed" else cfg.bucket_pool),
-                                  randomizer=randomizer, vocab_size=sp.vocab_size, sep_id=sp.sep)
+                                  randomizer=randomizer, vocab_size=sp.vocab_size, sep_id=sp.sep,
+                                  features=features if cfg.mode == "bucketed" and self.manifest.pairs is None else "")
         self.k = max(1, cfg.num_workers)
         self.vworld = world_size * self.k
         self.vranks = [rank * self.k + w for w in range(self.k)]
@@ -447,7 +450,7 @@ __all__ = ["MoleculeLoader", "merge_states", "ManifestError"]
 
 #: what the models (inputs) and the losses (targets) take from a loader batch
 BATCH_TENSORS = ("input_ids", "position_ids", "document_ids", "attention_mask", "decoder_input_ids", "labels",
-                 "mlm_labels", "label_mask")
+                 "mlm_labels", "label_mask", "features")
 
 
 def batch_tensors(batch: dict, device) -> dict:

@@ -227,6 +227,18 @@ def split_labels(manifest: Manifest, split: str = "train") -> np.ndarray:
     return np.concatenate(blocks) if blocks else np.zeros((0, 0))
 
 
+def split_smiles(manifest: Manifest, split: str = "train") -> list[str]:
+    """The canonical SMILES of a split's rows, in shard order (what ``split_labels`` labels)."""
+    import fsspec  # here: molds-preprocess --help loads no fsspec
+    import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
+
+    out: list[str] = []
+    for shard in manifest.shards(split):
+        with fsspec.open(shard.path, "rb") as fh:
+            out.extend(pq.read_table(fh, columns=["canonical_smiles"]).column(0).to_pylist())
+    return out
+
+
 def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float], list[float], list[int]]:
     """(mean, standard deviation, count) of each label over a split's rows where it is
     present (a missing label is NaN); a task with fewer than two labels, or all equal, has

@@ -14,6 +14,7 @@ import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 
+from ..chemistry.features import molecule_features
 from ..errors import ManifestError
 from .manifest import Manifest, Shard, first_id_outside, outside_vocabulary
 from .plan import Unit
@@ -37,6 +38,7 @@ class LoadedUnit:
     offsets: np.ndarray  # int64, len num_rows + 1, into ``tokens``
     labels: np.ndarray | None  # float32 [num_rows, num_labels] (NaN = missing)
     prompt: np.ndarray | None = None  # pairs: int64 [num_rows], tokens of BOS source SEP (no loss on them)
+    features: np.ndarray | None = None  # float32 [num_rows, F]: molecule features (molds.chemistry.features)
 
     def span(self, row: int) -> tuple[int, int]:
         return int(self.offsets[row]), int(self.offsets[row + 1])
@@ -48,7 +50,7 @@ class SplitSource:
     def __init__(self, manifest: Manifest, split: str, *, verify: str = "eager", on_bad_shard: str = "error",
                  bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, with_labels: bool = False, cache_units: int = 8,
                  max_skipped_fraction: float = 0.0, span_molecules: int = 0, randomizer=None,
-                 vocab_size: int | None = None, sep_id: int | None = None):
+                 vocab_size: int | None = None, sep_id: int | None = None, features: str = ""):
         if verify not in ("eager", "lazy", "off"):
             raise ValueError(f"data.verify must be eager, lazy or off, got {verify!r}")
         if on_bad_shard not in ("error", "skip"):
@@ -57,6 +59,7 @@ class SplitSource:
             raise ValueError("data.on_bad_shard=skip needs data.verify=eager (every rank must skip the same shards)")
         self.manifest, self.split = manifest, split
         self.verify, self.with_labels = verify, with_labels
+        self.features = features  # a feature set of molds.chemistry.features each row also loads with
         self.randomizer = randomizer  # randomize.Randomizer: some molecules read as randomized SMILES
         self.epoch = 0  # which epoch's randomized forms ``load`` returns
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
@@ -179,6 +182,7 @@ class SplitSource:
         if self.pairs:
             return self._load_pairs(unit_index)
         columns = (["token_ids"] + (["labels"] if self.with_labels else [])
+                   + (["canonical_smiles"] if self.features else [])
                    + ([self.randomizer.column] if self.randomizer is not None else []))
         try:
             table = self._file(unit.shard).read_row_group(unit.row_group, columns=columns)
@@ -213,7 +217,10 @@ class SplitSource:
             lab = table.column("labels").combine_chunks()
             width = len(lab[0].as_py()) if n else 0
             labels = lab.values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, width)
-        loaded = LoadedUnit(unit, tokens, new_offsets, labels)
+        features = None
+        if self.features:
+            features = molecule_features(table.column("canonical_smiles").to_pylist(), self.features, cache=True)
+        loaded = LoadedUnit(unit, tokens, new_offsets, labels, features=features)
         self._cache[unit_index] = loaded
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

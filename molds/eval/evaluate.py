@@ -185,7 +185,7 @@ def evaluate_checkpoint(checkpoint: str, *, manifest_dir: str | None = None, spl
     elif model_cfg["num_tasks"]:
         cfg = split_data_config(loaded.recipe["data"], m.path, split, mode="bucketed", with_labels=True,
                                 mlm_probability=0.0)
-        y, p = property_predictions(forward, cfg)
+        y, p = property_predictions(forward, cfg, features=loaded.model.config.molecule_features)
         report["property"] = property_report(y, p, model_cfg, m)
         from .plots import property_figure, roc_points  # here: molds-eval --help loads no matplotlib or scikit-learn
 

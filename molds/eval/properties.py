@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..chemistry.canonical import Canonicalizer, ChemOptions, Molecule
+from ..chemistry.features import molecule_features
 from ..data.randomize import restricted_variants
 
 
@@ -88,6 +89,11 @@ def predict_properties(loaded, smiles: list[str], *, augment: int = 1, seed: int
             out.spellings_skipped += len(variants) - len(texts)
     out.spellings = len(rows)
     model = loaded.model.eval()
+    kind = getattr(loaded.model.config, "molecule_features", "")
+    features = {}
+    if kind:  # heads that read molecule features: the canonical molecule's, for each of its spellings
+        scored = sorted({i for i, _ in rows})
+        features = dict(zip(scored, molecule_features([out.canonical[i] for i in scored], kind)))
     regression = loaded.recipe["model"].get("task_type") == "regression"
     sums: dict[int, np.ndarray] = {}
     counts: dict[int, int] = {}
@@ -105,7 +111,8 @@ def predict_properties(loaded, smiles: list[str], *, augment: int = 1, seed: int
         for b, (_, row) in enumerate(batch):
             ids[b, :len(row)] = torch.tensor(row)
             mask[b, :len(row)] = 1
-        pred = model(input_ids=ids, attention_mask=mask)["predictions"].float()
+        extra = {"features": torch.from_numpy(np.stack([features[i] for i, _ in batch]))} if kind else {}
+        pred = model(input_ids=ids, attention_mask=mask, **extra)["predictions"].float()
         pred = (pred if regression else torch.sigmoid(pred)).numpy()
         for b, (i, _) in enumerate(batch):
             sums[i] = sums.get(i, 0.0) + pred[b].astype(np.float64)

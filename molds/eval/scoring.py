@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..chemistry.features import feature_names
 from ..chemistry.tokens import IGNORE_INDEX
 from ..data.loader import MoleculeLoader, batch_tensors
 from ..models.loss import has_targets
@@ -44,7 +45,7 @@ def model_forward(model, loss_fn, autocast=None):
     return forward
 
 
-def _stand_in(family: str, specials, device) -> dict:
+def _stand_in(family: str, specials, device, features: str = "") -> dict:
     """A two-token batch for a rank whose share has run out; its loss is not counted."""
     ids = torch.tensor([[specials.bos, specials.eos]], device=device)
     if family == "decoder":
@@ -53,30 +54,35 @@ def _stand_in(family: str, specials, device) -> dict:
     if family == "seq2seq":
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, :1],
                 "labels": ids[:, 1:]}
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mlm_labels": torch.full_like(ids, -100)}
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mlm_labels": torch.full_like(ids, -100)}
+    if features:  # property heads that read molecule features
+        out["features"] = torch.zeros((1, len(feature_names(features))), device=device)
+    return out
 
 
-def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, device, any_have):
-    """(loader batch or None, tensors on ``device``) for this rank's share of a split."""
-    loader = MoleculeLoader(data_cfg, rank=rank, world_size=world)
+def _batches(data_cfg, family: str, *, rank: int, world: int, max_batches: int, device, any_have,
+             features: str = ""):
+    """(loader batch or None, tensors on ``device``) for this rank's share of a split;
+    ``features``: the model's ``molecule_features``, which its batches hold."""
+    loader = MoleculeLoader(data_cfg, rank=rank, world_size=world, features=features)
     it = iter(loader)
     done = 0
     while not max_batches or done < max_batches:
         b = next(it, None)
         if not (any_have(b is not None) if any_have else b is not None):
             return
-        yield b, (batch_tensors(b, device) if b is not None else _stand_in(family, loader.specials, device))
+        yield b, (batch_tensors(b, device) if b is not None else _stand_in(family, loader.specials, device, features))
         done += 1
 
 
 @torch.no_grad()
 def split_loss(forward, family: str, data_cfg, *, rank: int = 0, world: int = 1, max_batches: int = 0,
-               device="cpu", any_have=None) -> tuple[float, float]:
+               device="cpu", any_have=None, features: str = "") -> tuple[float, float]:
     """(summed loss over predicted tokens, number of predicted tokens) of this rank's
     share of a split; the shares of all ranks cover the split once."""
     total = count = 0.0
     for b, batch in _batches(data_cfg, family, rank=rank, world=world, max_batches=max_batches, device=device,
-                             any_have=any_have):
+                             any_have=any_have, features=features):
         loss = forward(batch)["loss"]
         if b is None:
             continue
@@ -93,11 +99,12 @@ def split_loss(forward, family: str, data_cfg, *, rank: int = 0, world: int = 1,
 
 
 @torch.no_grad()
-def property_predictions(forward, data_cfg, *, rank: int = 0, world: int = 1, device="cpu", any_have=None):
+def property_predictions(forward, data_cfg, *, rank: int = 0, world: int = 1, device="cpu", any_have=None,
+                         features: str = ""):
     """(labels [N, T] with NaN, predictions [N, T]) over this rank's share of a labelled split."""
     ys, ps = [], []
     for b, batch in _batches(data_cfg, "encoder", rank=rank, world=world, max_batches=0, device=device,
-                             any_have=any_have):
+                             any_have=any_have, features=features):
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "mlm_labels", "label_mask")}
         pred = forward(inputs)["predictions"].float().cpu().numpy()
         if b is None:

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from molds.checkpoint.state import load_canonical
+from molds.chemistry.features import feature_set
 from molds.chemistry.representation import of_manifest
 from molds.errors import RecipeError
 from molds.eval.evaluate import split_token_lengths
@@ -84,8 +85,10 @@ class TrainingEvaluator:
             extra["verify"] = "off" if self.verified else self.recipe.data.verify
             cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split, **extra)
             topo = self.engine.topology
+            features = feature_set(self.recipe.model.molecule_features) if self.family == "encoder" else ""
             total, count = split_loss(forward, self.family, cfg, rank=topo.dp_rank, world=topo.dp_size,
-                                      max_batches=ev.max_batches, device=dist.device, any_have=self._any)
+                                      max_batches=ev.max_batches, device=dist.device, any_have=self._any,
+                                      features=features)
             self.verified = True
             if topo.pp_size > 1 and topo.pp_rank != topo.pp_size - 1:
                 total = count = 0.0  # the last stage of each pipeline holds the loss
@@ -103,7 +106,8 @@ class TrainingEvaluator:
                 cfg = split_data_config(dataclasses.asdict(self.recipe.data), self.recipe.data.manifest, ev.split,
                                    mlm_probability=0.0, with_labels=True, verify="off")
                 predictions = gather_objects(property_predictions(
-                    forward, cfg, rank=topo.dp_rank, world=topo.dp_size, device=dist.device, any_have=self._any),
+                    forward, cfg, rank=topo.dp_rank, world=topo.dp_size, device=dist.device, any_have=self._any,
+                    features=features),
                     dist)
         finally:
             if model is not None:

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from ..chemistry.features import feature_set
 from ..recipe.sections import ModelConfig
 from .decoder import CausalDecoder, DecoderConfig
 from .moe import MoEConfig, make_moe_layer
@@ -49,6 +50,8 @@ def family_config(model, tokenizer):
 
         return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
                              pooling=m.get("pooling", "bos"),  # checkpoints written before it: the first token
+                             molecule_features=feature_set(m.get("molecule_features")),
+                             num_features=_feature_width(feature_set(m.get("molecule_features"))),
                              pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
                              **common)
     if m["family"] == "seq2seq":
@@ -58,6 +61,14 @@ def family_config(model, tokenizer):
                              max_position_embeddings=m["max_position_embeddings"], dropout=m["dropout"],
                              pad_token_id=tokenizer.pad)
     raise ValueError(f"unknown model.family {m['family']!r}")
+
+
+def _feature_width(kind: str) -> int:
+    if not kind:
+        return 0
+    from ..chemistry.features import feature_names  # here: a model without features loads no RDKit
+
+    return len(feature_names(kind))
 
 
 def build_model(model, tokenizer, *, seed: int = 0, device=None):

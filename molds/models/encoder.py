@@ -8,7 +8,9 @@ binary cross-entropy for sparse multi-task classification or masked MSE for
 regression, missing labels carrying no loss). A regression head predicts labels
 standardized by the training split's mean and standard deviation (``label_mean``,
 ``label_std``: buffers, so the checkpoint keeps them); its predictions are in the labels'
-own units and the loss divides their error by ``label_std``. The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
+own units and the loss divides their error by ``label_std``. With ``molecule_features`` the
+heads (``FeatureHead``) also read the molecule's features (``molds.chemistry.features``),
+standardized by the training split's ``feature_mean`` and ``feature_std`` (buffers too). The module names match ``RobertaForMaskedLM`` / ``RobertaForSequenceClassification``
 so ``molds-export`` writes either without renaming.
 """
 
@@ -34,6 +36,8 @@ class EncoderConfig:
     num_tasks: int = 0
     task_type: str = "classification"
     pooling: str = "bos"
+    molecule_features: str = ""  # a feature set of molds.chemistry.features the heads also read ('': none)
+    num_features: int = 0  # its width
     pad_token_id: int = 0
     bos_token_id: int = 2
     eos_token_id: int = 3
@@ -49,19 +53,46 @@ class EncoderConfig:
             problem_type="multi_label_classification" if self.task_type == "classification" else "regression")
 
 
+class FeatureHead(nn.Module):
+    """``RobertaClassificationHead`` that reads the pooled token and the molecule's
+    standardized features side by side: dense (hidden + features -> hidden), tanh, dropout,
+    out_proj; the same module names."""
+
+    def __init__(self, hidden_size: int, num_features: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size + num_features, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, pooled, features):
+        x = self.dropout(torch.cat([pooled, features.to(pooled.dtype)], dim=-1))
+        return self.out_proj(self.dropout(torch.tanh(self.dense(x))))
+
+
 class MoleculeEncoder(nn.Module):
-    #: what a fine-tuning fork (another ``model.num_tasks`` or ``task_type``) starts afresh:
-    #: the property heads and a regression's label scale, by canonical name prefix
-    TASK_HEADS = ("classifier.", "label_")
+    #: what a fine-tuning fork (another ``model.num_tasks``, ``task_type`` or
+    #: ``molecule_features``) starts afresh: the property heads, a regression's label scale
+    #: and the features' scale, by canonical name prefix
+    TASK_HEADS = ("classifier.", "label_", "feature_")
     #: the recipe keys that define the heads
-    TASK_KEYS = ("model.num_tasks", "model.task_type")
+    TASK_KEYS = ("model.num_tasks", "model.task_type", "model.molecule_features")
+    #: a feature read as further than this many standard deviations from the training mean
+    #: is read at this distance (a molecule unlike any of the training split's)
+    FEATURE_CLIP = 10.0
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.config = cfg
         hf = cfg.hf_config()
         self.mlm = RobertaForMaskedLM(hf)
-        self.classifier = RobertaClassificationHead(hf) if cfg.num_tasks else None
+        self.features = bool(cfg.num_tasks) and cfg.num_features > 0
+        if self.features:
+            self.classifier = FeatureHead(cfg.hidden_size, cfg.num_features, max(1, cfg.num_tasks), cfg.dropout)
+            # the training split's mean and standard deviation of each feature
+            self.register_buffer("feature_mean", torch.zeros(cfg.num_features))
+            self.register_buffer("feature_std", torch.ones(cfg.num_features))
+        else:
+            self.classifier = RobertaClassificationHead(hf) if cfg.num_tasks else None
         self.regression = bool(cfg.num_tasks) and cfg.task_type == "regression"
         if self.regression:  # the training split's label mean and standard deviation per task
             self.register_buffer("label_mean", torch.zeros(cfg.num_tasks))
@@ -74,7 +105,12 @@ class MoleculeEncoder(nn.Module):
         self.label_mean.copy_(torch.as_tensor(mean, dtype=self.label_mean.dtype))
         self.label_std.copy_(torch.as_tensor(std, dtype=self.label_std.dtype))
 
-    def forward(self, input_ids, attention_mask=None, mlm_labels=None, **_):
+    def set_feature_scale(self, mean, std) -> None:
+        """The heads read each molecule feature as ``(x - mean) / std`` (the training split's)."""
+        self.feature_mean.copy_(torch.as_tensor(mean, dtype=self.feature_mean.dtype))
+        self.feature_std.copy_(torch.as_tensor(std, dtype=self.feature_std.dtype))
+
+    def forward(self, input_ids, attention_mask=None, mlm_labels=None, features=None, **_):
         hidden = self.mlm.roberta(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         # a model with property heads reads its tokens' logits only where a batch is masked: a
         # fine-tune without masking leaves the MLM head out of the graph on every step alike
@@ -84,7 +120,16 @@ class MoleculeEncoder(nn.Module):
                 mask = (input_ids != self.config.pad_token_id if attention_mask is None else attention_mask.bool())
                 mask = mask.unsqueeze(-1).to(hidden.dtype)
                 hidden = ((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)).unsqueeze(1)
-            out["predictions"] = self.classifier(hidden)
+            if self.features:
+                if features is None or features.shape[-1] != self.config.num_features:
+                    raise ValueError(f"this model's heads read {self.config.num_features} molecule features "
+                                     f"({self.config.molecule_features}) beside the tokens; the batch has "
+                                     f"{'none' if features is None else features.shape[-1]}")
+                z = ((features.float() - self.feature_mean) / self.feature_std).clamp(-self.FEATURE_CLIP,
+                                                                                      self.FEATURE_CLIP)
+                out["predictions"] = self.classifier(hidden[:, 0, :], z)
+            else:
+                out["predictions"] = self.classifier(hidden)
             if self.regression:  # the loss divides the error by the same scale: standardized MSE
                 out["predictions"] = out["predictions"] * self.label_std + self.label_mean
                 out["prediction_scale"] = self.label_std

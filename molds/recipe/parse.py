@@ -295,6 +295,9 @@ def validate(recipe: Recipe, world_size: int) -> Batching:
         raise RecipeError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
     if m.family == "decoder" and m.num_heads % m.num_kv_heads:
         raise RecipeError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if m.molecule_features != "none" and not (m.family == "encoder" and m.num_tasks):
+        raise RecipeError(f"model.molecule_features={m.molecule_features} is read by an encoder's property heads: it "
+                          f"needs model.family=encoder and model.num_tasks > 0")
     if m.family == "encoder":
         if m.num_tasks and not d.with_labels:
             raise RecipeError("model.num_tasks > 0 needs data.with_labels=true")

@@ -13,6 +13,7 @@ from rdkit import Chem
 
 from ..checkpoint import open_checkpoint
 from ..chemistry.canonical import Canonicalizer, ChemOptions
+from ..chemistry.features import molecule_features
 from ..chemistry.representation import of_manifest
 from ..errors import MoldsError, RecipeError
 from .components import Component
@@ -58,7 +59,7 @@ class PropertyModel(Component):
         self.torch = torch
 
     def raw(self, mols):
-        texts, where = [], []
+        texts, where, canonical = [], [], []
         for i, mol in enumerate(mols):
             got = self.canonicalize(Chem.MolToSmiles(mol))
             if isinstance(got, str):  # a rejection reason: not measurable
@@ -67,12 +68,19 @@ class PropertyModel(Component):
             if text is not None:
                 texts.append(text)
                 where.append(i)
+                canonical.append(got.canonical)
         out = np.full(len(mols), np.nan)
         tok, model = self.loaded.tokenizer, self.loaded.model
         with self.torch.no_grad():
             for start in range(0, len(texts), self.batch_size):
                 enc = tok(texts[start:start + self.batch_size], padding=True, return_tensors="pt")
-                pred = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])["predictions"]
+                extra = {}
+                kind = getattr(model.config, "molecule_features", "")
+                if kind:  # heads that read molecule features: those of the canonical molecules
+                    extra["features"] = self.torch.from_numpy(
+                        molecule_features(canonical[start:start + self.batch_size], kind))
+                pred = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                             **extra)["predictions"]
                 pred = pred[:, self.task].float()
                 if self.classification:
                     pred = self.torch.sigmoid(pred)

@@ -145,6 +145,31 @@ def test_a_molds_property_model_as_a_component(dataset, tmp_path):
         Scorer({"components": [{"kind": "property_model", "checkpoint": out, "task": 5}]})
 
 
+def test_a_property_model_that_reads_molecule_features_as_a_component(dataset, tmp_path):
+    """Its heads also read RDKit's descriptors of each molecule (``model.molecule_features``):
+    the component gives them the canonical molecule's, as RDKit computes them here."""
+    import torch
+
+    from molds.checkpoint import open_checkpoint
+    from molds.chemistry.features import feature_names
+    from molds.train import main
+    from tests.engines.test_encoder import _argv
+    from tests.engines.test_molecule_features import _rdkit_features
+
+    out = str(tmp_path / "enc")
+    main(_argv(dataset, out, "ddp", 2) + ["--trainer.max_steps", "2", "--model.molecule_features", "rdkit2d"])
+    smiles = ["CCOc1ccccc1", "CC(=O)Nc1ccc(O)cc1"]
+    s = Scorer({"components": [{"kind": "property_model", "checkpoint": out, "task": 0}]})(smiles + ["bad"])
+    loaded = open_checkpoint(out)
+    enc = loaded.tokenizer(smiles, padding=True, return_tensors="pt")
+    x = torch.tensor(_rdkit_features(smiles, feature_names("rdkit2d")), dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.sigmoid(loaded.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                          features=x)["predictions"][:, 0]).numpy()
+    np.testing.assert_allclose(s.raw["property_model_0"][:2], want, rtol=1e-5)
+    assert np.isnan(s.raw["property_model_0"][2])
+
+
 def test_molds_score_writes_every_molecule_with_its_components(tmp_path, capsys):
     from molds.cli.score import main
 

@@ -1,0 +1,146 @@
+"""Property heads that read molecule features beside the tokens (``model.molecule_features
+rdkit2d``), checked from outside molds: the features are RDKit's own descriptors of the
+canonical molecule (``Descriptors.CalcMolDescriptors`` called here), their scale is the
+training split's (numpy on the shards' molecules), ``molds-eval``'s figures and
+``molds-predict``'s values are those of the model run by hand on those features, and what
+cannot be honoured is refused in one line (the export, a checkpoint whose features another
+RDKit computed, a batch without them)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.engines.test_property_metrics import _argv, _labelled
+
+
+def _rdkit_features(smiles: list[str], names: list[str]) -> np.ndarray:
+    """RDKit's descriptors of each molecule, in ``names``' order, non-finite as 0, each
+    value as sign(v) log(1 + |v|): the documented transform, written out here."""
+    from rdkit import Chem
+    from rdkit.Chem import Descriptors
+
+    rows = []
+    for s in smiles:
+        d = Descriptors.CalcMolDescriptors(Chem.MolFromSmiles(s))
+        v = np.asarray([d[n] for n in names], dtype=np.float64)
+        v[~np.isfinite(v)] = 0.0
+        rows.append(np.sign(v) * np.log1p(np.abs(v)))
+    return np.asarray(rows)
+
+
+def _split_rows(manifest_dir: str, split: str):
+    """(canonical SMILES, token ids, labels [N, T] with NaN) of a split, read from its shards."""
+    m = json.load(open(os.path.join(manifest_dir, "manifest.json")))
+    smiles, ids, labels = [], [], []
+    for s in m["splits"][split]:
+        t = pq.read_table(os.path.join(manifest_dir, s["uri"]))
+        smiles += t.column("canonical_smiles").to_pylist()
+        ids += t.column("token_ids").to_pylist()
+        labels += [[np.nan if v is None else v for v in row] for row in t.column("labels").to_pylist()]
+    return smiles, ids, np.asarray(labels, dtype=float)
+
+
+def test_the_features_are_rdkits_descriptors_of_the_molecule():
+    from rdkit.Chem import Descriptors
+
+    from molds.chemistry.features import feature_moments, feature_names, molecule_features
+    from molds.errors import MoldsError
+
+    names = feature_names("rdkit2d")
+    assert names == [n for n, _ in Descriptors._descList]  # every 2D descriptor RDKit lists, in its order
+    smiles = ["CCO", "c1ccccc1C(=O)O", "C[N+](C)(C)C", "[Na+].[Cl-]", "OC1CCCCC1"]
+    got = molecule_features(smiles, "rdkit2d")
+    assert got.dtype == np.float32 and got.shape == (len(smiles), len(names))
+    assert np.allclose(got, _rdkit_features(smiles, names), rtol=1e-6, atol=1e-6)
+    assert np.isfinite(got).all()
+    mean, std = feature_moments(got)
+    x = got.astype(np.float64)
+    sd = x.std(axis=0, ddof=1)
+    assert np.allclose(mean, x.mean(axis=0), atol=1e-6)
+    assert np.allclose(std, np.where(sd > 1e-6, sd, 1.0), atol=1e-6)  # a constant feature: scale 1
+    with pytest.raises(MoldsError, match="not a feature set molds computes"):
+        feature_names("morgan")
+
+
+def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_agrees(tmp_path, capfd, monkeypatch):
+    from molds.checkpoint import CheckpointError, open_checkpoint
+    from molds.chemistry.features import feature_names
+    from molds.errors import MoldsError
+    from molds.eval.evaluate import evaluate_checkpoint
+    from molds.eval.properties import predict_properties
+    from molds.export import export
+    from molds.train import main
+
+    labelled = _labelled(tmp_path, ("logp", "tpsa"), n=240)
+    run = str(tmp_path / "feat")
+    result = main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d"])
+    names = feature_names("rdkit2d")
+    assert (f"model.molecule_features=rdkit2d: the property heads read {len(names)} features of each molecule"
+            in capfd.readouterr().err)
+    lineage = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
+    assert lineage["molecule_features"]["names"] == names
+    rdkit_version = lineage["molecule_features"]["rdkit"]
+
+    # the scale: the training split's molecules, their descriptors from RDKit here
+    train_smiles, _, _ = _split_rows(labelled, "train")
+    train_x = _rdkit_features(train_smiles, names)
+    sd = train_x.std(axis=0, ddof=1)
+    loaded = open_checkpoint(run)
+    model = loaded.model
+    assert np.allclose(model.feature_mean.numpy(), train_x.mean(axis=0), atol=1e-4)
+    assert np.allclose(model.feature_std.numpy(), np.where(sd > 1e-6, sd, 1.0), rtol=1e-4, atol=1e-5)
+
+    # the model run by hand on the test molecules and their descriptors
+    smiles, ids, y = _split_rows(labelled, "test")
+    x = torch.tensor(_rdkit_features(smiles, names), dtype=torch.float32)
+    sp = loaded.specials
+    with torch.no_grad():
+        hand = np.stack([model(input_ids=torch.tensor([[sp.bos, *row, sp.eos]]), features=x[i:i + 1])
+                         ["predictions"][0].numpy() for i, row in enumerate(ids)])
+        # the heads read the features: other features, other predictions
+        row = torch.tensor([[sp.bos, *ids[0], sp.eos]])
+        moved = model(input_ids=row, features=x[:1] + 1.0)["predictions"][0].numpy()
+        assert not np.allclose(moved, hand[0], atol=1e-4)
+        with pytest.raises(ValueError, match=f"read {len(names)} molecule features"):
+            model(input_ids=row)
+
+    report = evaluate_checkpoint(run, split="test")
+    for t, name in enumerate(["logp", "tpsa"]):
+        seen = ~np.isnan(y[:, t])
+        rmse = float(np.sqrt(np.mean((hand[seen, t] - y[seen, t]) ** 2)))
+        assert report["property"]["per_task"][name]["rmse"] == pytest.approx(rmse, rel=1e-4), name
+    found = predict_properties(loaded, smiles)  # molds-predict's function: features computed for its input
+    assert np.allclose(np.stack([found.values[i] for i in range(len(smiles))]), hand, rtol=1e-4, atol=1e-3)
+
+    with pytest.raises(MoldsError, match="reads tokens alone") as exc:
+        export(run, str(tmp_path / "hf"))
+    assert "\n" not in str(exc.value)
+
+    # where RDKit computes other descriptors than those the checkpoint was trained on (one more
+    # at the front, as a release may add), it is refused in one line
+    import rdkit
+
+    from molds.chemistry import features
+
+    monkeypatch.setitem(features._NAMES, "rdkit2d", ["NewDescriptor", *names])
+    monkeypatch.setattr(rdkit, "__version__", "2099.03.1")
+    with pytest.raises(CheckpointError, match=f"trained on {len(names)} rdkit2d features computed by RDKit "
+                                              f"{rdkit_version}; RDKit 2099.03.1 here computes {len(names) + 1}") as exc:
+        open_checkpoint(result["checkpoint"])
+    assert "\n" not in str(exc.value) and "first difference at feature 0" in str(exc.value)
+
+
+def test_molecule_features_are_for_property_heads_alone(tmp_path):
+    from molds.errors import RecipeError
+    from molds.recipe.parse import parse_recipe, validate
+
+    base = ["--data.manifest", str(tmp_path), "--data.mode", "bucketed", "--data.mlm_probability", "0.15",
+            "--model.family", "encoder", "--model.molecule_features", "rdkit2d"]
+    with pytest.raises(RecipeError, match="needs model.family=encoder and model.num_tasks > 0"):
+        validate(parse_recipe(base), 1)
