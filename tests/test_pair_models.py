@@ -118,6 +118,15 @@ def test_predict_writes_each_sources_beams_as_the_search_finds_them(trained, cap
             assert all(r["note"] == "" for r in mine)
         else:
             assert [(r["rank"], r["note"]) for r in mine] == [("", "no_valid_prediction")]
+    # the same sources in a CSV with an id column: each output row carries its source's id
+    with open(d / "in.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([["smiles", "id"]] + [[s, f"r{i}"] for i, s in enumerate(lines)])
+    assert predict_cli([checkpoint, "--input", str(d / "in.csv"), "--id_column", "id", "--beams", "3",
+                        "--max_tokens", "40", "--out", str(d / "ids.csv")]) == 0
+    named = list(csv.DictReader(open(d / "ids.csv")))
+    assert [(int(r["row"]) - 2, r["id"]) for r in named] == [(int(r["id"][1:]), r["id"]) for r in named]
+    assert [{k: v for k, v in r.items() if k not in ("row", "id")} for r in named] == \
+        [{k: v for k, v in r.items() if k != "row"} for r in kept]
 
 
 def test_votes_rank_by_best_place_then_by_their_sum():

@@ -58,6 +58,9 @@ def build_parser():
                         "first line is honoured), as molds-preprocess --delimiter")
     p.add_argument("--column", type=str, default=None,
                    help="the CSV / TSV column holding the sources (default: the one named smiles, but for case)")
+    p.add_argument("--id_column", type=str, default=None,
+                   help="a CSV / TSV column, or an SD tag (_Name: the record's title line), whose value each output "
+                        "row carries in an id column, as molds-preprocess --id_column names them")
     p.add_argument("--beams", type=int, default=10, help="predictions per source (the beam width)")
     p.add_argument("--length_penalty", type=float, default=1.0,
                    help="a hypothesis scores log-probability / length ** this")
@@ -87,12 +90,12 @@ def build_parser():
     return p
 
 
-def read_sources(path: str, column: str | None, delimiter: str | None = None) -> list[tuple[int, str, str | None]]:
+def read_sources(path: str, column: str | None, delimiter: str | None = None, id_column: str | None = None) -> list:
     """Every source of the input (``iter_sources``), as a list."""
-    return list(iter_sources(path, column, delimiter))
+    return list(iter_sources(path, column, delimiter, id_column))
 
 
-def iter_sources(path: str, column: str | None, delimiter: str | None = None):
+def iter_sources(path: str, column: str | None, delimiter: str | None = None, id_column: str | None = None):
     """(line, text, note) of each source of the input, one at a time, read as
     ``molds-preprocess`` reads its files (``molds.data.inputs``: compressed by name; UTF-8
     with or without a byte-order mark, UTF-16 / UTF-32 by theirs). A CSV or TSV (by its name,
@@ -102,7 +105,10 @@ def iter_sources(path: str, column: str | None, delimiter: str | None = None):
     name): each record RDKit reads, as its SMILES, the line its record starts on; a record it
     refuses has no text and the ETL's reason as its note. Otherwise one source a line, its
     first field. Blank lines and lines of padding (NUL, Ctrl-Z: ``is_padding``) are no
-    sources, as for the ETL. ``note`` is None but for a refused SD record."""
+    sources, as for the ETL. ``note`` is None but for a refused SD record. With ``id_column``
+    (a CSV / TSV column, found as ``--column`` is; an SD tag, exactly or but for case, or
+    ``_Name``, the title line) each source is (line, text, note, id), id '' where a row has
+    none; a column no header has, or a tag no record has, is refused in one line."""
     try:
         fmt = detect_format(path)
     except InputError:  # a name the ETL does not know: lines, or a table given --column
@@ -113,10 +119,13 @@ def iter_sources(path: str, column: str | None, delimiter: str | None = None):
                          f"of them")
     try:
         if fmt == "sdf":
-            yield from _sd_sources(path)
+            yield from _sd_sources(path, id_column)
         elif fmt in ("csv", "tsv") or column is not None or delimiter is not None:
-            yield from _table_sources(path, column, delimiter)
+            yield from _table_sources(path, column, delimiter, id_column)
         else:
+            if id_column is not None:
+                raise MoldsError(f"{path}: --id_column names a CSV / TSV column or an SD tag; this file is read as "
+                                 f"SMILES one a line (give a CSV with --column and --id_column)")
             with open_text(path) as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip() and not is_padding(line):
@@ -125,20 +134,31 @@ def iter_sources(path: str, column: str | None, delimiter: str | None = None):
         raise MoldsError(f"{path}: cannot read it: {type(exc).__name__}: {exc}") from None
 
 
-def _sd_sources(path: str, batch: int = 256):
+def _sd_sources(path: str, id_column: str | None = None, batch: int = 256):
     """An SD file's records as the ETL splits and reads them (``molds.data.sdf``: one RDKit
     supplier a batch, each record alone where the batch does not align)."""
-    from ..data.sdf import Misaligned, SDRecordParser, read_sd_records  # RDKit: for an SD input alone
+    from ..data.sdf import (  # RDKit: for an SD input alone
+        TITLE_TAG, Misaligned, SDRecordParser, read_sd_records, resolve_tag, sd_tags,
+    )
 
-    parser = SDRecordParser(None, ())
+    parser = SDRecordParser(id_column if id_column == TITLE_TAG else None, ())
+    seen: set[str] = set()  # the tags of the records read
 
     def read(records):
+        if id_column is not None and id_column != TITLE_TAG:  # the tag as this batch spells it
+            tags = sd_tags([d for _, d in records])
+            seen.update(tags)
+            parser.id_tag = resolve_tag(id_column, tags) or id_column
         try:
             parsed = list(parser.stream([d for _, d in records], [r for r, _ in records]))
         except Misaligned:
             parsed = parser.read_each([d for _, d in records], [r for r, _ in records])
-        for (row, _), (mol, *_) in zip(records, parsed):
-            yield (row, "", mol) if isinstance(mol, str) else (row, parser.Chem.MolToSmiles(mol), None)
+        for (row, _), (mol, _, cid, _) in zip(records, parsed):
+            source = (row, "", mol) if isinstance(mol, str) else (row, parser.Chem.MolToSmiles(mol), None)
+            yield source if id_column is None else (*source, cid or "")
+
+    def refused(row, reason):
+        return (row, "", reason) if id_column is None else (row, "", reason, "")
 
     with open_sd(path) as fh:
         pending = []
@@ -147,13 +167,17 @@ def _sd_sources(path: str, batch: int = 256):
                 yield from read(pending)
                 pending = []
                 if reason != "padding":
-                    yield row, "", reason
+                    yield refused(row, reason)
             else:
                 pending.append((row, data))
                 if len(pending) == batch:
                     yield from read(pending)
                     pending = []
         yield from read(pending)
+    if id_column is not None and id_column != TITLE_TAG and seen and resolve_tag(id_column, seen) is None:
+        shown = ", ".join(sorted(seen)[:12]) + (", ..." if len(seen) > 12 else "")
+        raise MoldsError(f"{path}: no record has the SD tag {id_column!r} (--id_column; _Name: the title line); "
+                         f"its records have {shown}")
 
 
 #: ``--delimiter`` for a header that seems split by this character
@@ -161,7 +185,7 @@ _DELIMITER_HINTS = ((";", "--delimiter ';'"), ("|", "--delimiter '|'"), ("\t", "
                     (",", "--delimiter ','"))
 
 
-def _table_sources(path: str, column: str | None, delimiter: str | None):
+def _table_sources(path: str, column: str | None, delimiter: str | None, id_column: str | None = None):
     if delimiter is not None and len(delimiter) != 1:
         raise MoldsError(f"--delimiter {delimiter!r}: give one character")
     lines = delimited_lines(path, delimiter)
@@ -175,9 +199,11 @@ def _table_sources(path: str, column: str | None, delimiter: str | None):
             raise
         raise InputError(f"{exc}: name the column with --column, or, for SMILES one a line without a header, "
                          f"name the file .smi or .txt") from None
+    named = column_index(path, first[1], id_column, "id") if id_column is not None else None
     for n, row in lines:
         if row and not (len(row) == 1 and is_padding(row[0])):
-            yield n, _readable(row[at].strip()) if at < len(row) else "", None
+            source = (n, _readable(row[at].strip()) if at < len(row) else "", None)
+            yield source if named is None else (*source, _readable(row[named].strip()) if named < len(row) else "")
 
 
 def _readable(text: str) -> str:
@@ -240,7 +266,9 @@ def run(argv: list[str]) -> int:
     limit = loaded.model.config.max_position_embeddings
     seq2seq = encoder_decoder(loaded.model)
     longest = max(int(s.get("max_token_length", 0)) for s in loaded.manifest.data["stats"]["splits"].values())
-    sources = read_sources(args.input, args.column, args.delimiter)
+    sources = read_sources(args.input, args.column, args.delimiter, args.id_column)
+    named = {s[0]: s[3] for s in sources} if args.id_column is not None else None  # line -> id
+    sources = [s[:3] for s in sources]
     refuse_whole_reactions(args.input, sources, loaded.checkpoint, trained)
     mapped = sum(1 for _, text, _ in sources if ATOM_MAP.search(text))
     if mapped:
@@ -285,13 +313,15 @@ def run(argv: list[str]) -> int:
     with _output(args.out) as fh:
         w = csv.writer(fh, lineterminator="\n")
         extra = ["round_trip", "forward_prediction", "forward_score"] if verify is not None else []
-        w.writerow(["row", "input", "rank", "prediction", "score", "text", *extra, "note"])
+        w.writerow(["row", *(["id"] if named is not None else []), "input", "rank", "prediction", "score", "text",
+                    *extra, "note"])
         for row, text, _ in sources:
+            head = [row, named[row]] if named is not None else [row]
             if row in notes:
-                w.writerow([row, text, "", "", "", "", *[""] * len(extra), notes[row]])
+                w.writerow([*head, text, "", "", "", "", *[""] * len(extra), notes[row]])
                 continue
             if not found[row]:  # every beam was no molecule: the input is still accounted for
-                w.writerow([row, text, "", "", "", "", *[""] * len(extra), "no_valid_prediction"])
+                w.writerow([*head, text, "", "", "", "", *[""] * len(extra), "no_valid_prediction"])
                 continue
             seen = set()
             for rank, p in enumerate(found[row], 1):
@@ -302,7 +332,7 @@ def run(argv: list[str]) -> int:
                         ["yes" if c.back else "no", c.product or "", f"{c.score:.6f}"]
                 note = ("unfinished" if not p.ended else "invalid") if not p.side else ("repeat" if p.side in seen else "")
                 seen.add(p.side)
-                w.writerow([row, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more, note])
+                w.writerow([*head, text, rank, p.side or "", f"{p.score:.6f}", p.text, *more, note])
     summary = {"checkpoint": loaded.checkpoint, "task": info.get("task"), "reads": trained["source_format"],
                "writes": trained["target_format"], "inputs": len(sources), "atom_maps_removed": mapped,
                "predicted": len(rows), "refused": dict(sorted(
@@ -350,19 +380,20 @@ def _properties(args, loaded) -> int:
     refused: dict[str, int] = {}
     # a chunk of sources at a time: memory stays that of one chunk, whatever the input's size;
     # the first read before anything is written, so that a file of the wrong kind writes nothing
-    chunks = _chunks(iter_sources(args.input, args.column, args.delimiter), args.chunk_size)
+    chunks = _chunks(iter_sources(args.input, args.column, args.delimiter, args.id_column), args.chunk_size)
     first = next(chunks, [])
     with _output(args.out) as fh:
         w = csv.writer(fh, lineterminator="\n")
-        w.writerow(["row", "input", "canonical", *tasks, "note"])
+        named = args.id_column is not None
+        w.writerow(["row", *(["id"] if named else []), "input", "canonical", *tasks, "note"])
         for chunk in itertools.chain([first] if first else [], chunks):
-            found = predict_properties(loaded, [text for _, text, _ in chunk], augment=args.augment, seed=args.seed)
-            for i, (row, text, note) in enumerate(chunk):
+            found = predict_properties(loaded, [s[1] for s in chunk], augment=args.augment, seed=args.seed)
+            for i, (row, text, note, *cid) in enumerate(chunk):
                 values = found.values.get(i)
                 note = note or found.notes.get(i, "")  # an SD record RDKit refused: the ETL's reason
                 if values is None:
                     refused[note] = refused.get(note, 0) + 1
-                w.writerow([row, text, found.canonical.get(i, ""),
+                w.writerow([row, *cid, text, found.canonical.get(i, ""),
                             *([f"{v:.9g}" for v in values] if values is not None else [""] * len(tasks)), note])
             for key, n in (("inputs", len(chunk)), ("predicted", len(found.values)), ("truncated", found.truncated),
                            ("spellings", found.spellings), ("spellings_skipped", found.spellings_skipped)):

@@ -357,6 +357,14 @@ def test_molds_predict_scores_every_molecule_as_the_exported_model_does(labelled
     vendor.write_text(open(src).read().replace(",", "\t").replace("id\tsmiles", "ID\tSMILES"), encoding="utf-8-sig")
     assert predict([run, "--input", str(vendor), "--out", str(tmp_path / "v.csv")]) == 0
     assert read(tmp_path / "v.csv") == rows
+    # --id_column: each row carries its id, in a column after the row's line, chunk after chunk
+    assert predict([run, "--input", str(vendor), "--id_column", "id", "--chunk_size", "4",
+                    "--out", str(tmp_path / "i.csv")]) == 0
+    with_ids = read(tmp_path / "i.csv")
+    assert list(with_ids[0])[:3] == ["row", "id", "input"]
+    assert [r["id"] for r in with_ids] == [str(i) for i in range(len(raws) + 2)]
+    assert [{k: v for k, v in r.items() if k not in ("id", *tasks)} for r in with_ids] == \
+        [{k: v for k, v in r.items() if k not in tasks} for r in rows]
     # the same molecules as an SD file (RDKit's mol blocks) and a record RDKit refuses: the same
     # canonical molecules and predictions, the refused record named in its row
     from rdkit import Chem

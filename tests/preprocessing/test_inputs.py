@@ -533,3 +533,40 @@ def test_molds_predict_reads_an_sd_file_record_for_record(tmp_path):
     assert [(row, text) for row, text, _ in got] == want and len(got) == 6
     assert [note for _, _, note in got] == [None, None, "valence_error", None, None, None]
     assert [Chem.CanonSmiles(t) for _, t, n in got if n is None] == [Chem.CanonSmiles(s) for s in smiles]
+
+
+def test_molds_predict_carries_each_rows_id_as_the_etl_names_it(tmp_path):
+    """``--id_column``: a CSV column found as the ETL finds it (a byte-order mark, other case),
+    an SD tag (other case) or the title line (``_Name``), each source's value read back by the
+    csv module and RDKit's own supplier; a row without one has '' (not dropped); a tag no
+    record has, or an id for SMILES one a line, refused in one line."""
+    import csv as csvmod
+
+    from rdkit import Chem
+
+    from molds.cli.predict import read_sources
+    from molds.errors import MoldsError
+
+    path = tmp_path / "ids.csv"
+    path.write_bytes(b"\xef\xbb\xbfCompound_ID,SMILES\r\nZ-1,CCO\r\n,CCN\r\nZ-3,c1ccccc1\r\n")
+    want = [(n, r["SMILES"], r["Compound_ID"]) for n, r in enumerate(
+        csvmod.DictReader(open(path, encoding="utf-8-sig", newline="")), 2)]
+    assert [(row, s, cid) for row, s, _, cid in read_sources(str(path), None, None, "compound_id")] == want
+
+    smiles = ["CCO", "c1ccccc1C(=O)O", "CN"]
+    blocks = [Chem.MolToMolBlock(Chem.MolFromSmiles(s)).replace("\n", f"title-{i}\n", 1)
+              + (f">  <Vendor_ID>\nV{i}\n\n" if i != 1 else "") + "$$$$\n" for i, s in enumerate(smiles)]
+    sd = tmp_path / "v.sdf"
+    sd.write_text("".join(blocks))
+    supplied = list(Chem.SDMolSupplier(str(sd)))
+    tags = [m.GetProp("Vendor_ID") if m.HasProp("Vendor_ID") else "" for m in supplied]
+    assert [cid for *_, cid in read_sources(str(sd), None, None, "vendor_id")] == tags == ["V0", "", "V2"]
+    assert [cid for *_, cid in read_sources(str(sd), None, None, "_Name")] == [m.GetProp("_Name") for m in supplied]
+    for source, column, want in ((sd, "catalog", r"no record has the SD tag 'catalog'.*Vendor_ID"),
+                                 (path, "catalog", r"no id column 'catalog'"),
+                                 (tmp_path / "l.smi", "name", r"--id_column names a CSV / TSV column or an SD tag")):
+        if source.suffix == ".smi":
+            source.write_text("CCO ethanol\n")
+        with pytest.raises(MoldsError, match=want) as exc:
+            read_sources(str(source), None, None, column)
+        assert "\n" not in str(exc.value)
