@@ -58,6 +58,48 @@ def test_large_activations_come_from_the_heap_and_stay():
     assert retained["free_heap_after"] >= size, retained  # kept for the next step
 
 
+BOUNDED = r"""
+import ctypes, json, sys, torch
+from molds.runtime.allocator import bound_peak_memory
+state = bound_peak_memory()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = Info
+t = torch.empty(6 << 20)  # a 24 MiB activation of one batch, freed
+t.fill_(1.0)
+del t
+before = mallinfo2()
+t = torch.empty(4 << 20)  # the next batch's 16 MiB one
+t.fill_(1.0)
+alive = mallinfo2()
+del t
+after = mallinfo2()
+print(json.dumps({"state": state, "mapped_while_alive": alive.hblkhd - before.hblkhd,
+                  "heap_growth_after": after.arena - before.arena}))
+"""
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallopt, mallinfo2)")
+def test_a_prediction_streams_activations_stay_out_of_the_heap():
+    """bound_peak_memory (molds-predict): after a larger block was freed, the next batch's
+    16 MiB activation is still its own mapping, handed back when freed; the C library's
+    default raised its threshold at the first free and serves it from a heap that grows."""
+    size = 16 << 20
+    runs = {}
+    for system in (False, True):
+        env = dict(os.environ, MOLDS_SYSTEM_ALLOCATOR="1" if system else "0")
+        for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+            env.pop(key, None)
+        out = subprocess.run([sys.executable, "-c", BOUNDED], env=env, capture_output=True, text=True, check=True)
+        runs[system] = json.loads(out.stdout.strip().splitlines()[-1])
+    bounded, system = runs[False], runs[True]
+    assert bounded["state"] == "bounded" and system["state"] == "system"
+    assert bounded["mapped_while_alive"] >= size and bounded["heap_growth_after"] < size, bounded
+    assert system["mapped_while_alive"] == 0 and system["heap_growth_after"] >= size, system
+
+
 def test_system_allocator_opt_out_is_reported(monkeypatch):
     import molds.runtime.allocator as a
 

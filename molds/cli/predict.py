@@ -41,6 +41,7 @@ from ..chemistry.canonical import ATOM_MAP
 from ..chemistry.tasks import TASKS, direction, lineage_block
 from ..data.inputs import column_index, delimited_lines, detect_format, is_clean, is_padding, open_sd, open_text
 from ..errors import InputError, MoldsError, run_cli
+from ..runtime.allocator import bound_peak_memory
 from ..runtime.atomic import atomic_file
 from . import CHECKPOINT_HELP, new_parser, parse
 
@@ -245,6 +246,7 @@ def run(argv: list[str]) -> int:
 
     if args.beams < 1 or args.batch_size < 1 or args.max_tokens < 0 or args.augment < 1 or args.chunk_size < 1:
         raise MoldsError("--beams, --batch_size, --augment and --chunk_size must be >= 1, --max_tokens >= 0")
+    args.allocator = bound_peak_memory()  # before the first large allocation: batches of any shape, one after another
     loaded = open_checkpoint(args.checkpoint)
     if loaded.family == "encoder":
         return _properties(args, loaded)
@@ -401,7 +403,7 @@ def _properties(args, loaded) -> int:
     summary = {"checkpoint": loaded.checkpoint, "tasks": tasks, "task_type": loaded.recipe["model"]["task_type"],
                "inputs": counts["inputs"], "predicted": counts["predicted"], "refused": dict(sorted(refused.items())),
                "truncated": counts["truncated"], "augment": args.augment, "spellings": counts["spellings"],
-               "spellings_skipped": counts["spellings_skipped"], "out": args.out}
+               "spellings_skipped": counts["spellings_skipped"], "allocator": args.allocator, "out": args.out}
     print(f"[molds] {json.dumps(summary)}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,7 @@
 """Host memory allocator policies: a training process keeps freed memory for reuse
-(``retain_freed_memory``); the ETL command runs with glibc's larger per-thread cache
-(``rerun_with_malloc_cache``, below).
+(``retain_freed_memory``); a prediction stream bounds its peak (``bound_peak_memory``,
+below); the ETL command runs with glibc's larger per-thread cache (``rerun_with_malloc_cache``,
+below).
 
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves blocks above its
 mmap threshold (128 KiB, raised on the fly up to 32 MiB) with fresh ``mmap`` calls and
@@ -53,6 +54,28 @@ _state: str | None = None
 def retain_freed_memory() -> str:
     """Apply the policy once per process. Returns what is in force: ``"retain"``,
     ``"system"`` (``MOLDS_SYSTEM_ALLOCATOR=1``) or ``"unavailable (...)"``."""
+    return _apply("retain", ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+
+
+#: ``bound_peak_memory``'s fixed mmap threshold
+BOUNDED_MMAP_THRESHOLD = 8 << 20
+
+
+def bound_peak_memory() -> str:
+    """The policy of a process that predicts batch after batch of varying shapes for as long as
+    its input lasts (``molds-predict``): glibc's mmap threshold fixed at 8 MiB. Left to itself,
+    glibc raises the threshold each time a mapped block is freed (up to 32 MiB), so the
+    activations of later batches come from the heap, whose free pieces of other sizes it
+    keeps: the process's peak grew chunk after chunk of the same molecules (954 to 1,054 MiB
+    over 12 chunks of 2,000 HIV molecules, a BBBP model, the 2-core EPYC) where with the fixed
+    threshold it stays flat (806 MiB) at about the same speed (a 1 MiB threshold: 700 MiB but
+    a quarter slower): ``benchmarks/predict_memory.py``. Returns what is in force:
+    ``"bounded"``, ``"system"`` (``MOLDS_SYSTEM_ALLOCATOR=1``) or ``"unavailable (...)"``."""
+    return _apply("bounded", ((M_MMAP_THRESHOLD, BOUNDED_MMAP_THRESHOLD),))
+
+
+def _apply(name: str, settings) -> str:
+    """``mallopt`` each (parameter, value) once per process (the first policy asked for stays)."""
     global _state
     if _state is not None:
         return _state
@@ -68,8 +91,8 @@ def retain_freed_memory() -> str:
         _state = f"unavailable ({exc.__class__.__name__})"
         return _state
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _state = "retain" if ok else "unavailable (mallopt refused)"
+    ok = all(mallopt(param, value) == 1 for param, value in settings)
+    _state = name if ok else "unavailable (mallopt refused)"
     return _state
 
 

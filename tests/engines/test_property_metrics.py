@@ -452,3 +452,25 @@ def test_pictures_of_the_predictions_in_the_report_and_tensorboard(labelled, tmp
     write_report(out, evaluate_checkpoint(reg, split="test"))
     assert os.path.getsize(os.path.join(out, "parity.png")) > 1000
     assert "roc" not in json.load(open(os.path.join(out, "eval.json")))["property"]
+
+
+@pytest.mark.slow
+def test_the_predict_memory_benchmark_runs_both_ways_on_each_size(labelled, tmp_path, capsys):
+    """``benchmarks/predict_memory.py``: molds-predict on the first N sources, chunked and whole,
+    each its own process with its peak memory read back (tiny sizes: that it runs, not what it
+    measures)."""
+    import json
+
+    from benchmarks.predict_memory import main as bench
+    from molds.train import main
+
+    run = str(tmp_path / "run")
+    main(_argv(labelled[0], run, 2, "regression"))
+    src = tmp_path / "in.csv"
+    src.write_text("smiles\n" + "\n".join(sample_smiles(30, offset=500)) + "\n")
+    assert bench(["--run", run, "--input", str(src), "--sizes", "12", "24", "--chunk_size", "5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["sources"], r["read"], r["chunk_size"]) for r in out["runs"]] == \
+        [(12, "chunked", 5), (12, "whole", 13), (12, "chunked_system_allocator", 5),
+         (24, "chunked", 5), (24, "whole", 25), (24, "chunked_system_allocator", 5)]
+    assert all(r["peak_rss_mib"] > 50 for r in out["runs"]) and isinstance(out["target_met"], bool)
