@@ -55,15 +55,12 @@ def feature_names(kind: str) -> list[str]:
 
 
 def _compute(smiles: str, kind: str) -> np.ndarray:
-    from rdkit import Chem, RDLogger  # here: a model without molecule features loads no RDKit
+    from rdkit import Chem, rdBase  # here: a model without molecule features loads no RDKit
     from rdkit.Chem import Descriptors  # here: as above
 
     names = feature_names(kind)
-    RDLogger.DisableLog("rdApp.*")
-    try:
+    with rdBase.BlockLogs():  # RDKit's log as the caller had it afterwards (not switched on for everyone)
         mol = Chem.MolFromSmiles(smiles)
-    finally:
-        RDLogger.EnableLog("rdApp.*")
     if mol is None:
         raise MoldsError(f"molecule features: RDKit cannot read {smiles!r}")
     values = Descriptors.CalcMolDescriptors(mol, missingVal=float("nan"), silent=True)
