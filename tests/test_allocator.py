@@ -11,15 +11,18 @@ import sys
 
 import pytest
 
-SCRIPT = r"""
+MALLINFO = r"""
 import ctypes, json, torch
-from molds.runtime.allocator import retain_freed_memory
-state = retain_freed_memory()
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
 mallinfo2.restype = Info
+"""
+
+SCRIPT = MALLINFO + r"""
+from molds.runtime.allocator import retain_freed_memory
+state = retain_freed_memory()
 before = mallinfo2()
 t = torch.empty(6 << 20)  # a 24 MiB activation, the first this large in the process
 t.fill_(1.0)
@@ -58,15 +61,9 @@ def test_large_activations_come_from_the_heap_and_stay():
     assert retained["free_heap_after"] >= size, retained  # kept for the next step
 
 
-BOUNDED = r"""
-import ctypes, json, sys, torch
+BOUNDED = MALLINFO + r"""
 from molds.runtime.allocator import bound_peak_memory
 state = bound_peak_memory()
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-mallinfo2.restype = Info
 t = torch.empty(6 << 20)  # a 24 MiB activation of one batch, freed
 t.fill_(1.0)
 del t
