@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..chemistry.features import feature_set
+from ..chemistry.features import feature_names, feature_set
 from ..chemistry.tasks import direction, same_direction
 from ..chemistry.tokens import tokenizer_info
 from ..data.manifest import Manifest
@@ -187,8 +187,6 @@ class Loaded:
 def _same_features(checkpoint: str, lineage: dict, kind: str) -> None:
     """A model whose heads read molecule features is read only where RDKit computes the very
     features it was trained on (names and order); otherwise refused in one line."""
-    from ..chemistry.features import feature_names  # here: only such a checkpoint loads RDKit
-
     kept = (lineage.get("molecule_features") or {})
     names, now = kept.get("names"), feature_names(kind)
     if not isinstance(names, list) or kept.get("kind") != kind:
