@@ -214,14 +214,9 @@ class Manifest:
 def split_labels(manifest: Manifest, split: str = "train") -> np.ndarray:
     """[N, T] float: the labels of a split's rows, in shard order, NaN where missing ([0, 0]
     without rows)."""
-    import fsspec  # here: molds-preprocess --help loads no fsspec
-    import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
-
     blocks = []
-    for shard in manifest.shards(split):
-        with fsspec.open(shard.path, "rb") as fh:
-            table = pq.read_table(fh, columns=["labels"])
-        values = table.column("labels").combine_chunks()
+    for values in _split_column(manifest, split, "labels"):
+        values = values.combine_chunks()
         if len(values):
             blocks.append(np.asarray(values.to_pylist(), dtype=float).reshape(len(values), -1))
     return np.concatenate(blocks) if blocks else np.zeros((0, 0))
@@ -229,14 +224,17 @@ def split_labels(manifest: Manifest, split: str = "train") -> np.ndarray:
 
 def split_smiles(manifest: Manifest, split: str = "train") -> list[str]:
     """The canonical SMILES of a split's rows, in shard order (what ``split_labels`` labels)."""
+    return [s for values in _split_column(manifest, split, "canonical_smiles") for s in values.to_pylist()]
+
+
+def _split_column(manifest: Manifest, split: str, column: str):
+    """One column of a split, a pyarrow chunked array per shard, in shard order."""
     import fsspec  # here: molds-preprocess --help loads no fsspec
     import pyarrow.parquet as pq  # here: molds-train --help loads no pyarrow
 
-    out: list[str] = []
     for shard in manifest.shards(split):
         with fsspec.open(shard.path, "rb") as fh:
-            out.extend(pq.read_table(fh, columns=["canonical_smiles"]).column(0).to_pylist())
-    return out
+            yield pq.read_table(fh, columns=[column]).column(column)
 
 
 def label_moments(manifest: Manifest, split: str = "train") -> tuple[list[float], list[float], list[int]]:

@@ -218,11 +218,9 @@ class ModelConfig:
     ``RobertaForSequenceClassification``) or the mean over the molecule's tokens (``mean``)."""
 
     molecule_features: Literal["none", "rdkit2d"] = "none"
-    """Encoder property heads: molecule-level features they read beside the pooled token, as
-    Chemprop's ``--molecule-featurizers`` (``rdkit2d``: RDKit's 2D descriptors of the
-    canonical molecule, 217 with RDKit 2026.09, standardized by the training split's mean and
-    standard deviation, kept in the checkpoint; computed as batches load, and by
-    ``molds-predict`` for its input)."""
+    """Encoder property heads: molecule features read beside the pooled token, as Chemprop's
+    ``--molecule-featurizers`` (``rdkit2d``: RDKit's 2D descriptors, standardized by the train
+    split; ``molds.chemistry.features``)."""
 
     tie_embeddings: bool = True
     """Decoder: the LM head shares the token embedding matrix."""
