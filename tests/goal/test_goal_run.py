@@ -70,25 +70,28 @@ def test_sigma_zero_keeps_the_agent_on_the_prior(prior, tmp_path):
 
 
 def test_the_mean_score_rises_from_the_prior(prior, tmp_path):
-    """A simple objective (QED): the batch's mean score over the last 5 steps beats the first
-    5 steps' by more than 0.05 for each of 3 seeds, so that no strong seed carries a weak one.
-    The step and sigma are those that learn steadily on this small prior: lr 1e-3 and sigma 32
-    rose 0.35, 0.13, 0.14, 0.34 (seeds 0-3; 5 steps of 32 samples have a standard error of
-    about 0.02 a mean) on a 2-core AVX2 EPYC. lr 2e-3 and sigma 64 broke the prior at the
-    first update (the mean fell from 0.2 to 0.0, invalid molecules score 0) and climbed back
-    by seed: one seed rose 0.3, another fell."""
+    """A simple objective (QED): the batch's mean score over the last 5 of 60 steps beats the
+    first 5 steps' by more than 0.1 for each of 3 seeds, so that no strong seed carries a weak
+    one (5 steps of 32 samples have a standard error of about 0.02 a mean). lr 1e-3 and sigma
+    32 learn steadily on this small prior, but a seed may stay level for its first 30 steps
+    before it climbs: the prior moves with the dataset's shard layout (its molecule ids hold
+    the input's path, so pytest's temporary directory changes the shards' sizes and order),
+    and on the prior of a pytest-xdist worker seed 2 rose 0.017 in 30 steps. At 60 steps,
+    on three such priors (2-core AVX-512 EPYC), seeds 0-2 rose 0.22 to 0.54. lr 2e-3
+    and sigma 64 broke the prior at the first update (the mean fell from 0.2 to 0.0, invalid
+    molecules score 0) and climbed back by seed: one seed rose 0.3, another fell."""
     from molds.train import main
 
     rises = []
     for seed in (0, 1, 2):
         out = str(tmp_path / f"s{seed}")
-        main(goal_argv(prior, out, 30, "--run.seed", str(seed), "--goal.sigma", "32", "--optim.lr", "1e-3",
+        main(goal_argv(prior, out, 60, "--run.seed", str(seed), "--goal.sigma", "32", "--optim.lr", "1e-3",
                        batch=32))
         means = [r["goal/score_mean"] for r in metrics(out) if "goal/score_mean" in r]
         first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
         print(f"seed {seed}: mean score {first:.3f} -> {last:.3f}")
         rises.append(last - first)
-    assert all(r > 0.05 for r in rises), rises
+    assert all(r > 0.1 for r in rises), rises
 
 
 def _goal_rank(rank, world, args):
