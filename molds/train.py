@@ -29,7 +29,7 @@ if __name__ == "__main__":  # `deepspeed molds/train.py`, `python molds/train.py
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-from molds.checkpoint import read_lineage, restore, save_checkpoint
+from molds.checkpoint import read_lineage, restore, same_features, save_checkpoint
 from molds.checkpoint.average import average_checkpoints, last_checkpoints
 from molds.checkpoint.layout import checkpoints_dir, complete_checkpoints
 from molds.checkpoint.resume import (
@@ -437,6 +437,9 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     recipe, dist = run.recipe, run.dist
     fork = recipe.checkpoint.fork
     changes = check_resume(path, saved, run.lineage, fork, resized=run.resized is not None)
+    reads = run.lineage.get("molecule_features")
+    if reads and not run.fresh_heads:  # heads kept from the checkpoint read the features RDKit computes here
+        same_features(path, saved, reads["kind"])
     if fork:
         fresh, resized = run.fresh_heads, run.resized
         replaced = (tuple(fresh[0]) if fresh else ()) + (tuple(resized[2]) if resized else ())

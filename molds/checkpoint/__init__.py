@@ -49,6 +49,7 @@ from .layout import (
 from .state import load_canonical, read_json, read_model, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
+           "same_features",
            "read_lineage", "resolve", "resolve_model", "restore", "save_checkpoint"]
 
 DATA_STATE = "data_state.json"
@@ -184,9 +185,10 @@ class Loaded:
     checkpoint: str  # the checkpoint directory (a run directory: its averaged model, else its latest)
 
 
-def _same_features(checkpoint: str, lineage: dict, kind: str) -> None:
-    """A model whose heads read molecule features is read only where RDKit computes the very
-    features it was trained on (names and order); otherwise refused in one line."""
+def same_features(checkpoint: str, lineage: dict, kind: str) -> None:
+    """A model whose heads read molecule features is read, continued or forked with its heads
+    only where RDKit computes the very features it was trained on (names and order);
+    otherwise refused in one line."""
     kept = (lineage.get("molecule_features") or {})
     names, now = kept.get("names"), feature_names(kind)
     if not isinstance(names, list) or kept.get("kind") != kind:
@@ -198,7 +200,7 @@ def _same_features(checkpoint: str, lineage: dict, kind: str) -> None:
         first = next((i for i, (a, b) in enumerate(zip(names, now)) if a != b), min(len(names), len(now)))
         raise CheckpointError(f"{checkpoint} was trained on {len(names)} {kind} features computed by RDKit "
                               f"{kept.get('rdkit')}; RDKit {rdkit.__version__} here computes {len(now)}, the first "
-                              f"difference at feature {first}: install RDKit {kept.get('rdkit')} to score with it")
+                              f"difference at feature {first}: install RDKit {kept.get('rdkit')} to use it")
 
 
 def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cpu", *,
@@ -220,7 +222,7 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
         raise CheckpointError(f"{checkpoint} was trained on {direction(lineage['pairs'])}; {manifest.path} holds "
                               f"{direction(manifest.pairs)}: give a manifest of the checkpoint's own task")
     if isinstance(recipe.get("model"), dict) and feature_set(recipe["model"].get("molecule_features")):
-        _same_features(checkpoint, lineage, recipe["model"]["molecule_features"])
+        same_features(checkpoint, lineage, recipe["model"]["molecule_features"])
     model = build_model(recipe["model"], info, seed=0)
     load_canonical(model, read_model(checkpoint), checkpoint)
     if getattr(model, "features", False) and not bool((model.feature_std > 0).all()):

@@ -134,6 +134,24 @@ def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_a
                                               f"{rdkit_version}; RDKit 2099.03.1 here computes {len(names) + 1}") as exc:
         open_checkpoint(result["checkpoint"])
     assert "\n" not in str(exc.value) and "first difference at feature 0" in str(exc.value)
+    # a checkpoint whose features another RDKit computed (its lineage names one fewer) is refused
+    # the same way when a run resumes it or forks it with its heads (the same tasks)
+    monkeypatch.undo()
+    kept = os.path.join(result["checkpoint"], "lineage.json")
+    forged = json.load(open(kept))
+    forged["molecule_features"].update(names=names[1:], rdkit="2001.03.1")
+    json.dump(forged, open(kept, "w"))
+    marker = os.path.join(result["checkpoint"], "COMPLETE")  # the sizes it lists, as a checkpoint it wrote
+    sealed = json.load(open(marker))
+    sealed["files"]["lineage.json"] = os.path.getsize(kept)
+    json.dump(sealed, open(marker, "w"))
+    for more in (["--checkpoint.resume", "auto"],
+                 ["--checkpoint.resume", run, "--checkpoint.fork", "true", "--run.output_dir", str(tmp_path / "f")]):
+        with pytest.raises(CheckpointError, match=f"trained on {len(names) - 1} rdkit2d features computed by RDKit "
+                                                  f"2001.03.1; RDKit {rdkit.__version__} here computes") as exc:
+            main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d",
+                                                          "--trainer.max_steps", "30", *more])
+        assert "\n" not in str(exc.value)
 
 
 def test_molecule_features_are_for_property_heads_alone(tmp_path):
