@@ -21,8 +21,8 @@ else differs between sets).
    less every molecule of the benchmark's files (compared by their parents, as the ETL's
    standardization makes molecules one: ``molds.chemistry.overlap``), are preprocessed
    (``molds-preprocess``, regex tokenizer) and ``recipes/cpu_property.json`` pretrains an
-   encoder on them by masked-token loss alone (``--model.num_tasks 0``, 15 % masking, lr
-   1e-3) for ``--pretrain-time`` (or ``--pretrain-steps``). With ``--pretrain-labels
+   encoder on them by masked-token loss alone (``--model.num_tasks 0``, no molecule features,
+   15 % masking, lr 1e-3) for ``--pretrain-time`` (or ``--pretrain-steps``). With ``--pretrain-labels
    descriptors`` the corpus also carries RDKit descriptors of each molecule (``DESCRIPTORS``)
    as regression labels, and the encoder learns them from its first token beside the masked
    tokens (its heads start afresh in each fine-tuning fork). ``--pretrained RUN`` takes a
@@ -45,8 +45,11 @@ else differs between sets).
      then ``chemprop predict`` on the test molecules) in its own Python (``--chemprop-python``,
      or a virtual environment made from ``requirements-chemprop.txt``: Chemprop 2.3.1 pins
      another RDKit than molds'), on the CPU, with ``--nproc`` threads;
-   - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads
-     (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, or
+   - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads, which read
+     RDKit's 2D descriptors of each molecule beside its first token (the recipe's
+     ``model.molecule_features rdkit2d``; ``--finetune model.molecule_features=none``: tokens
+     alone, a model ``molds-export`` takes) (``recipes/cpu_property.json``: ``--epochs``
+     passes over the training split, or
      ``--min-steps`` optimizer steps where those passes take fewer; 10
      checkpoints; ``--finetune KEY=VALUE ...`` overrides the recipe's keys, the same for every
      set); the checkpoint with the best validation score is kept (early stopping on the
@@ -74,6 +77,7 @@ import argparse
 import csv
 import dataclasses
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -344,6 +348,7 @@ def pretrain(args, sets: list[dict]) -> tuple[str, dict]:
               ["--trainer.max_steps", "null", "--trainer.max_time", args.pretrain_time])
     heads = (["--data.with_labels", "true", "--model.num_tasks", str(len(DESCRIPTORS)), "--model.task_type",
               "regression"] if descriptors else ["--data.with_labels", "false", "--model.num_tasks", "0"])
+    heads += ["--model.molecule_features", "none"]  # the encoder learns from tokens alone
     if not os.path.exists(done):
         t0 = time.perf_counter()
         _quiet_run(_launcher(args.nproc) + [
@@ -521,6 +526,12 @@ def _chemprop_predictions(preds: str, data: dict, labels: list[str]):
     return np.asarray([[float(r[c]) for c in labels] for r in rows], float)
 
 
+def _recipe_hash() -> str:
+    """The fine-tuning recipe's file, hashed: a rerun reuses only runs fine-tuned by this one."""
+    with open(RECIPE, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()[:16]
+
+
 def steps_per_epoch(manifest: str, nproc: int, overrides: dict | None = None) -> int:
     """Optimizer steps in one pass over the training split, as the recipe batches it with
     ``--finetune``'s overrides (parsed as the training parses them)."""
@@ -554,11 +565,15 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
             "--trainer.max_steps", str(steps), "--run.output_dir", out, "--run.overwrite", "true",
             *override_args(overrides)], out + ".log")
         with open(finished, "w") as fh:
-            json.dump({"steps": steps, "finetune": overrides, "train_s": time.perf_counter() - t0}, fh)
+            json.dump({"steps": steps, "finetune": overrides, "recipe": _recipe_hash(),
+                       "train_s": time.perf_counter() - t0}, fh)
     done = json.load(open(finished))  # a rerun reuses the fine-tuned run and its time, if made so
     if (done.get("steps"), done.get("finetune", {})) != (steps, overrides):
         raise SystemExit(f"{out}: fine-tuned with {done.get('steps')} steps and {done.get('finetune', {})}, not "
                          f"{steps} and {overrides}: give another --output-dir (or delete the run)")
+    if done.get("recipe") != _recipe_hash():
+        raise SystemExit(f"{out}: fine-tuned by another {os.path.relpath(RECIPE, ROOT)} than this one: give another "
+                         f"--output-dir (or delete the run)")
     train_s = done.get("train_s")
     t0 = time.perf_counter()
     # early stopping: the checkpoint whose validation score is best
