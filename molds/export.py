@@ -157,7 +157,7 @@ def hf_encoder(model):
         raise MoldsError(f"model.molecule_features {cfg.molecule_features}: transformers' "
                          f"RobertaForSequenceClassification reads tokens alone, so no transformers class holds heads "
                          f"that also read {cfg.num_features} molecule features; molds-predict and molds-eval score "
-                         f"this checkpoint (fine-tune without --model.molecule_features for a model to export)")
+                         f"this checkpoint (fine-tune with --model.molecule_features none for a model to export)")
     if cfg.num_tasks and cfg.pooling != "bos":
         raise MoldsError(f"model.pooling {cfg.pooling}: transformers' RobertaForSequenceClassification reads the "
                          f"first token only, so no stock class holds these heads; molds-predict and molds-eval score "
