@@ -583,7 +583,8 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     best, best_score = None, None
     checkpoints = complete_checkpoints(checkpoints_dir(out))
     for ckpt in checkpoints:  # in this process (molds-predict's function), not a command per checkpoint
-        found = predict_properties(open_checkpoint(ckpt), data["valid"][0], augment=args.augment, seed=seed)
+        found = predict_properties(open_checkpoint(ckpt), data["valid"][0], augment=args.augment, seed=seed,
+                                   cache_features=True)  # the same molecules' descriptors for each checkpoint
         if len(found.values) != len(data["valid"][0]):
             raise SystemExit(f"{ckpt}: {len(data['valid'][0]) - len(found.values)} validation molecules have no "
                              f"prediction: {sorted(set(found.notes.values()))}")

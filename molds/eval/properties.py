@@ -50,7 +50,10 @@ def _rows(loaded, texts: list[str]) -> list[list[int] | None]:
 
 @torch.no_grad()
 def predict_properties(loaded, smiles: list[str], *, augment: int = 1, seed: int = 0,
-                       max_tokens_per_batch: int = 8192) -> PropertyPredictions:
+                       max_tokens_per_batch: int = 8192, cache_features: bool = False) -> PropertyPredictions:
+    """``loaded``'s predictions for ``smiles`` (the mean over ``augment`` spellings of each).
+    ``cache_features``: heads that read molecule features keep each molecule's in this process,
+    for a caller that scores the same molecules with several checkpoints."""
     data = loaded.recipe.get("data") or {}
     limit = int(data.get("max_length") or loaded.model.config.max_position_embeddings)
     limit = min(limit, loaded.model.config.max_position_embeddings)
@@ -93,7 +96,8 @@ def predict_properties(loaded, smiles: list[str], *, augment: int = 1, seed: int
     features = {}
     if kind:  # heads that read molecule features: the canonical molecule's, for each of its spellings
         scored = sorted({i for i, _ in rows})
-        features = dict(zip(scored, molecule_features([out.canonical[i] for i in scored], kind)))
+        features = dict(zip(scored, molecule_features([out.canonical[i] for i in scored], kind,
+                                                      cache=cache_features)))
     regression = loaded.recipe["model"].get("task_type") == "regression"
     sums: dict[int, np.ndarray] = {}
     counts: dict[int, int] = {}

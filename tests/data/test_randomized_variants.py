@@ -193,13 +193,24 @@ def test_the_fast_parse_writes_what_the_sanitized_parse_writes():
 def test_spelling_a_salt_writes_nothing_on_the_log_and_leaves_rdkits_log_as_it_was(capfd):
     """A salt's lone [H+] (with stereo marks, so RDKit's full parser runs) made RDKit write a
     warning for each spelling, on every fine-tuning log; the spelling is still the molecule,
-    and RDKit's log is not switched off for the rest of the process."""
+    and RDKit's log is not switched off for the rest of the process. (RDKit's warnings are
+    switched on here, whatever an earlier test in this process left, and put back after.)"""
+    from rdkit import rdBase
+
     from molds.data.randomize import randomized_smiles
 
-    salt = canon("[H+].C[C@H](N)C(=O)[O-]")
-    capfd.readouterr()
-    spelled = [randomized_smiles(salt, seed) for seed in range(5)]
-    assert capfd.readouterr().err == ""
-    assert all(canon(s) == salt for s in spelled)
-    Chem.MolFromSmiles(salt)  # RDKit itself, afterwards: its note as before
-    assert "not removing hydrogen atom without neighbors" in capfd.readouterr().err
+    before = rdBase.LogStatus()
+    rdBase.EnableLog("rdApp.warning")
+    try:
+        salt = canon("[H+].C[C@H](N)C(=O)[O-]")
+        capfd.readouterr()
+        spelled = [randomized_smiles(salt, seed) for seed in range(5)]
+        assert capfd.readouterr().err == ""
+        assert all(canon(s) == salt for s in spelled)
+        Chem.MolFromSmiles(salt)  # RDKit itself, afterwards: its note as before
+        assert "not removing hydrogen atom without neighbors" in capfd.readouterr().err
+        assert "rdApp.warning:enabled" in rdBase.LogStatus()
+    finally:
+        for line in before.splitlines():
+            name, state = line.split(":")
+            (rdBase.EnableLog if state == "enabled" else rdBase.DisableLog)(name)
