@@ -568,12 +568,11 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
             json.dump({"steps": steps, "finetune": overrides, "recipe": _recipe_hash(),
                        "train_s": time.perf_counter() - t0}, fh)
     done = json.load(open(finished))  # a rerun reuses the fine-tuned run and its time, if made so
-    if (done.get("steps"), done.get("finetune", {})) != (steps, overrides):
-        raise SystemExit(f"{out}: fine-tuned with {done.get('steps')} steps and {done.get('finetune', {})}, not "
-                         f"{steps} and {overrides}: give another --output-dir (or delete the run)")
-    if done.get("recipe") != _recipe_hash():
-        raise SystemExit(f"{out}: fine-tuned by another {os.path.relpath(RECIPE, ROOT)} than this one: give another "
-                         f"--output-dir (or delete the run)")
+    recipe = os.path.relpath(RECIPE, ROOT)
+    if (done.get("steps"), done.get("finetune", {}), done.get("recipe")) != (steps, overrides, _recipe_hash()):
+        raise SystemExit(f"{out}: fine-tuned with {done.get('steps')} steps, {done.get('finetune', {})} and "
+                         f"{recipe} {done.get('recipe')}, not {steps}, {overrides} and {recipe} {_recipe_hash()}: "
+                         f"give another --output-dir (or delete the run)")
     train_s = done.get("train_s")
     t0 = time.perf_counter()
     # early stopping: the checkpoint whose validation score is best

@@ -49,8 +49,7 @@ from .layout import (
 from .state import load_canonical, read_json, read_model, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
-           "same_features",
-           "read_lineage", "resolve", "resolve_model", "restore", "save_checkpoint"]
+           "read_lineage", "resolve", "resolve_model", "restore", "same_features", "save_checkpoint"]
 
 DATA_STATE = "data_state.json"
 
