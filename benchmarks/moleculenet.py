@@ -8,7 +8,7 @@ fingerprint random forest, on the very same splits, molecules and labels.
         [--pretrain-labels none|descriptors] [--pretrained RUN]
         [--chemprop-python PY | --chemprop-venv DIR] [--epochs 20] [--min-steps 320]
         [--finetune KEY=VALUE ...]
-        [--augment 1] [--nproc 2]
+        [--augment 1] [--average 3] [--nproc 2]
         [--output-dir runs/moleculenet]
 
 Any CSV of the kind works: a SMILES column and label columns (by default every other column;
@@ -52,7 +52,8 @@ else differs between sets).
      passes over the training split, or
      ``--min-steps`` optimizer steps where those passes take fewer; 10
      checkpoints; ``--finetune KEY=VALUE ...`` overrides the recipe's keys, the same for every
-     set); the checkpoint with the best validation score is kept (early stopping on the
+     set); the model kept is the mean of the weights of the ``--average`` checkpoints best
+     on the validation split (``molds-average --best K``; K = 1: early stopping on the
      validation split) and ``molds-predict`` scores the test molecules, the mean over
      ``--augment`` spellings. A rerun into a folder fine-tuned with other settings stops.
 4. **Scores**, by ``molds.metrics.property`` for every model alike, on the test molecules of
@@ -65,8 +66,8 @@ else differs between sets).
 One JSON line: per set the rows kept and refused, per split its sizes, per model the score of
 every seed, mean and standard deviation and the seconds (``train_s``: training; for molds the
 fine-tuning, with ``select_s`` the scoring of its checkpoints on the validation split;
-``predict_s``: the test molecules); for molds also the chosen checkpoint (``chosen``) and its
-score on the validation split (``valid_roc_auc`` or ``valid_rmse``), by which settings are
+``predict_s``: the test molecules); for molds also the checkpoints averaged (``chosen``) and
+the model's score on the validation split (``valid_roc_auc`` or ``valid_rmse``), by which settings are
 compared: the test scores are never used to choose; and the pretraining's cost. Every
 stage's output stays under ``--output-dir`` and a rerun reuses what is complete.
 """
@@ -547,10 +548,10 @@ def steps_per_epoch(manifest: str, nproc: int, overrides: dict | None = None) ->
 
 def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed: int, out: str) -> tuple:
     """(test predictions, train seconds, predict seconds, what was chosen): the pretrained
-    encoder forked with property heads, the checkpoint best on the validation split."""
+    encoder forked with property heads; the model is the mean of the ``--average`` checkpoints
+    best on the validation split (``molds-average --best K``), written to ``OUT/chosen``."""
     import numpy as np
 
-    from molds.checkpoint import checkpoints_dir, complete_checkpoints
     from molds.metrics.property import classification_metrics, regression_metrics
 
     overrides = args.overrides
@@ -575,27 +576,25 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                          f"give another --output-dir (or delete the run)")
     train_s = done.get("train_s")
     t0 = time.perf_counter()
-    # early stopping: the checkpoint whose validation score is best
+    # the checkpoints best on the validation split (molds-average --best K: K = 1 is early stopping)
     from molds.checkpoint import open_checkpoint
+    from molds.checkpoint.average import average_checkpoints
+    from molds.eval.choose import score_checkpoints
     from molds.eval.properties import predict_properties
 
-    best, best_score = None, None
-    checkpoints = complete_checkpoints(checkpoints_dir(out))
-    for ckpt in checkpoints:  # in this process (molds-predict's function), not a command per checkpoint
-        found = predict_properties(open_checkpoint(ckpt), data["valid"][0], augment=args.augment, seed=seed,
-                                   cache_features=True)  # the same molecules' descriptors for each checkpoint
-        if len(found.values) != len(data["valid"][0]):
-            raise SystemExit(f"{ckpt}: {len(data['valid'][0]) - len(found.values)} validation molecules have no "
-                             f"prediction: {sorted(set(found.notes.values()))}")
-        pred = np.asarray([found.values[i] for i in range(len(data["valid"][0]))])
-        if s["task_type"] == "classification":
-            score = classification_metrics(data["valid"][1], pred, s["labels"])["macro"]["auroc"]
-        else:
-            score = regression_metrics(data["valid"][1], pred, s["labels"])["macro"]["rmse"]
-            score = None if score is None else -score
-        if score is not None and (best_score is None or score > best_score):
-            best, best_score = ckpt, score
-    best = best or checkpoints[-1]
+    choice = score_checkpoints(out, split="valid")
+    chosen = choice.best(min(args.average, len(choice.scores)))
+    best = average_checkpoints(chosen, os.path.join(out, "chosen"), chosen_by=choice.record(len(chosen)))
+    # the chosen model's own validation score, on peers.csv's molecules as the test split is read
+    found = predict_properties(open_checkpoint(best), data["valid"][0], augment=args.augment, seed=seed)
+    if len(found.values) != len(data["valid"][0]):
+        raise SystemExit(f"{best}: {len(data['valid'][0]) - len(found.values)} validation molecules have no "
+                         f"prediction: {sorted(set(found.notes.values()))}")
+    pred = np.asarray([found.values[i] for i in range(len(data["valid"][0]))])
+    if s["task_type"] == "classification":
+        best_score = classification_metrics(data["valid"][1], pred, s["labels"])["macro"]["auroc"]
+    else:
+        best_score = regression_metrics(data["valid"][1], pred, s["labels"])["macro"]["rmse"]
     select_s = time.perf_counter() - t0
     test_in = os.path.join(out, "test.csv")
     write_smiles(data["test"][0], test_in)
@@ -604,11 +603,12 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                               seed, args.nproc)
     predict_s = time.perf_counter() - t0
     return np.asarray(pred), train_s, predict_s, {"steps": steps, "epochs": args.epochs, "select_s": select_s,
-                                                   "chosen": os.path.basename(best), "test_truncated": truncated,
+                                                   "chosen": [os.path.basename(c) for c in chosen],
+                                                   "test_truncated": truncated,
                                                    "valid": None if best_score is None else (
                                                        {"valid_roc_auc": best_score}
                                                        if s["task_type"] == "classification"
-                                                       else {"valid_rmse": -best_score})}
+                                                       else {"valid_rmse": best_score})}
 
 
 def finetune_overrides(pairs: list[str]) -> dict:
@@ -800,13 +800,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="molds: recipe overrides of the fine-tuning (optim.lr=5e-4 data.max_tokens_per_batch=1024); "
                          "compare settings by the validation scores, the same for every set")
     ap.add_argument("--augment", type=int, default=1, help="molds: predict the mean over this many spellings")
+    ap.add_argument("--average", type=int, default=3,
+                    help="molds: the model is the mean of the K checkpoints best on the validation split (1: the best "
+                         "one alone; chosen on the validation splits, docs/benchmarks/moleculenet.md)")
     ap.add_argument("--chemprop-python", help="a Python with chemprop 2.3.1 (its own virtual environment)")
     ap.add_argument("--chemprop-venv", help="else: a virtual environment for chemprop, made here (python -m venv, "
                                             "pip install -r benchmarks/requirements-chemprop.txt) when missing")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "moleculenet"))
     args = ap.parse_args(argv)
-    for name in ("epochs", "augment", "nproc"):
+    for name in ("epochs", "augment", "average", "nproc"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.min_steps < 0:
@@ -826,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         args.chemprop_python = chemprop_venv(args.chemprop_venv or os.path.join(args.output_dir, "chemprop-venv"))
     result = {"sets": {}, "models": args.models, "splits": args.splits, "seeds": args.seeds, "epochs": args.epochs,
               "min_steps": args.min_steps,
-              "finetune": args.overrides, "augment": args.augment, "nproc": args.nproc}
+              "finetune": args.overrides, "augment": args.augment, "average": args.average, "nproc": args.nproc}
     # the code this run loaded (read at the start: a long run outlives later commits)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

@@ -370,17 +370,24 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     salts_in_test = [r for r in preds if any(t in r["canonical"] for t in ("Na+", "K+", "Br-"))]
     assert salts_in_test and all(r["lipophilic"] != "" for r in salts_in_test)
     assert set(result["headline"]["scaffold_random"]["roc_auc"]) == {"molds", "rf"}
-    # what settings are compared by: the chosen checkpoint's validation score, again from its
-    # predictions of the validation molecules in peers.csv, scored by scikit-learn
-    from sklearn.metrics import roc_auc_score
-
+    # the model is the mean of the checkpoints best on the validation split (molds-average --best 3)
     from molds.checkpoint import open_checkpoint
     from molds.eval.properties import predict_properties
 
     run = split["molds"]["runs"][0]
+    lineage = json.load(open(run_dir / "chosen" / "lineage.json"))
+    assert result["average"] == 3 and len(run["chosen"]) == 3
+    assert [f"step-{s['step']:08d}" for s in lineage["averaged_from"]] == run["chosen"]
+    # best first; of equal scores the later checkpoint
+    ranked = sorted(sorted(lineage["chosen_by"]["scores"].items(), reverse=True), key=lambda kv: -kv[1])
+    assert sorted(name for name, _ in ranked[:3]) == run["chosen"]
+    # what settings are compared by: that model's validation score, again from its predictions
+    # of the validation molecules in peers.csv, scored by scikit-learn
+    from sklearn.metrics import roc_auc_score
+
     with open(out / "set" / "scaffold_random-0" / "peers.csv", newline="") as fh:
         valid = [r for r in csv.DictReader(fh) if r["split"] == "val"]
-    chosen = open_checkpoint(str(out / "set" / "scaffold_random-0" / "molds-0" / "checkpoints" / run["chosen"]))
+    chosen = open_checkpoint(str(run_dir / "chosen"))
     found = predict_properties(chosen, [r["smiles"] for r in valid], augment=2, seed=0)
     per_task = []
     for t, task in enumerate(("lipophilic", POLAR)):  # the mean over tasks whose labels hold both classes

@@ -37,6 +37,7 @@ from .layout import LINEAGE, checkpoints_dir, complete_checkpoints, read_lineage
 from .state import MODEL_FILE, read_model, write_model
 
 AVERAGED_FROM = "averaged_from"
+CHOSEN_BY = "chosen_by"
 
 # Lineage keys that must agree for the sources to be snapshots of one model.
 _SAME = ("manifest_hash", "vocab_hash", "canonicalization_hash")
@@ -69,9 +70,10 @@ def _check_same(sources: list[str], lineages: list[dict]) -> None:
                                       f"({str(lin.get(key))[:12]} != {str(lin0.get(key))[:12]}): not one model")
 
 
-def average_checkpoints(refs: list[str], out: str) -> str:
+def average_checkpoints(refs: list[str], out: str, chosen_by: dict | None = None) -> str:
     """Write the mean of the checkpoints ``refs`` (any references ``resolve`` takes) to
-    the checkpoint directory ``out`` (replaced atomically); returns ``out``."""
+    the checkpoint directory ``out`` (replaced atomically); returns ``out``. ``chosen_by``:
+    how the sources were chosen (``molds.eval.choose``), kept in the lineage beside them."""
     if not refs:
         raise CheckpointError("no checkpoints to average")
     sources = [resolve(r) for r in refs]
@@ -114,6 +116,8 @@ def average_checkpoints(refs: list[str], out: str) -> str:
     record = dict(newest)
     record[AVERAGED_FROM] = [{"checkpoint": os.path.abspath(s), "step": int(lin["step"])}
                              for s, lin in zip(sources, lineages)]
+    if chosen_by:
+        record[CHOSEN_BY] = chosen_by
     record["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     with atomic_directory(out, durable=True) as tmp:
         write_model(tmp, mean)

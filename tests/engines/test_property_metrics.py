@@ -474,3 +474,77 @@ def test_the_predict_memory_benchmark_runs_both_ways_on_each_size(labelled, tmp_
         [(12, "chunked", 5), (12, "whole", 13), (12, "chunked_system_allocator", 5),
          (24, "chunked", 5), (24, "whole", 25), (24, "chunked_system_allocator", 5)]
     assert all(r["peak_rss_mib"] > 50 for r in out["runs"]) and isinstance(out["target_met"], bool)
+
+
+@pytest.mark.parametrize("task_type", ["classification", "regression"])
+def test_molds_average_best_averages_the_checkpoints_best_on_validation(labelled, tmp_path, task_type, capfd):
+    """``molds-average RUN OUT --best 3``: each checkpoint's validation score is scikit-learn's on
+    its exported model's predictions of the validation molecules read from the shards (the mean
+    ROC-AUC over tasks, or of the RMSE in the labels' units, lower being better); the three best
+    are averaged (their weights' mean), and the lineage says how they were chosen."""
+    import json
+
+    from safetensors.torch import load_file
+    from sklearn.metrics import mean_squared_error, roc_auc_score
+
+    from molds.checkpoint import open_checkpoint
+    from molds.cli.average import main as average_main
+    from molds.export import export
+    from molds.train import main
+
+    manifest = labelled[0] if task_type == "regression" else labelled[1]
+    run = str(tmp_path / "run")
+    main(_argv(manifest, run, 2, task_type) + ["--checkpoint.interval_steps", "5", "--checkpoint.keep_last", "0",
+                                               "--optim.lr", "1e-2"])
+    steps = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    steps = [s for s in steps if s.startswith("step-")]
+    assert len(steps) == 5
+    ids, y = _split(manifest, "valid")
+    want = {}
+    for step in steps:
+        ckpt = os.path.join(run, "checkpoints", step)
+        pred = _hf_predictions(export(ckpt, str(tmp_path / f"hf-{step}")), ids, open_checkpoint(ckpt).specials)
+        per_task = []
+        for t in range(2):
+            seen = ~np.isnan(y[:, t])
+            if task_type == "regression":
+                per_task.append(float(np.sqrt(mean_squared_error(y[seen, t], pred[seen, t]))))
+            elif 0 < y[seen, t].sum() < seen.sum():
+                per_task.append(roc_auc_score(y[seen, t], pred[seen, t]))
+        want[step] = float(np.mean(per_task))
+    assert len(set(round(v, 6) for v in want.values())) == 5  # the checkpoints differ on validation
+    best = sorted(want, key=lambda s: want[s], reverse=task_type == "classification")[:3]
+
+    out = str(tmp_path / "best3")
+    capfd.readouterr()
+    assert average_main([run, out, "--best", "3"]) == 0
+    lineage = json.load(open(os.path.join(out, "lineage.json")))
+    chosen = lineage["chosen_by"]
+    assert chosen["split"] == "valid" and chosen["best"] == 3
+    assert chosen["metric"] == ("rmse" if task_type == "regression" else "roc_auc")
+    assert chosen["scores"] == pytest.approx(want, abs=1e-5)
+    assert [f"step-{s['step']:08d}" for s in lineage["averaged_from"]] == sorted(best)
+    got = load_file(os.path.join(out, "model.safetensors"))
+    sources = [load_file(os.path.join(run, "checkpoints", s, "model.safetensors")) for s in sorted(best)]
+    for k, v in got.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, torch.stack([s[k].double() for s in sources]).mean(0).float(),
+                                       rtol=0, atol=1e-7)
+    assert "the 3 best on valid" in capfd.readouterr().err
+
+    # refused in one line: --best with --last, below 1, more than the run has, a model without heads
+    from molds.cli import UsageError
+    from molds.errors import MoldsError
+
+    for bad in (["--best", "3", "--last", "2"], ["--best", "-1"]):
+        with pytest.raises(UsageError):
+            from molds.cli.average import run as average_run
+
+            average_run([run, str(tmp_path / "no"), *bad])
+    with pytest.raises(MoldsError, match="5 of 5 have one"):
+        average_run([run, str(tmp_path / "no"), "--best", "6"])
+    mlm = str(tmp_path / "mlm")
+    main(_argv(manifest, mlm, 0, task_type)[:-2] + ["--trainer.max_steps", "2", "--run.output_dir", mlm])
+    with pytest.raises(MoldsError, match="without property heads"):
+        average_run([mlm, str(tmp_path / "no"), "--best", "1"])
+    assert not os.path.exists(tmp_path / "no")
