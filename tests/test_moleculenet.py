@@ -399,6 +399,37 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
     assert run["valid_roc_auc"] == pytest.approx(want, abs=1e-9)
     assert split["molds"]["valid_roc_auc"]["mean"] == pytest.approx(want, abs=1e-4)
 
+    # benchmarks/checkpoint_choice.py on this fine-tuning: the best checkpoint chosen on one half
+    # of the validation split and scored on the other, recomputed here with scikit-learn
+    import numpy as np
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_choice.py"), str(run_dir),
+                           "--k", "3", "--halvings", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    checkpoints = sorted(p for p in os.listdir(run_dir / "checkpoints") if p.startswith("step-"))
+    preds = [predict_properties(open_checkpoint(str(run_dir / "checkpoints" / c)), [r["smiles"] for r in valid],
+                                augment=1, seed=0) for c in checkpoints]
+
+    def auc(found, rows):
+        per = []
+        for t, task in enumerate(("lipophilic", POLAR)):
+            seen = [i for i in rows if valid[i][task] != ""]
+            ys = [float(valid[i][task]) for i in seen]
+            if len(set(ys)) == 2:
+                per.append(roc_auc_score(ys, [found.values[i][t] for i in seen]))
+        return sum(per) / len(per)
+
+    order = np.random.default_rng(0).permutation(len(valid))
+    halves = (list(order[: len(order) // 2]), list(order[len(order) // 2:]))
+    got = []
+    for a, b in (halves, halves[::-1]):
+        scores = [auc(f, a) for f in preds]
+        got.append(auc(preds[max(range(len(scores)), key=lambda i: (scores[i], -i))], b))
+    assert line["runs"][0]["best"] == pytest.approx(sum(got) / 2, abs=1e-6)
+    assert 0.0 <= line["runs"][0]["mean_of_3"] <= 1.0 and line["sets"]["set"]["runs"] == 1
+
 
 def test_a_pretraining_on_descriptors_learns_rdkits_values_and_forks_into_fresh_heads(tmp_path):
     """``--pretrain-labels descriptors``: the corpus carries each molecule's descriptors,
