@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                                 text=True).stdout.strip() or None
     except OSError:
         commit = None
-    print(json.dumps({"benchmark": "checkpoint_choice", "commit": commit, "k": args.k, "halvings": args.halvings,
-                      "seed": args.seed, "sets": summary, "runs": rows}))
+    from molds.runtime.lifecycle import cpu_description
+
+    print(json.dumps({"benchmark": "checkpoint_choice", "commit": commit, "cpu": cpu_description(), "k": args.k,
+                      "halvings": args.halvings, "seed": args.seed, "sets": summary, "runs": rows}))
     return 0
 
 
