@@ -83,7 +83,8 @@ def cross_fitted(run: str, k: int, halvings: int, seed: int) -> dict:
             a, b = order[: len(order) // 2], order[len(order) // 2:]
             for choose_on, score_on in ((a, b), (b, a)):
                 scores = np.array([_metric(y, p, labels, kind, choose_on) for p in preds])
-                ranked = np.argsort(-scores if higher else scores, kind="stable")
+                # best first; of equal scores the later checkpoint, as molds.eval.choose ranks them
+                ranked = sorted(range(len(scores)), key=lambda i: (-scores[i] if higher else scores[i], -i))
                 best.append(_metric(y, preds[ranked[0]], labels, kind, score_on))
                 avg = average_checkpoints([checkpoints[i] for i in sorted(ranked[:k])], os.path.join(tmp, "avg"))
                 mean_k.append(_metric(y, _predict(avg, smiles), labels, kind, score_on))
