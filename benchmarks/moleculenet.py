@@ -583,7 +583,12 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.eval.properties import predict_properties
 
     choice = score_checkpoints(out, split="valid")
-    chosen = choice.best(min(args.average, len(choice.scores)))
+    if choice.scored:
+        chosen = choice.best(min(args.average, len(choice.scored)))
+    else:  # a validation split no task can be scored on (one class only): the last checkpoint, as trained
+        chosen = [max(c for c, _ in choice.scores)]  # step-NNNNNNNN: the newest
+        print(f"[moleculenet] {out}: no checkpoint has a validation score (a task needs both classes there); "
+              f"the last one is kept", file=sys.stderr, flush=True)
     best = average_checkpoints(chosen, os.path.join(out, "chosen"), chosen_by=choice.record(len(chosen)))
     # the chosen model's own validation score, on peers.csv's molecules as the test split is read
     found = predict_properties(open_checkpoint(best), data["valid"][0], augment=args.augment, seed=seed)

@@ -36,14 +36,21 @@ class Choice:
     def higher_is_better(self) -> bool:
         return self.metric == "roc_auc"
 
+    @property
+    def scored(self) -> list[str]:
+        """The checkpoints with a score, best first."""
+        return [c for c, s in self.scores if s is not None]
+
     def best(self, k: int) -> list[str]:
         """The ``k`` best checkpoints, in step order."""
         if k < 1:
             raise MoldsError(f"--best must be >= 1 (got {k})")
-        scored = [c for c, s in self.scores if s is not None]
+        scored = self.scored
         if len(scored) < k:
+            why = (f" (a classification task needs both classes in the {self.split} split; choose by --last N "
+                   f"instead)" if not scored else "")
             raise MoldsError(f"{k} checkpoints asked for by their {self.split} {self.metric}, but "
-                             f"{len(scored)} of {len(self.scores)} have one")
+                             f"{len(scored)} of {len(self.scores)} have one{why}")
         chosen = set(scored[:k])
         return [c for c, _ in sorted(self.scores, key=lambda cs: os.path.basename(cs[0])) if c in chosen]
 
@@ -54,9 +61,9 @@ class Choice:
 
 
 def score_checkpoints(run: str, *, split: str = "valid") -> Choice:
-    """Every complete checkpoint of the property run ``run`` scored on ``split`` of its manifest.
-    Refuses a run whose model has no property heads, or whose split scores no task (a
-    classification split without both classes of any task, say), in one line."""
+    """Every complete checkpoint of the property run ``run`` scored on ``split`` of its manifest
+    (a score is None where the split scores no task: a classification split without both
+    classes of any task). Refuses a run whose model has no property heads, in one line."""
     from ..checkpoint import checkpoints_dir, complete_checkpoints, open_checkpoint  # here: --help loads no torch
     from ..models.loss import build_loss  # here: molds-average --help loads no torch or Triton
     from .scoring import (  # here: molds-average --help loads no torch
@@ -89,9 +96,6 @@ def score_checkpoints(run: str, *, split: str = "valid") -> Choice:
         macro = property_report(y, p, model_cfg, loaded.manifest)["macro"]
         value = macro.get("auroc" if metric == "roc_auc" else "rmse")
         scores.append((ckpt, None if value is None or not math.isfinite(value) else float(value)))
-    if all(s is None for _, s in scores):
-        raise MoldsError(f"{run}: no task of the {split} split can be scored ({choice.metric}: a classification "
-                         f"task needs both classes there); choose by --last N instead")
     sign = -1.0 if choice.higher_is_better else 1.0
     # best first; a tie goes to the later checkpoint (trained longer), unscored ones last
     choice.scores = sorted(scores, key=lambda cs: (cs[1] is None, sign * (cs[1] or 0.0), -found.index(cs[0])))

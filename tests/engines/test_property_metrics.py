@@ -548,3 +548,20 @@ def test_molds_average_best_averages_the_checkpoints_best_on_validation(labelled
     with pytest.raises(MoldsError, match="without property heads"):
         average_run([mlm, str(tmp_path / "no"), "--best", "1"])
     assert not os.path.exists(tmp_path / "no")
+
+
+def test_a_choice_without_scores_says_why_and_ranks_unscored_checkpoints_last():
+    """A validation split where no task holds both classes scores no checkpoint: asking for the
+    best says so (and what to do) in one line; where some have a score, those come first."""
+    from molds.errors import MoldsError
+    from molds.eval.choose import Choice
+
+    none = Choice(metric="roc_auc", split="valid", scores=[("r/step-00000010", None), ("r/step-00000020", None)])
+    with pytest.raises(MoldsError, match="0 of 2 have one .*both classes.*--last N"):
+        none.best(1)
+    some = Choice(metric="rmse", split="valid", scores=[("r/step-00000030", 0.5), ("r/step-00000010", 0.7),
+                                                       ("r/step-00000020", None)])
+    assert some.scored == ["r/step-00000030", "r/step-00000010"]
+    assert some.best(2) == ["r/step-00000010", "r/step-00000030"]  # in step order
+    with pytest.raises(MoldsError, match="3 checkpoints asked for by their valid rmse, but 2 of 3 have one$"):
+        some.best(3)
