@@ -33,13 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _metric(y, p, labels, kind, idx):
-    from molds.metrics.property import classification_metrics, regression_metrics
+def _metric(y, p, labels, task_type, idx):
+    """The benchmark's own score of the rows ``idx``: ROC-AUC or RMSE."""
+    import moleculenet as bench
 
-    y, p = y[idx], p[idx]
-    if kind == "classification":
-        return classification_metrics(y, p, labels)["macro"]["auroc"]
-    return regression_metrics(y, p, labels)["macro"]["rmse"]
+    return bench.score(y[idx], p[idx], labels, task_type)["roc_auc" if task_type == "classification" else "rmse"]
 
 
 def _predict(checkpoint: str, smiles: list[str]):
@@ -58,22 +56,21 @@ def cross_fitted(run: str, k: int, halvings: int, seed: int) -> dict:
     import numpy as np
 
     import moleculenet as bench
-    from molds.checkpoint import checkpoints_dir, complete_checkpoints
+    from molds.checkpoint import checkpoints_dir, complete_checkpoints, read_lineage
     from molds.checkpoint.average import average_checkpoints
+    from molds.eval.choose import Choice
 
     peers = os.path.join(os.path.dirname(os.path.normpath(run)), "peers.csv")
     if not os.path.isfile(peers):
         raise SystemExit(f"{run}: no peers.csv beside it (not a benchmarks/moleculenet.py fine-tuning)")
     with open(peers, encoding="utf-8", newline="") as fh:
         labels = next(csv.reader(fh))[1:-1]  # smiles, the labels, split
-    data = bench.read_peers(peers, labels)
-    train = data["train"][1]
-    kind = "classification" if set(np.unique(train[~np.isnan(train)])) <= {0.0, 1.0} else "regression"
-    higher = kind == "classification"
-    smiles, y = data["valid"]
+    smiles, y = bench.read_peers(peers, labels)["valid"]
     checkpoints = complete_checkpoints(checkpoints_dir(run))
     if len(checkpoints) < k:
         raise SystemExit(f"{run}: {len(checkpoints)} checkpoints, fewer than --k {k}")
+    task_type = read_lineage(checkpoints[-1])["recipe"]["model"]["task_type"]
+    metric = "roc_auc" if task_type == "classification" else "rmse"
     preds = [_predict(c, smiles) for c in checkpoints]
     rng = np.random.default_rng(seed)
     best, mean_k = [], []
@@ -82,13 +79,13 @@ def cross_fitted(run: str, k: int, halvings: int, seed: int) -> dict:
             order = rng.permutation(len(smiles))
             a, b = order[: len(order) // 2], order[len(order) // 2:]
             for choose_on, score_on in ((a, b), (b, a)):
-                scores = np.array([_metric(y, p, labels, kind, choose_on) for p in preds])
-                # best first; of equal scores the later checkpoint, as molds.eval.choose ranks them
-                ranked = sorted(range(len(scores)), key=lambda i: (-scores[i] if higher else scores[i], -i))
-                best.append(_metric(y, preds[ranked[0]], labels, kind, score_on))
-                avg = average_checkpoints([checkpoints[i] for i in sorted(ranked[:k])], os.path.join(tmp, "avg"))
-                mean_k.append(_metric(y, _predict(avg, smiles), labels, kind, score_on))
-    return {"run": run, "metric": "roc_auc" if higher else "rmse", "valid": len(smiles),
+                # ranked as molds-average --best ranks them (molds.eval.choose)
+                choice = Choice(metric, "valid").ranked(
+                    [(c, _metric(y, p, labels, task_type, choose_on)) for c, p in zip(checkpoints, preds)])
+                best.append(_metric(y, preds[checkpoints.index(choice.best(1)[0])], labels, task_type, score_on))
+                avg = average_checkpoints(choice.best(k), os.path.join(tmp, "avg"))
+                mean_k.append(_metric(y, _predict(avg, smiles), labels, task_type, score_on))
+    return {"run": run, "metric": metric, "valid": len(smiles),
             "checkpoints": len(checkpoints), "best": float(np.mean(best)), f"mean_of_{k}": float(np.mean(mean_k))}
 
 

@@ -552,8 +552,6 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     best on the validation split (``molds-average --best K``), written to ``OUT/chosen``."""
     import numpy as np
 
-    from molds.metrics.property import classification_metrics, regression_metrics
-
     overrides = args.overrides
     steps = max(steps_per_epoch(manifest, args.nproc, overrides) * args.epochs, args.min_steps)
     finished = os.path.join(out, "finished.json")
@@ -596,10 +594,8 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
         raise SystemExit(f"{best}: {len(data['valid'][0]) - len(found.values)} validation molecules have no "
                          f"prediction: {sorted(set(found.notes.values()))}")
     pred = np.asarray([found.values[i] for i in range(len(data["valid"][0]))])
-    if s["task_type"] == "classification":
-        best_score = classification_metrics(data["valid"][1], pred, s["labels"])["macro"]["auroc"]
-    else:
-        best_score = regression_metrics(data["valid"][1], pred, s["labels"])["macro"]["rmse"]
+    metric = "roc_auc" if s["task_type"] == "classification" else "rmse"
+    best_score = score(data["valid"][1], pred, s["labels"], s["task_type"])[metric]
     select_s = time.perf_counter() - t0
     test_in = os.path.join(out, "test.csv")
     write_smiles(data["test"][0], test_in)
@@ -611,9 +607,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                                                    "chosen": [os.path.basename(c) for c in chosen],
                                                    "test_truncated": truncated,
                                                    "valid": None if best_score is None else (
-                                                       {"valid_roc_auc": best_score}
-                                                       if s["task_type"] == "classification"
-                                                       else {"valid_rmse": best_score})}
+                                                       {f"valid_{metric}": best_score})}
 
 
 def finetune_overrides(pairs: list[str]) -> dict:

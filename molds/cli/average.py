@@ -42,29 +42,27 @@ def run(argv: list[str]) -> int:
     if args.last and args.best:
         raise UsageError("give --last N or --best K, not both")
     if args.last or args.best:
-        flag = "--last N" if args.last else "--best K"
         if out is None and len(refs) == 2:
             refs, out = refs[:1], refs[1]
         if len(refs) != 1:
-            raise UsageError(f"{flag} takes one run directory (and the output directory, or --out)")
-        if not out:
-            raise UsageError("--out: where to write the averaged checkpoint")
-        if args.last:
-            refs = last_checkpoints(refs[0], args.last)
-        else:
-            from ..eval.choose import score_checkpoints  # here: molds-average --help loads no torch
-
-            if args.best < 1:
-                raise UsageError(f"--best must be >= 1 (got {args.best})")
-            choice = score_checkpoints(refs[0], split=args.split)
-            for ckpt, score in choice.scores:
-                print(f"[molds] {ckpt}: {args.split} {choice.metric} "
-                      f"{'none' if score is None else f'{score:.4f}'}", file=sys.stderr)
-            refs, chosen_by = choice.best(args.best), choice.record(args.best)
+            raise UsageError(f"{'--last N' if args.last else '--best K'} takes one run directory (and the output "
+                             f"directory, or --out)")
     elif len(refs) < 2:
         raise UsageError("give two or more checkpoints to average, or a run directory with --last N or --best K")
     if not out:
         raise UsageError("--out: where to write the averaged checkpoint")
+    if args.last:
+        refs = last_checkpoints(refs[0], args.last)
+    elif args.best:
+        from ..eval.choose import score_checkpoints  # here: molds-average --help loads no torch
+
+        if args.best < 1:
+            raise UsageError(f"--best must be >= 1 (got {args.best})")
+        choice = score_checkpoints(refs[0], split=args.split)
+        for ckpt, score in choice.scores:
+            print(f"[molds] {ckpt}: {args.split} {choice.metric} {'none' if score is None else f'{score:.4f}'}",
+                  file=sys.stderr)
+        refs, chosen_by = choice.best(args.best), choice.record(args.best)
     path = average_checkpoints(refs, out, chosen_by=chosen_by)
     what = f"the {len(refs)} best on {args.split}" if chosen_by else f"the mean of {len(refs)} checkpoints"
     print(f"[molds] {path}: {what} ({', '.join(refs)})", file=sys.stderr)

@@ -36,6 +36,14 @@ class Choice:
     def higher_is_better(self) -> bool:
         return self.metric == "roc_auc"
 
+    def ranked(self, scores: list) -> "Choice":
+        """This choice with ``scores`` ((checkpoint, score or None), in step order) best first:
+        of equal scores the later checkpoint (trained longer), unscored ones last."""
+        sign = -1.0 if self.higher_is_better else 1.0
+        order = sorted(range(len(scores)), key=lambda i: (scores[i][1] is None, sign * (scores[i][1] or 0.0), -i))
+        self.scores = [scores[i] for i in order]
+        return self
+
     @property
     def scored(self) -> list[str]:
         """The checkpoints with a score, best first."""
@@ -96,7 +104,4 @@ def score_checkpoints(run: str, *, split: str = "valid") -> Choice:
         macro = property_report(y, p, model_cfg, loaded.manifest)["macro"]
         value = macro.get("auroc" if metric == "roc_auc" else "rmse")
         scores.append((ckpt, None if value is None or not math.isfinite(value) else float(value)))
-    sign = -1.0 if choice.higher_is_better else 1.0
-    # best first; a tie goes to the later checkpoint (trained longer), unscored ones last
-    choice.scores = sorted(scores, key=lambda cs: (cs[1] is None, sign * (cs[1] or 0.0), -found.index(cs[0])))
-    return choice
+    return choice.ranked(scores)

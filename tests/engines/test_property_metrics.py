@@ -534,12 +534,11 @@ def test_molds_average_best_averages_the_checkpoints_best_on_validation(labelled
 
     # refused in one line: --best with --last, below 1, more than the run has, a model without heads
     from molds.cli import UsageError
+    from molds.cli.average import run as average_run
     from molds.errors import MoldsError
 
     for bad in (["--best", "3", "--last", "2"], ["--best", "-1"]):
         with pytest.raises(UsageError):
-            from molds.cli.average import run as average_run
-
             average_run([run, str(tmp_path / "no"), *bad])
     with pytest.raises(MoldsError, match="5 of 5 have one"):
         average_run([run, str(tmp_path / "no"), "--best", "6"])
