@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 if __name__ == "__main__":  # `deepspeed molds/train.py`, `python molds/train.py` from a checkout
     # Python put this file's directory, molds/, first on the path, where molds' packages would
     # stand in for top-level ones of the same name (transformers imports Hugging Face's
@@ -41,7 +43,7 @@ from molds.checkpoint.resume import (
     resumed_fp8_products,
 )
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
-from molds.chemistry.features import feature_moments, feature_names, molecule_features
+from molds.chemistry.features import feature_moments, feature_names, molecule_features, remember
 from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
 from molds.data.manifest import Manifest, first_label_outside, label_moments, split_smiles
@@ -416,20 +418,29 @@ def _features_lineage(kind: str) -> dict:
 
 def _standardize_features(model, manifest, dist) -> None:
     """Property heads that read molecule features read them standardized by the training
-    split's mean and standard deviation of each (computed here, and kept by this process for
-    the loader's passes)."""
+    split's mean and standard deviation of each. Each rank computes every ``world_size``-th
+    molecule of the split and the ranks exchange them, so each holds the whole split's
+    features (kept by the process for the loader's passes) for a ``world_size``-th of the
+    cost."""
     kind = model.config.molecule_features
     t0 = time.perf_counter()
     smiles = split_smiles(manifest, "train")
     if not smiles:
         raise RecipeError(f"model.molecule_features={kind}: the train split of {manifest.path} has no rows to "
                           f"take the features' scale from")
-    mean, std = feature_moments(molecule_features(smiles, kind, cache=True))
+    world, rank = max(1, dist.world_size), dist.rank
+    shares = gather_objects(molecule_features(smiles[rank::world], kind), dist)
+    features = np.empty((len(smiles), len(feature_names(kind))), dtype=np.float32)
+    for r, part in enumerate(shares):
+        features[r::world] = part
+    remember(smiles, kind, features)
+    mean, std = feature_moments(features)
     model.set_feature_scale(mean, std)
     if dist.is_main:
         print(f"[molds] model.molecule_features={kind}: the property heads read {len(mean)} features of each "
               f"molecule beside its tokens, standardized by the train split's {len(smiles):,} molecules "
-              f"({time.perf_counter() - t0:.0f} s to compute)", file=sys.stderr)
+              f"({time.perf_counter() - t0:.0f} s to compute on {world} rank{'s' if world > 1 else ''})",
+              file=sys.stderr)
 
 
 def _resume(run: Run, path: str, saved: dict) -> None:

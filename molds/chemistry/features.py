@@ -86,6 +86,15 @@ def molecule_features(smiles: list[str], kind: str, *, cache: bool = False) -> n
     return out
 
 
+def remember(smiles: list[str], kind: str, values: np.ndarray) -> None:
+    """Keep ``values`` (rows of ``molecule_features(smiles, kind)``, computed elsewhere: another
+    rank's share of a training split) in this process, as ``cache=True`` keeps what it computes."""
+    if len(values) != len(smiles):
+        raise ValueError(f"{len(values)} rows of features for {len(smiles)} molecules")
+    for s, row in zip(smiles, values):
+        _CACHE[(kind, s)] = row
+
+
 def feature_moments(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(mean, standard deviation) per feature over rows; a feature constant over them has
     standard deviation 1 (it then reads as its distance from the mean, 0 on the training rows)."""

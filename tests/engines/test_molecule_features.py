@@ -175,3 +175,43 @@ def test_molecule_features_are_for_property_heads_alone(tmp_path):
             "--model.family", "encoder", "--model.molecule_features", "rdkit2d"]
     with pytest.raises(RecipeError, match="needs model.family=encoder and model.num_tasks > 0"):
         validate(parse_recipe(base), 1)
+
+
+def _features_on_a_rank(rank: int, world: int, argv: list[str]) -> dict:
+    """One rank of a training run whose heads read features: the molecules this rank had
+    RDKit describe, and the run's result."""
+    from molds.chemistry import features as features_mod
+    from molds.train import main
+
+    computed = []
+    original = features_mod._compute
+    features_mod._compute = lambda s, k: computed.append(s) or original(s, k)
+    result = main(argv)
+    return {"computed": computed, "checkpoint": result["checkpoint"] if rank == 0 else None}
+
+
+def test_the_ranks_share_the_training_splits_features(tmp_path):
+    """On two ranks each describes half the training split and both hold all of it: no
+    training molecule is computed twice, and the scale is numpy's over RDKit's descriptors
+    of the whole split (as on one rank)."""
+    from molds.chemistry.features import feature_names
+    from molds.checkpoint import open_checkpoint
+    from tests.dist.spawn import run_ranks
+
+    labelled = _labelled(tmp_path, ("logp", "tpsa"), n=240)
+    run = str(tmp_path / "two")
+    argv = _argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d",
+                                                     "--trainer.max_steps", "4"]
+    got = run_ranks(_features_on_a_rank, 2, argv)
+    train_smiles, _, _ = _split_rows(labelled, "train")
+    train = set(train_smiles)
+    per_rank = [[s for s in r["computed"] if s in train] for r in got]
+    for mine in per_rank:
+        assert len(mine) == len(set(mine)) <= (len(train_smiles) + 1) // 2  # each molecule once, half the split
+    assert set(per_rank[0]) | set(per_rank[1]) == train and not set(per_rank[0]) & set(per_rank[1])
+    names = feature_names("rdkit2d")
+    train_x = _rdkit_features(train_smiles, names)
+    sd = train_x.std(axis=0, ddof=1)
+    model = open_checkpoint(run).model
+    assert np.allclose(model.feature_mean.numpy(), train_x.mean(axis=0), atol=1e-4)
+    assert np.allclose(model.feature_std.numpy(), np.where(sd > 1e-6, sd, 1.0), rtol=1e-4, atol=1e-5)
