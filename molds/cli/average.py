@@ -28,7 +28,8 @@ def build_parser():
                    help="a property model's run: average its K checkpoints best on --split (macro ROC-AUC, or "
                         "RMSE for regression heads; 1: the best one alone)")
     p.add_argument("--split", type=str, default="valid",
-                   help="with --best: the split of the run's manifest the checkpoints are scored on")
+                   help="with --best: the split of the run's manifest the checkpoints are scored on (not test: "
+                        "the split a choice is reported on)")
     p.add_argument("--out", type=str, default=None,
                    help="output checkpoint directory (replaced atomically); with --last it may be given second")
     return p
@@ -58,6 +59,9 @@ def run(argv: list[str]) -> int:
 
         if args.best < 1:
             raise UsageError(f"--best must be >= 1 (got {args.best})")
+        if args.split == "test":
+            raise UsageError("--split test: a model chosen by its test score has seen the test split, which then "
+                             "no longer measures it; choose on valid, and score the choice on test")
         choice = score_checkpoints(refs[0], split=args.split)
         for ckpt, score in choice.scores:
             print(f"[molds] {ckpt}: {args.split} {choice.metric} {'none' if score is None else f'{score:.4f}'}",

@@ -537,7 +537,7 @@ def test_molds_average_best_averages_the_checkpoints_best_on_validation(labelled
     from molds.cli.average import run as average_run
     from molds.errors import MoldsError
 
-    for bad in (["--best", "3", "--last", "2"], ["--best", "-1"]):
+    for bad in (["--best", "3", "--last", "2"], ["--best", "-1"], ["--best", "1", "--split", "test"]):
         with pytest.raises(UsageError):
             average_run([run, str(tmp_path / "no"), *bad])
     with pytest.raises(MoldsError, match="5 of 5 have one"):
