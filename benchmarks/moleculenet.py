@@ -581,12 +581,7 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
     from molds.eval.properties import predict_properties
 
     choice = score_checkpoints(out, split="valid")
-    if choice.scored:
-        chosen = choice.best(min(args.average, len(choice.scored)))
-    else:  # a validation split no task can be scored on (one class only): the last checkpoint, as trained
-        chosen = [max(c for c, _ in choice.scores)]  # step-NNNNNNNN: the newest
-        print(f"[moleculenet] {out}: no checkpoint has a validation score (a task needs both classes there); "
-              f"the last one is kept", file=sys.stderr, flush=True)
+    chosen = kept_checkpoints(choice, args.average, out)
     best = average_checkpoints(chosen, os.path.join(out, "chosen"), chosen_by=choice.record(len(chosen)))
     # the chosen model's own validation score, on peers.csv's molecules as the test split is read
     found = predict_properties(open_checkpoint(best), data["valid"][0], augment=args.augment, seed=seed)
@@ -608,6 +603,17 @@ def molds_model(args, pretrained: str, manifest: str, s: dict, data: dict, seed:
                                                    "test_truncated": truncated,
                                                    "valid": None if best_score is None else (
                                                        {f"valid_{metric}": best_score})}
+
+
+def kept_checkpoints(choice, k: int, out: str) -> list[str]:
+    """The checkpoints the benchmark's model averages: the ``k`` best on the validation split
+    (fewer where fewer have a score), or, where none has one (no task with both classes in
+    the split), the last checkpoint, as trained, said on stderr."""
+    if choice.scored:
+        return choice.best(min(k, len(choice.scored)))
+    print(f"[moleculenet] {out}: no checkpoint has a validation score (a task needs both classes there); "
+          f"the last one is kept", file=sys.stderr, flush=True)
+    return [max(c for c, _ in choice.scores)]  # step-NNNNNNNN: the newest
 
 
 def finetune_overrides(pairs: list[str]) -> dict:

@@ -157,6 +157,26 @@ def test_a_finished_chemprop_run_is_reused_and_a_cut_one_started_again(tmp_path,
     assert again[1:] == pytest.approx(first[1:])
 
 
+def test_the_model_kept_is_the_best_on_validation_or_the_last_checkpoint_where_none_is_scored(capsys):
+    """The benchmark's choice of checkpoints to average: the K best by the validation score
+    (in step order; fewer where fewer are scored); where no checkpoint has a score (no task
+    with both classes in the split), the newest, said on stderr."""
+    from molds.eval.choose import Choice
+
+    bench = benchmark_script("moleculenet")
+    auc = Choice(metric="roc_auc", split="valid").ranked([("r/step-00000010", 0.61), ("r/step-00000020", 0.74),
+                                                          ("r/step-00000030", 0.70), ("r/step-00000040", None)])
+    assert bench.kept_checkpoints(auc, 2, "r") == ["r/step-00000020", "r/step-00000030"]
+    assert bench.kept_checkpoints(auc, 5, "r") == ["r/step-00000010", "r/step-00000020", "r/step-00000030"]
+    assert "no checkpoint" not in capsys.readouterr().err
+    rmse = Choice(metric="rmse", split="valid").ranked([("r/step-00000010", 0.9), ("r/step-00000020", 0.7)])
+    assert bench.kept_checkpoints(rmse, 1, "r") == ["r/step-00000020"]  # lower is better
+    none = Choice(metric="roc_auc", split="valid").ranked([("r/step-00000020", None), ("r/step-00000030", None),
+                                                           ("r/step-00000100", None)])
+    assert bench.kept_checkpoints(none, 3, "r") == ["r/step-00000100"]
+    assert "r: no checkpoint has a validation score" in capsys.readouterr().err
+
+
 def test_counts_out_of_range_are_refused_in_one_line(tmp_path, capsys):
     bench = benchmark_script("moleculenet")
     for flag, value, said in (("--min-steps", "-1", "--min-steps must be 0 or more, got -1"),
