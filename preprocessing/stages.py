@@ -541,9 +541,12 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
     keys, seg_first, seg_rows = np.unique(s.astype(np.int64) * 1024 + lb, return_index=True, return_counts=True)
     segments = {(int(k) // 1024, int(k) % 1024): int(c) for k, c in zip(keys, seg_rows)}
     seg_start = {(int(k) // 1024, int(k) % 1024): int(f) for k, f in zip(keys, seg_first)}
+    # the shards' size is planned on what the rows hold, not on where the input lay: the
+    # columns that name its path (``source``, and the default ``compound_id`` made of it) are
+    # left out, so that one file preprocessed from two places is cut into the same shards and
+    # row groups, and trained in the same order
     text_bytes = sum(pc.sum(pc.binary_length(out.column(c))).as_py() or 0
-                     for c in ("compound_id", "raw_smiles", "canonical_smiles", "text", "source_smiles",
-                               "target_smiles", "scaffold", "source")
+                     for c in ("raw_smiles", "canonical_smiles", "text", "source_smiles", "target_smiles", "scaffold")
                      if c in out.column_names)
     return {
         "index": result["index"],

@@ -11,7 +11,7 @@ import pytest
 
 from molds.data.manifest import Manifest, manifest_hash
 
-from .conftest import run_etl
+from .conftest import run_etl, shard_rows
 
 NA = {"", "na", "nan", "n/a", "null", "none", "-", "?"}
 
@@ -159,6 +159,28 @@ def test_output_independent_of_workers_and_partitioning(dirty_csv, dirty_run, tm
                     partition_rows=100_000, chunk_rows=97)
     assert manifest_hash(other) == manifest_hash(manifest)
     assert other["splits"] == manifest["splits"]
+
+
+def test_one_file_preprocessed_from_two_places_is_cut_and_ordered_alike(dirty_csv, tmp_path):
+    """The default compound ids and the ``source`` column name the input's path; the shards'
+    layout (their rows, in order) and so the training order do not depend on it."""
+    import shutil
+
+    near = tmp_path / "a" / "vendor.csv.gz"
+    far = tmp_path / ("a-directory-whose-name-is-much-longer-than-the-other-one-" * 3) / "vendor.csv.gz"
+    for path in (near, far):
+        path.parent.mkdir(parents=True)
+        shutil.copy(dirty_csv[0], path)
+    layouts = []
+    for path in (near, far):
+        out = str(path.parent / "out")
+        manifest = run_etl(out, [str(path)], label_columns=["logp"], shard_size_mb=0.02)
+        assert str(path) in shard_rows(out, manifest)[0]["compound_id"]
+        layouts.append({split: [(s["uri"], s["num_rows"], [r["canonical_smiles"] for r in pq.read_table(
+            os.path.join(out, s["uri"])).to_pylist()]) for s in manifest["splits"][split]]
+            for split in ("train", "valid", "test")})
+    assert len(layouts[0]["train"]) > 3  # several shards, each cut where the plan says
+    assert layouts[0] == layouts[1]
 
 
 def test_report_lists_reasons_with_examples(dirty_run):
