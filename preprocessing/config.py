@@ -212,7 +212,8 @@ class PreprocessConfig:
     """Upper bounds (inclusive) of token-length buckets; one more open bucket follows."""
 
     shard_size_mb: float = 256.0
-    """Target uncompressed size of a Parquet shard."""
+    """Target uncompressed size of a Parquet shard, counted on the rows' molecules, tokens and
+    labels (not on the columns naming the input's path: the same file cuts alike from anywhere)."""
 
     row_group_rows: int = 2048
     """Rows per Parquet row group: the unit the data plane reads, shuffles and assigns to ranks."""
