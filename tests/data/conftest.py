@@ -23,7 +23,7 @@ def _build(d, **options) -> str:
             w.writerow([s, i % 2 if i % 3 else "", (i % 7) / 7.0])
     out = str(d / "data")
     run(PreprocessConfig(input=[str(path)], output=out, label_columns=["y1", "y2"], workers=2, progress=False,
-                         split="random", row_group_rows=97, shard_size_mb=0.1, **options))
+                         split="random", row_group_rows=97, shard_size_mb=0.06, **options))
     return out
 
 
