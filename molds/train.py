@@ -428,7 +428,7 @@ def _standardize_features(model, manifest, dist) -> None:
     if not smiles:
         raise RecipeError(f"model.molecule_features={kind}: the train split of {manifest.path} has no rows to "
                           f"take the features' scale from")
-    world, rank = max(1, dist.world_size), dist.rank
+    world, rank = dist.world_size, dist.rank
     shares = gather_objects(molecule_features(smiles[rank::world], kind), dist)
     features = np.empty((len(smiles), len(feature_names(kind))), dtype=np.float32)
     for r, part in enumerate(shares):
