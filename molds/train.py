@@ -43,7 +43,7 @@ from molds.checkpoint.resume import (
     resumed_fp8_products,
 )
 from molds.checkpoint.rundir import plan_resume, prepare_output_dir
-from molds.chemistry.features import feature_moments, feature_names, molecule_features, remember
+from molds.chemistry.features import feature_moments, feature_names, molecule_features, remember, scaled
 from molds.chemistry.tasks import lineage_block
 from molds.chemistry.tokens import tokenizer_info
 from molds.data.manifest import Manifest, first_label_outside, label_moments, split_smiles
@@ -418,7 +418,8 @@ def _features_lineage(kind: str) -> dict:
 
 def _standardize_features(model, manifest, dist) -> None:
     """Property heads that read molecule features read them standardized by the training
-    split's mean and standard deviation of each. Each rank computes every ``world_size``-th
+    split's mean and standard deviation of each (but those ``molds.chemistry.features`` reads
+    as they are: a fingerprint's counts). Each rank computes every ``world_size``-th
     molecule of the split and the ranks exchange them, so each holds the whole split's
     features (kept by the process for the loader's passes) for a ``world_size``-th of the
     cost."""
@@ -434,11 +435,13 @@ def _standardize_features(model, manifest, dist) -> None:
     for r, part in enumerate(shares):
         features[r::world] = part
     remember(smiles, kind, features)
-    mean, std = feature_moments(features)
+    mean, std = feature_moments(features, kind)
     model.set_feature_scale(mean, std)
     if dist.is_main:
+        unscaled = int((~scaled(kind)).sum())
         print(f"[molds] model.molecule_features={kind}: the property heads read {len(mean)} features of each "
-              f"molecule beside its tokens, standardized by the train split's {len(smiles):,} molecules "
+              f"molecule beside its tokens, {f'{len(mean) - unscaled} of them ' if unscaled else ''}standardized "
+              f"by the train split's {len(smiles):,} molecules "
               f"({time.perf_counter() - t0:.0f} s to compute on {world} rank{'s' if world > 1 else ''})",
               file=sys.stderr)
 

@@ -9,6 +9,12 @@ D-MPNN's readout.
   compute, or one that is not finite, is 0. Each value ``v`` is given as ``sign(v) log(1 + |v|)``:
   some descriptors span twenty orders of magnitude (``Ipc``), and the model standardizes what
   it reads by the training split's mean and standard deviation (kept in the checkpoint).
+- ``morgan``: the molecule's Morgan count fingerprint, radius 2 folded to 2,048 bits (RDKit's
+  ``rdFingerprintGenerator``; the atom environments of Chemprop's ``morgan_count`` and of the
+  benchmark's random forest), each count ``c`` given as ``log(1 + c)``. These are read as they
+  are, not standardized: a bit that is rare in the training split would otherwise read as many
+  standard deviations wherever it is set.
+- ``rdkit2d+morgan``: both, the descriptors first.
 
 The descriptors are computed from the canonical SMILES, so every spelling of a molecule
 (randomized SMILES at training, ``--augment`` at prediction) reads the same features. A
@@ -23,7 +29,11 @@ import numpy as np
 from ..errors import MoldsError
 
 #: the feature sets by name
-KINDS = ("rdkit2d",)
+KINDS = ("rdkit2d", "morgan", "rdkit2d+morgan")
+#: the Morgan count fingerprint's radius and width
+MORGAN_RADIUS, MORGAN_BITS = 2, 2048
+#: the parts a model reads as they are (the others standardized by the training split)
+UNSCALED = ("morgan",)
 #: ``model.molecule_features`` for none
 NONE = "none"
 
@@ -43,30 +53,61 @@ def _check(kind: str) -> None:
                          f"{', '.join(KINDS)} (or none)")
 
 
+def _parts(kind: str) -> list[str]:
+    _check(kind)
+    return kind.split("+")
+
+
 def feature_names(kind: str) -> list[str]:
     """The names of ``kind``'s features, in the order a model reads them."""
-    _check(kind)
-    if kind not in _NAMES:
-        from rdkit import Chem  # here: a model without molecule features loads no RDKit
-        from rdkit.Chem import Descriptors  # here: as above
+    names = []
+    for part in _parts(kind):
+        if part not in _NAMES:
+            if part == "morgan":
+                _NAMES[part] = [f"morgan{MORGAN_RADIUS}_count_{i}" for i in range(MORGAN_BITS)]
+            else:
+                from rdkit import Chem  # here: a model without molecule features loads no RDKit
+                from rdkit.Chem import Descriptors  # here: as above
 
-        _NAMES[kind] = list(Descriptors.CalcMolDescriptors(Chem.MolFromSmiles("C"), missingVal=0.0, silent=True))
-    return list(_NAMES[kind])
+                _NAMES[part] = list(Descriptors.CalcMolDescriptors(Chem.MolFromSmiles("C"), missingVal=0.0,
+                                                                   silent=True))
+        names += _NAMES[part]
+    return names
+
+
+def scaled(kind: str) -> np.ndarray:
+    """bool [number of ``kind``'s features]: which the model standardizes by the training
+    split (the others it reads as they are)."""
+    return np.concatenate([np.full(len(feature_names(part)), part not in UNSCALED) for part in _parts(kind)])
+
+
+_MORGAN = None
 
 
 def _compute(smiles: str, kind: str) -> np.ndarray:
     from rdkit import Chem, rdBase  # here: a model without molecule features loads no RDKit
-    from rdkit.Chem import Descriptors  # here: as above
 
-    names = feature_names(kind)
+    global _MORGAN
     with rdBase.BlockLogs():  # RDKit's log as the caller had it afterwards (not switched on for everyone)
         mol = Chem.MolFromSmiles(smiles)
     if mol is None:
         raise MoldsError(f"molecule features: RDKit cannot read {smiles!r}")
-    values = Descriptors.CalcMolDescriptors(mol, missingVal=float("nan"), silent=True)
-    x = np.asarray([values.get(n, np.nan) for n in names], dtype=np.float64)
-    x[~np.isfinite(x)] = 0.0
-    return (np.sign(x) * np.log1p(np.abs(x))).astype(np.float32)
+    out = []
+    for part in _parts(kind):
+        if part == "morgan":
+            if _MORGAN is None:
+                from rdkit.Chem import rdFingerprintGenerator  # here: as above
+
+                _MORGAN = rdFingerprintGenerator.GetMorganGenerator(radius=MORGAN_RADIUS, fpSize=MORGAN_BITS)
+            out.append(np.log1p(_MORGAN.GetCountFingerprintAsNumPy(mol).astype(np.float64)))
+            continue
+        from rdkit.Chem import Descriptors  # here: as above
+
+        values = Descriptors.CalcMolDescriptors(mol, missingVal=float("nan"), silent=True)
+        x = np.asarray([values.get(n, np.nan) for n in feature_names(part)], dtype=np.float64)
+        x[~np.isfinite(x)] = 0.0
+        out.append(np.sign(x) * np.log1p(np.abs(x)))
+    return np.concatenate(out).astype(np.float32)
 
 
 def molecule_features(smiles: list[str], kind: str, *, cache: bool = False) -> np.ndarray:
@@ -95,14 +136,20 @@ def remember(smiles: list[str], kind: str, values: np.ndarray) -> None:
         _CACHE[(kind, s)] = row
 
 
-def feature_moments(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def feature_moments(features: np.ndarray, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(mean, standard deviation) per feature over rows; a feature constant over them has
-    standard deviation 1 (it then reads as its distance from the mean, 0 on the training rows)."""
+    standard deviation 1 (it then reads as its distance from the mean, 0 on the training rows).
+    With ``kind``, the features it reads as they are (``scaled``) get mean 0 and scale 1."""
+    width = features.shape[1] if features.ndim == 2 else 0
     if not len(features):
-        width = features.shape[1] if features.ndim == 2 else 0
         return np.zeros(width, np.float32), np.ones(width, np.float32)
     x = features.astype(np.float64)
     mean = x.mean(axis=0)
     std = x.std(axis=0, ddof=1) if len(x) > 1 else np.zeros_like(mean)
     std = np.where(std > 1e-6, std, 1.0)
+    if kind is not None:
+        keep = scaled(kind)
+        if len(keep) != width:
+            raise ValueError(f"{width} features given for {kind}'s {len(keep)}")
+        mean, std = np.where(keep, mean, 0.0), np.where(keep, std, 1.0)
     return mean.astype(np.float32), std.astype(np.float32)

@@ -217,10 +217,11 @@ class ModelConfig:
     """Encoder property heads: what they read, the <bos> token's final state (``bos``, as
     ``RobertaForSequenceClassification``) or the mean over the molecule's tokens (``mean``)."""
 
-    molecule_features: Literal["none", "rdkit2d"] = "none"
+    molecule_features: Literal["none", "rdkit2d", "morgan", "rdkit2d+morgan"] = "none"
     """Encoder property heads: molecule features read beside the pooled token, as Chemprop's
     ``--molecule-featurizers`` (``rdkit2d``: RDKit's 2D descriptors, standardized by the train
-    split; ``molds.chemistry.features``)."""
+    split; ``morgan``: the Morgan count fingerprint, radius 2, 2,048 bits; ``rdkit2d+morgan``:
+    both; ``molds.chemistry.features``)."""
 
     tie_embeddings: bool = True
     """Decoder: the LM head shares the token embedding matrix."""

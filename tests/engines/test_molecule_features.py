@@ -65,7 +65,82 @@ def test_the_features_are_rdkits_descriptors_of_the_molecule():
     assert np.allclose(mean, x.mean(axis=0), atol=1e-6)
     assert np.allclose(std, np.where(sd > 1e-6, sd, 1.0), atol=1e-6)  # a constant feature: scale 1
     with pytest.raises(MoldsError, match="not a feature set molds computes"):
-        feature_names("morgan")
+        feature_names("maccs")
+
+
+def _morgan_counts(smiles: list[str]) -> np.ndarray:
+    """log(1 + count) of each of 2,048 folded radius-2 Morgan environments: RDKit's older
+    hashed-fingerprint function, not the generator molds calls."""
+    from rdkit import Chem, RDLogger
+    from rdkit.Chem import rdMolDescriptors
+
+    RDLogger.DisableLog("rdApp.warning")  # (the older function's deprecation line)
+    try:
+        rows = np.zeros((len(smiles), 2048))
+        for i, s in enumerate(smiles):
+            fp = rdMolDescriptors.GetHashedMorganFingerprint(Chem.MolFromSmiles(s), 2, nBits=2048)
+            for bit, count in fp.GetNonzeroElements().items():
+                rows[i, bit] = count
+    finally:
+        RDLogger.EnableLog("rdApp.warning")
+    return np.log1p(rows)
+
+
+def test_the_morgan_features_are_rdkits_count_fingerprint_read_as_they_are():
+    from molds.chemistry.features import feature_moments, feature_names, molecule_features
+
+    smiles = ["CCO", "c1ccccc1C(=O)O", "CCCCCCCCCCCCCCCCCC", "[Na+].[Cl-]", "OC1CCCCC1", "Cc1ccc2[nH]ccc2c1"]
+    descriptors = feature_names("rdkit2d")
+    assert feature_names("rdkit2d+morgan") == descriptors + feature_names("morgan") and len(feature_names("morgan")) == 2048
+    morgan = molecule_features(smiles, "morgan")
+    assert morgan.dtype == np.float32 and np.allclose(morgan, _morgan_counts(smiles), atol=1e-6)
+    assert morgan.max() > np.log(3)  # counts, not bits (the chain's CH2 environments)
+    both = molecule_features(smiles, "rdkit2d+morgan")
+    assert np.allclose(both, np.hstack([_rdkit_features(smiles, descriptors), morgan]), rtol=1e-6, atol=1e-6)
+    mean, std = feature_moments(both, "rdkit2d+morgan")
+    d = len(descriptors)
+    x = both.astype(np.float64)
+    sd = x[:, :d].std(axis=0, ddof=1)
+    assert np.allclose(mean[:d], x[:, :d].mean(axis=0), atol=1e-6)  # the descriptors standardized
+    assert np.allclose(std[:d], np.where(sd > 1e-6, sd, 1.0), atol=1e-6)
+    assert (mean[d:] == 0).all() and (std[d:] == 1).all()  # the counts as they are
+    with pytest.raises(ValueError, match="2265 features given for morgan's 2048"):
+        feature_moments(both, "morgan")
+
+
+def test_heads_read_the_morgan_counts_unscaled_and_molds_predict_agrees(tmp_path, capfd):
+    from molds.checkpoint import open_checkpoint
+    from molds.chemistry.features import feature_names
+    from molds.eval.properties import predict_properties
+    from molds.train import main
+
+    labelled = _labelled(tmp_path, ("logp", "tpsa"), n=160)
+    run = str(tmp_path / "morgan")
+    main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d+morgan",
+                                                   "--trainer.max_steps", "12"])
+    d = len(feature_names("rdkit2d"))
+    assert (f"model.molecule_features=rdkit2d+morgan: the property heads read {d + 2048} features of each "
+            f"molecule beside its tokens, {d} of them standardized" in capfd.readouterr().err)
+    train_smiles, _, _ = _split_rows(labelled, "train")
+    train_x = _rdkit_features(train_smiles, feature_names("rdkit2d"))
+    loaded = open_checkpoint(run)
+    model = loaded.model
+    assert np.allclose(model.feature_mean[:d].numpy(), train_x.mean(axis=0), atol=1e-4)
+    assert (model.feature_mean[d:] == 0).all() and (model.feature_std[d:] == 1).all()
+
+    smiles, ids, _ = _split_rows(labelled, "test")
+    x = torch.tensor(np.hstack([_rdkit_features(smiles, feature_names("rdkit2d")), _morgan_counts(smiles)]),
+                     dtype=torch.float32)
+    sp = loaded.specials
+    with torch.no_grad():
+        hand = np.stack([model(input_ids=torch.tensor([[sp.bos, *row, sp.eos]]), features=x[i:i + 1])
+                         ["predictions"][0].numpy() for i, row in enumerate(ids)])
+        row = torch.tensor([[sp.bos, *ids[0], sp.eos]])
+        counts = x[:1].clone()
+        counts[:, d:] = 0.0  # the same descriptors, no environment: the heads read the counts
+        assert not np.allclose(model(input_ids=row, features=counts)["predictions"][0].numpy(), hand[0], atol=1e-4)
+    found = predict_properties(loaded, smiles)
+    assert np.allclose(np.stack([found.values[i] for i in range(len(smiles))]), hand, rtol=1e-4, atol=1e-3)
 
 
 def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_agrees(tmp_path, capfd, monkeypatch):
