@@ -46,8 +46,9 @@ else differs between sets).
      or a virtual environment made from ``requirements-chemprop.txt``: Chemprop 2.3.1 pins
      another RDKit than molds'), on the CPU, with ``--nproc`` threads;
    - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads, which read
-     RDKit's 2D descriptors of each molecule beside its first token (the recipe's
-     ``model.molecule_features rdkit2d``; ``--finetune model.molecule_features=none``: tokens
+     RDKit's 2D descriptors and Morgan count fingerprint of each molecule beside its first token
+     (the recipe's ``model.molecule_features rdkit2d+morgan``; ``--finetune
+     model.molecule_features=none``: tokens
      alone, a model ``molds-export`` takes) (``recipes/cpu_property.json``: ``--epochs``
      passes over the training split, or
      ``--min-steps`` optimizer steps where those passes take fewer; 10
