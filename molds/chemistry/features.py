@@ -24,6 +24,8 @@ computed once.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..errors import MoldsError
@@ -81,13 +83,16 @@ def scaled(kind: str) -> np.ndarray:
     return np.concatenate([np.full(len(feature_names(part)), part not in UNSCALED) for part in _parts(kind)])
 
 
-_MORGAN = None
+@functools.cache
+def _morgan_generator():
+    from rdkit.Chem import rdFingerprintGenerator  # here: a model without molecule features loads no RDKit
+
+    return rdFingerprintGenerator.GetMorganGenerator(radius=MORGAN_RADIUS, fpSize=MORGAN_BITS)
 
 
 def _compute(smiles: str, kind: str) -> np.ndarray:
     from rdkit import Chem, rdBase  # here: a model without molecule features loads no RDKit
 
-    global _MORGAN
     with rdBase.BlockLogs():  # RDKit's log as the caller had it afterwards (not switched on for everyone)
         mol = Chem.MolFromSmiles(smiles)
     if mol is None:
@@ -95,11 +100,7 @@ def _compute(smiles: str, kind: str) -> np.ndarray:
     out = []
     for part in _parts(kind):
         if part == "morgan":
-            if _MORGAN is None:
-                from rdkit.Chem import rdFingerprintGenerator  # here: as above
-
-                _MORGAN = rdFingerprintGenerator.GetMorganGenerator(radius=MORGAN_RADIUS, fpSize=MORGAN_BITS)
-            out.append(np.log1p(_MORGAN.GetCountFingerprintAsNumPy(mol).astype(np.float64)))
+            out.append(np.log1p(_morgan_generator().GetCountFingerprintAsNumPy(mol).astype(np.float64)))
             continue
         from rdkit.Chem import Descriptors  # here: as above
 
