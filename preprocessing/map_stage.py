@@ -17,6 +17,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
+from molds.chemistry import quiet_rdkit
 from molds.chemistry.canonical import Canonicalizer, Molecule
 from molds.data.sdf import Misaligned, SDRecordParser
 from .readers import RawChunk, is_clean
@@ -268,6 +269,7 @@ class MapStage:
             return self.canonicalize._chem.MolToSmiles(mol)
         return None
 
+    @quiet_rdkit
     def _represent(self, canonical: str, unit=None) -> tuple[str | None, str | None]:
         """The row in the manifest's representation, decoded back and compared with its
         canonical SMILES: (text, None) or (None or what to show for the refusal, reason);

@@ -383,15 +383,13 @@ def aligned_pair_variants(sources: list[str], targets: list[str], row_hash: np.n
     layout ``randomized_variants`` gives molecules (list<list<uint16>>, empty for the other
     rows and for a spelling the vocabulary cannot take, which is counted). Roots come from
     (seed, the row hash), so any engine and partitioning writes the same ones."""
-    from rdkit import RDLogger
-
     from molds.chemistry.pairs import aligned_spellings
 
     from .tokenizer import SPECIAL_TOKENS
 
     # the sides were canonicalized already: RDKit's warnings on reading them again (a hydride
-    # reagent's "not removing hydrogen atom without neighbors", once per spelling) are noise
-    RDLogger.DisableLog("rdApp.*")
+    # reagent's "not removing hydrogen atom without neighbors", once per spelling) are noise,
+    # blocked by ``aligned_spellings``
     sep = encoder.token_id(SPECIAL_TOKENS["sep_token"])
     if sep is None:
         raise ValueError("--randomized_variants with pairs stores each pair as source <sep> target: the tokenizer "

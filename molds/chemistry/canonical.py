@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from . import quiet_rdkit
 from .representation import REASONS as REPRESENTATION_REASONS
 
 # the refusals of a pair record as a whole (``molds.chemistry.pairs``); a molecule of either side is
@@ -159,10 +160,9 @@ class Canonicalizer:
     """
 
     def __init__(self, options: ChemOptions):
-        from rdkit import Chem, RDLogger  # here: molds-preprocess --help loads no RDKit
+        from rdkit import Chem  # here: molds-preprocess --help loads no RDKit
         from rdkit.Chem.Scaffolds import MurckoScaffold  # here: molds-preprocess --help loads no RDKit
 
-        RDLogger.DisableLog("rdApp.*")
         self.options = options
         self._chem = Chem
         self._scaffold_of = MurckoScaffold.GetScaffoldForMol
@@ -180,18 +180,19 @@ class Canonicalizer:
             if options.uncharge:
                 self._steps.append(rdMolStandardize.Uncharger().uncharge)
 
+    @quiet_rdkit
     def __call__(self, raw: str) -> Molecule | str:
-        mol = self.parse(raw)
+        mol = self._parse(raw)
         if isinstance(mol, str):
             return mol
-        molecule = self.from_mol(mol)
+        molecule = self._from_mol(mol)
         # a parsed SMILES with whitespace in it was read with its CXSMILES extension (any other
         # whitespace is refused by ``parse``)
         if isinstance(molecule, Molecule) and _WHITESPACE.search(raw.strip()):
             self.cxsmiles += 1
         return molecule
 
-    def parse(self, raw: str):
+    def _parse(self, raw: str):
         """One raw SMILES (or CXSMILES) to an RDKit molecule, or the reason it is refused;
         the length checks that come before parsing included. ``__call__`` is ``parse`` then
         ``from_mol``; a caller that changes the molecule in between (``molds.chemistry.pairs`` clears
@@ -232,13 +233,13 @@ class Canonicalizer:
             self._cx.allowCXSMILES, self._cx.strictCXSMILES, self._cx.parseName = True, True, False
         return self._cx
 
-    def from_mol(self, mol, check_length: bool = False, keep_mol: bool = False) -> Molecule | str:
+    def _from_mol(self, mol, check_length: bool = False, keep_mol: bool = False) -> Molecule | str:
         """The steps after parsing, for a molecule RDKit has already read (an SD record).
         ``check_length``: hold the canonical SMILES to ``max_smiles_length`` (a SMILES input
         is held to it before parsing). ``keep_mol``: the standardized molecule (with the
         record's coordinates) goes with the result as ``Molecule.mol``."""
         opts, Chem = self.options, self._chem
-        mol = self.standardize(mol)
+        mol = self._standardize(mol)
         if isinstance(mol, str):
             return mol
         if mol.GetNumHeavyAtoms() > opts.max_heavy_atoms:
@@ -263,7 +264,7 @@ class Canonicalizer:
             key = canonical
         return Molecule(canonical, scaffold, key, mol if keep_mol else None)
 
-    def standardize(self, mol):
+    def _standardize(self, mol):
         """The options' standardization steps and stereo removal on a parsed molecule, or the
         reason it is refused (``from_mol``'s first steps)."""
         if mol.GetNumHeavyAtoms() > self.options.max_heavy_atoms:  # exact, before the costly steps (the
@@ -297,3 +298,8 @@ class Canonicalizer:
         except Exception:
             return "sanitize_error"
         return "sanitize_error"
+
+    # the public steps, each with RDKit's log blocked (``__call__`` blocks it once for both)
+    parse = quiet_rdkit(_parse)
+    from_mol = quiet_rdkit(_from_mol)
+    standardize = quiet_rdkit(_standardize)

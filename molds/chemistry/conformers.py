@@ -34,10 +34,12 @@ import string
 import time
 
 import numpy as np
-from rdkit import Chem, RDLogger
+from rdkit import Chem
 from rdkit.Chem import AllChem, rdDistGeom, rdMolTransforms
 from rdkit.Geometry import Point3D
 from xxhash import xxh3_64_intdigest
+
+from . import quiet_rdkit
 
 TAGS = ("[SMILES]", "[/SMILES]", "[CONFORMER]", "[/CONFORMER]")
 UNIT = re.compile(r"^\[SMILES\](.+?)\[/SMILES\]\[CONFORMER\](.*?)\[/CONFORMER\]$", re.S)
@@ -143,6 +145,7 @@ class UnitTemplate:
     def describe(self) -> dict:
         return {"template": self.template, "fields": list(self.fields), "frame": self.frame}
 
+    @quiet_rdkit
     def build(self, canonical: str, values: dict):
         """The unit of a row (canonical SMILES, {field: the record's value or None})."""
         missing = [name for name in self.fields if values.get(name) is None]
@@ -189,6 +192,7 @@ class UnitTemplate:
         return _unit_at(canonical, _placed(canonical, rows[_output_order(mol)]), None, self.decimals, self.frame)
 
 
+@quiet_rdkit
 def unit_of_record(canonical: str, mol, decimals: int = 2, frame: str = "canonical"):
     """``--conformers sd``: the unit of an SD record's own 3D coordinates. ``mol`` is the
     molecule the ETL made of the record (hydrogens removed, standardized: RDKit's fragment,
@@ -360,13 +364,13 @@ class Embedder:
 
     def __init__(self, seed: int = 0, mmff: bool = True, timeout_s: int = 2, decimals: int = 2,
                  max_mmff_iters: int = 500):
-        RDLogger.DisableLog("rdApp.*")
         if not 1 <= timeout_s <= 3600 or not 0 <= decimals <= 4:
             raise ValueError("conformer timeout_s must be in [1, 3600] and decimals in [0, 4]")
         self.Chem, self.AllChem, self.dg, self.transforms = Chem, AllChem, rdDistGeom, rdMolTransforms
         self.seed, self.mmff, self.timeout_s, self.decimals, self.max_mmff_iters = (
             seed, mmff, timeout_s, decimals, max_mmff_iters)
 
+    @quiet_rdkit
     def embed(self, smiles: str, seed: int):
         """Heavy-atom positions (SMILES order) of one conformer, or a reason string; and notes."""
         Chem = self.Chem
@@ -406,6 +410,7 @@ class Embedder:
         return format_unit(canonical, positions, self.decimals), None, notes
 
 
+@quiet_rdkit
 def reference_bond_lengths(smiles: str, seed: int = 0):
     """Heavy-atom bond lengths {(i, j): Å} of the MMFF-relaxed ETKDG geometry, or None."""
     mol = Chem.MolFromSmiles(smiles)
@@ -425,6 +430,7 @@ def reference_bond_lengths(smiles: str, seed: int = 0):
                                                              ** 2).sum() ** 0.5) for b in heavy.GetBonds()}
 
 
+@quiet_rdkit
 def bond_check(text: str, tolerance: float = BOND_TOLERANCE) -> dict:
     """One sampled unit: does it decode to a molecule with coordinates (one x,y,z per heavy
     atom), and are all its bond lengths within ``tolerance`` Å of the MMFF-relaxed geometry's?"""

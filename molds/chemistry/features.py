@@ -29,6 +29,7 @@ import functools
 import numpy as np
 
 from ..errors import MoldsError
+from . import quiet_rdkit
 
 #: the feature sets by name
 KINDS = ("rdkit2d", "morgan", "rdkit2d+morgan")
@@ -90,11 +91,11 @@ def _morgan_generator():
     return rdFingerprintGenerator.GetMorganGenerator(radius=MORGAN_RADIUS, fpSize=MORGAN_BITS)
 
 
+@quiet_rdkit  # the descriptors' own notes too ("not removing hydrogen atom without neighbors", a hydride)
 def _compute(smiles: str, kind: str) -> np.ndarray:
-    from rdkit import Chem, rdBase  # here: a model without molecule features loads no RDKit
+    from rdkit import Chem  # here: a model without molecule features loads no RDKit
 
-    with rdBase.BlockLogs():  # RDKit's log as the caller had it afterwards (not switched on for everyone)
-        mol = Chem.MolFromSmiles(smiles)
+    mol = Chem.MolFromSmiles(smiles)
     if mol is None:
         raise MoldsError(f"molecule features: RDKit cannot read {smiles!r}")
     out = []

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from rdkit import Chem
 from rdkit.Chem import rdFMCS
 
+from . import quiet_rdkit
 from .canonical import PAIR_REASONS, Canonicalizer, ChemOptions  # noqa: F401 (PAIR_REASONS: the pair refusals)
 from .tasks import REAGENT_POLICIES, TASKS, PairOptions  # noqa: F401 (the ETL reads them from here)
 
@@ -209,6 +210,7 @@ def _draw_spelling(mols, roots, rng, where: dict | None = None) -> tuple[str, di
     return ".".join(texts), where
 
 
+@quiet_rdkit
 def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
     """Up to ``count`` distinct spellings of a canonical side, for test-time augmentation: the
     side as given first, then each molecule rooted at a random atom (one per class of
@@ -232,6 +234,7 @@ def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
     return out
 
 
+@quiet_rdkit
 def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tuple[str, str]] | None:
     """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022). The
     source is written as a user may write it, the way ``rooted_spellings`` draws it at test

@@ -35,6 +35,7 @@ import importlib
 import importlib.metadata
 
 from ..errors import MoldsError
+from . import quiet_rdkit
 
 SMILES_PATTERN = (
     r"(\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>|\*|\$"
@@ -142,6 +143,7 @@ class Safe(Representation):
         except ImportError:
             pass
 
+    @quiet_rdkit
     def encode(self, canonical):
         safe = self.safe
         try:
@@ -154,6 +156,7 @@ class Safe(Representation):
         except Exception:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
             return None, "safe_encode_error"
 
+    @quiet_rdkit
     def encode_fragments(self, smiles: str, randomize: bool = False, seed: int = 0) -> str:
         """Fragments as they are (no slicing), each ``[*]`` an open attachment digit: the
         start of a SAFE string another fragment completes (constrained design)."""
@@ -165,6 +168,7 @@ class Safe(Representation):
         except Exception as exc:  # noqa: BLE001 - SAFEEncodeError and RDKit errors inside it
             raise MoldsError(f"SAFE cannot encode {smiles!r} as a fragment: {exc}") from exc
 
+    @quiet_rdkit
     def decode(self, text):
         try:
             return self.safe.decode(text, canonical=False, ignore_errors=True) or None

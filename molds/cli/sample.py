@@ -100,10 +100,10 @@ def run(argv: list[str]) -> int:
         write_text(args.out, lines)
         print(f"[molds] {args.num} samples from {loaded.checkpoint} -> {args.out}", file=sys.stderr)
     if design is not None:
-        from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
+        from rdkit import Chem, rdBase  # here: molds-sample --help loads no RDKit
 
-        RDLogger.DisableLog("rdApp.*")
-        valid = sum(bool(s) and Chem.MolFromSmiles(s) is not None for s in smiles)
+        with rdBase.BlockLogs():
+            valid = sum(bool(s) and Chem.MolFromSmiles(s) is not None for s in smiles)
         kept = sum(keeps(s, design) for s in smiles)
         summary = {"constraint": design.task, "prefixes": len(design.prefixes), "samples": len(smiles),
                    "valid": valid, "kept": kept, "kept_share": kept / len(smiles), "kept_means": design.what}

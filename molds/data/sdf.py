@@ -28,6 +28,8 @@ from __future__ import annotations
 import io
 import re
 
+from ..chemistry import quiet_rdkit
+
 MAX_RECORD_BYTES = 8 << 20  # a larger record is refused (``record_too_large``) without being held
 TITLE_TAG = "_Name"  # --id-column _Name: the record's title line (RDKit's name for it)
 _BLOCK = 1 << 20
@@ -145,9 +147,8 @@ class SDRecordParser:
     """
 
     def __init__(self, id_tag: str | None, label_tags: tuple[str, ...]):
-        from rdkit import Chem, RDLogger, rdBase  # RDKit: loaded where SD records are parsed, not to split them
+        from rdkit import Chem, rdBase  # RDKit: loaded where SD records are parsed, not to split them
 
-        RDLogger.DisableLog("rdApp.*")
         self.Chem, self.rdBase = Chem, rdBase
         self.id_tag, self.label_tags = id_tag, tuple(label_tags)
 
@@ -173,19 +174,23 @@ class SDRecordParser:
         try:
             supplier = iter(self._supplier(b"".join(records)))
             for data, line in zip(records, first_lines):
-                mol = next(supplier)
+                with self.rdBase.BlockLogs():  # not across the yield: the caller's own code keeps its log
+                    mol = next(supplier)
                 yield self._result(data, line, mol)
-            extra = next(supplier, _END_OF_SUPPLY)
+            with self.rdBase.BlockLogs():
+                extra = next(supplier, _END_OF_SUPPLY)
         except Exception as exc:  # noqa: BLE001 - StopIteration (fewer molecules) or RDKit's error
             raise Misaligned from exc
         if extra is not _END_OF_SUPPLY:
             raise Misaligned
 
+    @quiet_rdkit
     def read_each(self, records: list[bytes], first_lines: list[int]) -> list[tuple]:
         """The records of a batch, each read by a supplier of its own."""
         return [self._result(data, line, next(iter(self._read(data)), None))
                 for data, line in zip(records, first_lines)]
 
+    @quiet_rdkit
     def _result(self, data: bytes, line: int, mol) -> tuple:
         note = None
         if mol is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..chemistry import quiet_rdkit
 from ..errors import MoldsError
 from .sampling import sample_ids
 
@@ -37,10 +38,10 @@ class Design:
     what: str = ""  # what the keep test checks, for the report
 
 
+@quiet_rdkit
 def _mol(smiles: str, what: str):
-    from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
+    from rdkit import Chem  # here: molds-sample --help loads no RDKit
 
-    RDLogger.DisableLog("rdApp.*")
     mol = Chem.MolFromSmiles(smiles) if smiles else None
     if mol is None:
         raise MoldsError(f"{what} {smiles!r}: RDKit cannot read it as SMILES")
@@ -124,6 +125,7 @@ def plan(task: str, values: list[str], representation, variants: int = 10, seed:
     return Design(task, prefixes, queries, connected=True, what=what)
 
 
+@quiet_rdkit
 def keeps(smiles: str | None, design: Design) -> bool:
     """Whether a decoded sample keeps the constraint."""
     from rdkit import Chem  # here: molds-sample --help loads no RDKit

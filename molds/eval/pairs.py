@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..chemistry import quiet_rdkit
 from ..chemistry.canonical import ChemOptions
 from ..chemistry.tasks import direction
 from ..errors import MoldsError
@@ -345,6 +346,7 @@ def rows_budget(rows: list[dict], model, asked: int = 0) -> int:
                          model.config.max_position_embeddings, asked, encoder_decoder(model))
 
 
+@quiet_rdkit
 def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]) -> dict:
     """Mol2Mol: over the valid first predictions, the mean Tanimoto similarity (Morgan radius
     2, 2,048 bits) to the source, the share that return the source, and the mean change of

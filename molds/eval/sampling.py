@@ -92,15 +92,14 @@ def texts_to_smiles(texts: list[str | None], representation=None, canonical: boo
         return list(texts)
     if not canonical:
         return [None if t is None else representation.decode(t) for t in texts]
-    from rdkit import Chem, RDLogger  # here: molds-sample --help loads no RDKit
-
-    RDLogger.DisableLog("rdApp.*")
+    from rdkit import Chem, rdBase  # here: molds-sample --help loads no RDKit
 
     def canonical(smiles: str | None) -> str | None:
         mol = Chem.MolFromSmiles(smiles) if smiles else None
         return Chem.MolToSmiles(mol) if mol is not None else smiles
 
-    return [None if t is None else canonical(representation.decode(t)) for t in texts]
+    with rdBase.BlockLogs():
+        return [None if t is None else canonical(representation.decode(t)) for t in texts]
 
 
 def ids_to_smiles(tokenizer, samples: list[list[int] | None], representation=None) -> list[str | None]:

@@ -26,10 +26,11 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
-from rdkit import Chem, RDLogger
+from rdkit import Chem
 from rdkit.Chem import QED, Crippen, Descriptors, Lipinski, rdMolDescriptors
 from scipy.stats import wasserstein_distance
 
+from ..chemistry import quiet_rdkit
 from ..scoring.components import _sascorer
 from .generation import reference_smiles
 
@@ -75,8 +76,8 @@ def property_table(mols: Sequence) -> dict[str, np.ndarray]:
     return {name: np.asarray([r[name] for r in rows], dtype=float) for name in PROPERTIES}
 
 
+@quiet_rdkit
 def _mols(smiles: Sequence[str]) -> list:
-    RDLogger.DisableLog("rdApp.*")
     return [m for m in (Chem.MolFromSmiles(s) for s in smiles if s) if m is not None]
 
 

@@ -48,10 +48,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rdkit import Chem, DataStructs, RDLogger
+from rdkit import Chem, DataStructs, rdBase
 from rdkit.Chem import AllChem, FilterCatalog, rdFingerprintGenerator
 from rdkit.Chem.Scaffolds import MurckoScaffold
 
+from molds.chemistry import quiet_rdkit
 from molds.chemistry.canonical import Canonicalizer, ChemOptions, Molecule
 
 from ..runtime.atomic import write_bytes
@@ -64,9 +65,9 @@ def _canonicalizer(manifest):
     return Canonicalizer(ChemOptions.of_manifest(manifest))
 
 
+@quiet_rdkit
 def parse_samples(smiles: Sequence[str | None], manifest=None) -> list[dict | None]:
     """Each sample -> None (invalid) or {"mol", "canonical", "scaffold"}."""
-    RDLogger.DisableLog("rdApp.*")
     canon = _canonicalizer(manifest)
     out = []
     for s in smiles:
@@ -174,8 +175,8 @@ def chemnet_stats(smiles: Sequence[str], chunk: int = 20000) -> dict:
     # fcd_torch parses each SMILES again and raises on one RDKit cannot read, ending the whole
     # FCD: a canonical SMILES RDKit wrote need not read back (an aromatic system it cannot
     # kekulize from its own output). Those are left out, counted on stderr.
-    RDLogger.DisableLog("rdApp.*")
-    readable = [s for s in smiles if s and Chem.MolFromSmiles(s) is not None]
+    with rdBase.BlockLogs():
+        readable = [s for s in smiles if s and Chem.MolFromSmiles(s) is not None]
     if len(readable) < len(smiles):
         print(f"[molds] FCD: {len(smiles) - len(readable)} of {len(smiles)} SMILES left out: RDKit cannot read "
               f"them back (canonical SMILES that do not round-trip)", file=sys.stderr)

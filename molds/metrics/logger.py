@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from ..chemistry import quiet_rdkit
 from ..runtime.atomic import write_text
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, without sparsity).
@@ -97,6 +98,7 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_image(tag, hwc, step, dataformats="HWC")
 
+    @quiet_rdkit
     def molecules(self, tag: str, smiles: list, step: int, n: int, legends: list | None = None) -> None:
         """The first ``n`` molecules RDKit reads, drawn as a grid (legend: the SMILES, or
         ``legends``)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..chemistry import quiet_rdkit
 from ..errors import RecipeError
 from . import components, external, transforms
 
@@ -59,11 +60,8 @@ class Scores:
 
 
 class Scorer:
+    @quiet_rdkit  # a SMARTS RDKit cannot read is said once, by the refusal
     def __init__(self, definition, where: str = "scoring"):
-        from rdkit import RDLogger  # here: molds-score --help loads no RDKit
-
-        RDLogger.DisableLog("rdApp.*")  # a SMARTS RDKit cannot read is said once, by the refusal
-
         if isinstance(definition, str):
             definition = {"oracle": definition}
         if not isinstance(definition, dict):
@@ -107,10 +105,10 @@ class Scorer:
                                transforms.make_transform(spec.get("transform"), f"{at}.transform")))
         self.definition = definition
 
+    @quiet_rdkit
     def __call__(self, smiles: list) -> Scores:
-        from rdkit import Chem, RDLogger  # here: molds-score --help loads no RDKit
+        from rdkit import Chem  # here: molds-score --help loads no RDKit
 
-        RDLogger.DisableLog("rdApp.*")
         smiles = list(smiles)
         mols, reasons = [], []
         for s in smiles:

@@ -25,6 +25,7 @@ from rdkit.Chem import QED as qed, Crippen, Descriptors, Lipinski, rdFingerprint
 from rdkit.Chem.Pharm2D import Generate, Gobbi_Pharm2D
 from rdkit.Contrib.SA_Score import sascorer
 
+from ..chemistry import quiet_rdkit
 from ..errors import RecipeError
 
 FINGERPRINTS = ("ECFP4", "ECFP6", "FCFP4", "FCFP6", "AP", "PHCO")
@@ -57,6 +58,7 @@ def tanimoto(a, b) -> float:
     return DataStructs.TanimotoSimilarity(a, b)
 
 
+@quiet_rdkit
 def _mol(smiles: str, where: str):
     mol = Chem.MolFromSmiles(smiles) if isinstance(smiles, str) and smiles else None
     if mol is None:
@@ -64,6 +66,7 @@ def _mol(smiles: str, where: str):
     return mol
 
 
+@quiet_rdkit
 def _smarts(pattern, where: str):
     q = Chem.MolFromSmarts(pattern) if isinstance(pattern, str) and pattern else None
     if q is None:
@@ -191,6 +194,7 @@ PROPERTY_NAMES = ("mw", "exact_mw", "logp", "tpsa", "hbd", "hba", "rotatable_bon
                   "heavy_atoms", "bertz", "fsp3", "formal_charge", "stereocenters", "atoms:<element>")
 
 
+@quiet_rdkit
 def computed_properties(smiles: list[str], names: tuple[str, ...]) -> list[list[float | None]]:
     """Each text's ``names`` properties (``PROPERTY_NAMES``' table, RDKit's descriptors), in
     order; ``None`` for a property that cannot be computed, every one where RDKit cannot read
