@@ -9,6 +9,8 @@
 - ``pairs``: reactions and molecule pairs made canonical (source, target) for pair tasks;
 - ``overlap``: which molecules of a corpus a set of files holds, compared by their parents
   (as the ETL's standardization makes molecules one);
+- ``fingerprints``: RDKit's fingerprint generators, one of each kind per process, for every
+  part of molds that fingerprints molecules;
 - ``tasks``: the pair tasks and their options in words (what a model of each reads and
   writes), without RDKit: a checkpoint's lineage keeps them;
 - ``tokens``: token-level constants and the special-token ids of a tokenizer artifact.

@@ -24,12 +24,10 @@ computed once.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ..errors import MoldsError
-from . import quiet_rdkit
+from . import fingerprints, quiet_rdkit
 
 #: the feature sets by name
 KINDS = ("rdkit2d", "morgan", "rdkit2d+morgan")
@@ -84,13 +82,6 @@ def scaled(kind: str) -> np.ndarray:
     return np.concatenate([np.full(len(feature_names(part)), part not in UNSCALED) for part in _parts(kind)])
 
 
-@functools.cache
-def _morgan_generator():
-    from rdkit.Chem import rdFingerprintGenerator  # here: a model without molecule features loads no RDKit
-
-    return rdFingerprintGenerator.GetMorganGenerator(radius=MORGAN_RADIUS, fpSize=MORGAN_BITS)
-
-
 @quiet_rdkit  # the descriptors' own notes too ("not removing hydrogen atom without neighbors", a hydride)
 def _compute(smiles: str, kind: str) -> np.ndarray:
     from rdkit import Chem  # here: a model without molecule features loads no RDKit
@@ -101,7 +92,7 @@ def _compute(smiles: str, kind: str) -> np.ndarray:
     out = []
     for part in _parts(kind):
         if part == "morgan":
-            out.append(np.log1p(_morgan_generator().GetCountFingerprintAsNumPy(mol).astype(np.float64)))
+            out.append(np.log1p(fingerprints.morgan(MORGAN_RADIUS, MORGAN_BITS).GetCountFingerprintAsNumPy(mol).astype(np.float64)))
             continue
         from rdkit.Chem import Descriptors  # here: as above
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..chemistry import quiet_rdkit
+from ..chemistry import fingerprints, quiet_rdkit
 from ..chemistry.canonical import ChemOptions
 from ..chemistry.tasks import direction
 from ..errors import MoldsError
@@ -353,11 +353,9 @@ def similarity_to_source(predictions: list[list[Prediction]], sources: list[str]
     logP (Crippen), QED and molecular weight from the source to the prediction (signed, and
     absolute as ``abs_delta_*``)."""
     from rdkit import Chem, DataStructs  # here: molds-predict --help loads no RDKit
-    from rdkit.Chem import (  # here: molds-predict --help loads no RDKit
-        QED, Crippen, Descriptors, rdFingerprintGenerator,
-    )
+    from rdkit.Chem import QED, Crippen, Descriptors  # here: molds-predict --help loads no RDKit
 
-    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
+    gen = fingerprints.morgan(2, 2048)
     props = {"logp": Crippen.MolLogP, "qed": QED.qed, "mw": Descriptors.MolWt}
     sims, same, deltas = [], 0, {k: [] for k in props}
     for preds, src in zip(predictions, sources):

@@ -49,10 +49,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from rdkit import Chem, DataStructs, rdBase
-from rdkit.Chem import AllChem, FilterCatalog, rdFingerprintGenerator
+from rdkit.Chem import AllChem, FilterCatalog
 from rdkit.Chem.Scaffolds import MurckoScaffold
 
-from molds.chemistry import quiet_rdkit
+from molds.chemistry import fingerprints, quiet_rdkit
 from molds.chemistry.canonical import Canonicalizer, ChemOptions, Molecule
 
 from ..runtime.atomic import write_bytes
@@ -97,8 +97,7 @@ def internal_diversity(mols: Sequence, max_mols: int = 5000, seed: int = 0) -> f
     mols = list(mols)
     if len(mols) > max_mols:
         mols = random.Random(seed).sample(mols, max_mols)
-    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
-    fps = [gen.GetFingerprint(m) for m in mols]
+    fps = morgan_fingerprints(mols)
     total = 0.0
     for fp in fps:
         total += sum(DataStructs.BulkTanimotoSimilarity(fp, fps))
@@ -259,7 +258,7 @@ def fcd_score(generated: Sequence[str], reference) -> float | None:
 
 
 def morgan_fingerprints(mols) -> list:
-    gen = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
+    gen = fingerprints.morgan(2, 1024)
     return [gen.GetFingerprint(m) for m in mols]
 
 

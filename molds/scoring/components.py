@@ -21,11 +21,11 @@ import re
 
 import numpy as np
 from rdkit import Chem, DataStructs
-from rdkit.Chem import QED as qed, Crippen, Descriptors, Lipinski, rdFingerprintGenerator as gen, rdMolDescriptors
+from rdkit.Chem import QED as qed, Crippen, Descriptors, Lipinski, rdMolDescriptors
 from rdkit.Chem.Pharm2D import Generate, Gobbi_Pharm2D
 from rdkit.Contrib.SA_Score import sascorer
 
-from ..chemistry import quiet_rdkit
+from ..chemistry import fingerprints, quiet_rdkit
 from ..errors import RecipeError
 
 FINGERPRINTS = ("ECFP4", "ECFP6", "FCFP4", "FCFP6", "AP", "PHCO")
@@ -35,23 +35,9 @@ def fingerprint(mol, kind: str):
     if kind == "PHCO":
         return Generate.Gen2DFingerprint(mol, Gobbi_Pharm2D.factory)
     if kind == "AP":
-        return _generator("AP", lambda: gen.GetAtomPairGenerator(maxDistance=10)).GetSparseCountFingerprint(mol)
+        return fingerprints.atom_pairs(10).GetSparseCountFingerprint(mol)
     radius = 2 if kind.endswith("4") else 3
-    if kind.startswith("F"):
-        make = lambda: gen.GetMorganGenerator(  # noqa: E731
-            radius=radius, atomInvariantsGenerator=gen.GetMorganFeatureAtomInvGen())
-    else:
-        make = lambda: gen.GetMorganGenerator(radius=radius)  # noqa: E731
-    return _generator(kind, make).GetSparseCountFingerprint(mol)
-
-
-_GENERATORS: dict = {}
-
-
-def _generator(kind, make):
-    if kind not in _GENERATORS:
-        _GENERATORS[kind] = make()
-    return _GENERATORS[kind]
+    return fingerprints.morgan(radius, features=kind.startswith("F")).GetSparseCountFingerprint(mol)
 
 
 def tanimoto(a, b) -> float:
