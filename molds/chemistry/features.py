@@ -92,7 +92,8 @@ def _compute(smiles: str, kind: str) -> np.ndarray:
     out = []
     for part in _parts(kind):
         if part == "morgan":
-            out.append(np.log1p(fingerprints.morgan(MORGAN_RADIUS, MORGAN_BITS).GetCountFingerprintAsNumPy(mol).astype(np.float64)))
+            counts = fingerprints.morgan(MORGAN_RADIUS, MORGAN_BITS).GetCountFingerprintAsNumPy(mol)
+            out.append(np.log1p(counts.astype(np.float64)))
             continue
         from rdkit.Chem import Descriptors  # here: as above
 
