@@ -48,9 +48,8 @@ else differs between sets).
    - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads, which read
      RDKit's 2D descriptors and Morgan count fingerprint of each molecule beside its first token
      (the recipe's ``model.molecule_features rdkit2d+morgan``; ``--finetune
-     model.molecule_features=none``: tokens
-     alone, a model ``molds-export`` takes) (``recipes/cpu_property.json``: ``--epochs``
-     passes over the training split, or
+     model.molecule_features=none``: tokens alone, a model ``molds-export`` takes)
+     (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, or
      ``--min-steps`` optimizer steps where those passes take fewer; 10
      checkpoints; ``--finetune KEY=VALUE ...`` overrides the recipe's keys, the same for every
      set); the model kept is the mean of the weights of the ``--average`` checkpoints best
