@@ -749,10 +749,10 @@ def run_set(args, s: dict, pretrained: str) -> dict:
 
 def tokenizer_of(run: str) -> str:
     """The tokenizer directory of the manifest a run trained on (its lineage's)."""
-    from molds.checkpoint import read_lineage, resolve
-    from molds.data.manifest import Manifest
+    from molds.checkpoint import read_lineage, resolve, trained_manifest
 
-    return Manifest.load(read_lineage(resolve(run, quiet=True))["manifest"]).tokenizer_path
+    checkpoint = resolve(run, quiet=True)
+    return trained_manifest(checkpoint, read_lineage(checkpoint)).tokenizer_path
 
 
 def headline(result: dict, method: str = "scaffold") -> dict:

@@ -346,6 +346,7 @@ def setup(recipe, plan=None) -> Run:
                             world_size=topo.dp_size, features=getattr(model.config, "molecule_features", ""))
     lineage = {
         "recipe": recipe.to_dict(), "manifest_hash": manifest.hash, "manifest": manifest.path,
+        **({"manifest_dir": os.path.abspath(manifest.base)} if "://" not in manifest.path else {}),
         "vocab_hash": tokenizer.vocab_hash, "vocab_size": tokenizer.vocab_size,
         **({"vocab_extends": {k: manifest.data["tokenizer"]["extends"][k] for k in ("vocab_hash", "vocab_size")}}
            if "extends" in manifest.data["tokenizer"] else {}),

@@ -4,6 +4,7 @@ complete checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -68,3 +69,55 @@ def test_references_resolve_the_same_way(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         resolve(str(tmp_path / "empty"))
+
+
+def _manifest(directory, note: str) -> str:
+    """A minimal manifest (what ``Manifest.load`` checks) whose content hash depends on ``note``."""
+    from molds.data.manifest import FORMAT_VERSION
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "manifest.json"), "w") as fh:
+        json.dump({"format_version": FORMAT_VERSION, "created": "now", "canonicalization": {"note": note},
+                   "tokenizer": {"path": "tokenizer"}, "splits": {}, "stats": {}}, fh)
+    return str(directory)
+
+
+def _lineage(given: str, manifest_hash: str, absolute: str | None = None) -> dict:
+    return {"recipe": {"data": {"manifest": given}}, "manifest_hash": manifest_hash,
+            **({"manifest_dir": absolute} if absolute else {})}
+
+
+def test_a_checkpoint_finds_its_manifest_from_any_directory(tmp_path, monkeypatch):
+    """Training records the manifest's path as given (relative to where it ran) and, now, made
+    absolute: a checkpoint opened from another directory finds its manifest either way. An
+    older lineage (the relative path alone) is found under a directory above the checkpoint,
+    only where the content hash is the lineage's; where none is, one line says --manifest."""
+    from molds.checkpoint import trained_manifest
+    from molds.data.manifest import Manifest
+
+    project = tmp_path / "project"
+    right = _manifest(project / "data" / "set", "right")
+    decoy = _manifest(project / "runs" / "data" / "set", "decoy")  # nearer the checkpoint, another content
+    checkpoint = project / "runs" / "r" / "checkpoints" / "step-00000010"
+    os.makedirs(checkpoint)
+    want = Manifest.load(right)
+    elsewhere = tmp_path / "elsewhere"
+    os.makedirs(elsewhere)
+    monkeypatch.chdir(elsewhere)
+    # a lineage written now: the absolute path
+    got = trained_manifest(str(checkpoint), _lineage("data/set", want.hash, os.path.abspath(right)))
+    assert got.hash == want.hash
+    # an older lineage: the relative path under the checkpoint's parents, the decoy passed over
+    got = trained_manifest(str(checkpoint), _lineage("data/set", want.hash))
+    assert os.path.samefile(got.path, os.path.join(right, "manifest.json"))
+    assert Manifest.load(decoy).hash != want.hash
+    # from the directory training ran in, the path as given, as before
+    monkeypatch.chdir(project)
+    assert trained_manifest(str(checkpoint), _lineage("data/set", "another")).path == "data/set/manifest.json"
+    # nowhere: one line that names the path and the way out
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(CheckpointError, match=r"trained on the manifest data/set, .*give its directory with "
+                                              r"--manifest"):
+        trained_manifest(str(checkpoint), _lineage("data/set", "another"))
+    with pytest.raises(CheckpointError, match="names no data.manifest"):
+        trained_manifest(str(checkpoint), {"recipe": {}})

@@ -340,7 +340,7 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
                            "--smiles-column", "SMILES", "--splits", "scaffold_random", "--seeds", "0",
                            "--models", "molds", "rf", "--corpus-every", "40", "--pretrain-time", "8s", "--epochs", "2",
                            "--min-steps", "30", "--finetune", "optim.lr=3e-4", "data.max_tokens_per_batch=1024",
-                           "data.max_length=40", "--augment", "2", "--nproc", "1", "--output-dir", str(out)],
+                           "data.max_length=40", "--augment", "2", "--nproc", "1", "--output-dir", "bench"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -407,6 +407,10 @@ def test_the_benchmark_scores_every_molecule_of_a_set_the_pretraining_vocabulary
 
     with open(out / "set" / "scaffold_random-0" / "peers.csv", newline="") as fh:
         valid = [r for r in csv.DictReader(fh) if r["split"] == "val"]
+    # opened from this process's directory, not the one the benchmark ran in: the lineage's
+    # relative manifest path ("bench/...") does not read from here, its absolute one does
+    assert not os.path.exists(os.path.join("bench", "set")) and json.load(open(run_dir / "chosen" / "lineage.json"))[
+        "recipe"]["data"]["manifest"].startswith("bench")
     chosen = open_checkpoint(str(run_dir / "chosen"))
     found = predict_properties(chosen, [r["smiles"] for r in valid], augment=2, seed=0)
     per_task = []

@@ -49,7 +49,8 @@ from .layout import (
 from .state import load_canonical, read_json, read_model, rng_file, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "Loaded", "LATEST", "checkpoints_dir", "complete_checkpoints", "open_checkpoint",
-           "read_lineage", "resolve", "resolve_model", "restore", "same_features", "save_checkpoint"]
+           "read_lineage", "resolve", "resolve_model", "restore", "same_features", "save_checkpoint",
+           "trained_manifest"]
 
 DATA_STATE = "data_state.json"
 
@@ -202,6 +203,48 @@ def same_features(checkpoint: str, lineage: dict, kind: str) -> None:
                               f"difference at feature {first}: install RDKit {kept.get('rdkit')} to use it")
 
 
+def trained_manifest(checkpoint: str, lineage: dict) -> Manifest:
+    """The manifest ``checkpoint`` was trained on, wherever this process runs. Its lineage
+    keeps the path as training was given it (``data.manifest``, often relative to the
+    directory training ran in) and, since molds recorded it, that path made absolute
+    (``manifest_dir``). Tried in turn: the absolute path; the recorded path as it reads from
+    here; the recorded path under each directory above the checkpoint (training ran in one
+    of them when its run directory was relative too, as the recipes' are). A manifest found
+    by that search is taken only when its content hash is the lineage's; one that moved
+    since is named with ``--manifest``."""
+    given = lineage.get("recipe", {}).get("data", {}).get("manifest")
+    if not isinstance(given, str) or not given:
+        raise CheckpointError(f"{checkpoint}: its lineage names no data.manifest: damaged or not written by "
+                              f"molds; give the manifest it was trained on (--manifest)")
+    tried: list[str] = []
+
+    def found(path: str, check: bool) -> Manifest | None:
+        tried.append(path)
+        if "://" not in path and not os.path.exists(path if path.endswith(".json")
+                                                     else os.path.join(path, "manifest.json")):
+            return None
+        manifest = Manifest.load(path)
+        return manifest if not check or manifest.hash == lineage.get("manifest_hash") else None
+
+    absolute = lineage.get("manifest_dir")
+    for path, check in ([(absolute, False)] if isinstance(absolute, str) else []) + [(given, False)]:
+        manifest = found(path, check)
+        if manifest is not None:
+            return manifest
+    if "://" not in given and not os.path.isabs(given):
+        here = os.path.dirname(os.path.abspath(checkpoint))
+        while True:
+            manifest = found(os.path.join(here, given), True)
+            if manifest is not None:
+                return manifest
+            if os.path.dirname(here) == here:
+                break
+            here = os.path.dirname(here)
+    shown = ", ".join(tried[:3]) + (f" and {len(tried) - 3} more" if len(tried) > 3 else "")
+    raise CheckpointError(f"{checkpoint} was trained on the manifest {given}, which is not where its lineage says "
+                          f"(tried {shown}): give its directory with --manifest")
+
+
 def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cpu", *,
                     with_tokenizer: bool = True) -> Loaded:
     """Any checkpoint reference -> its model in fp32, rebuilt from its lineage's recipe
@@ -211,7 +254,7 @@ def open_checkpoint(ref: str, manifest_dir: str | None = None, device: str = "cp
     checkpoint = resolve_model(ref)
     lineage = read_lineage(checkpoint)
     recipe = lineage["recipe"]
-    manifest = Manifest.load(manifest_dir or recipe["data"]["manifest"])
+    manifest = Manifest.load(manifest_dir) if manifest_dir else trained_manifest(checkpoint, lineage)
     info = tokenizer_info(manifest)
     if info.vocab_hash != lineage.get("vocab_hash"):
         raise CheckpointError(f"{manifest.path} has another tokenizer than {checkpoint} was trained with "
