@@ -135,13 +135,9 @@ class Safe(Representation):
     name = "safe"
 
     def __init__(self):
+        # (safe-mol's converter, all molds calls, logs nothing; its loguru logger, which the
+        # package's other tools use, is left as the caller has it)
         self.safe = _require("safe")
-        try:  # safe-mol logs through loguru; its warnings are counted here instead
-            from loguru import logger  # optional: safe-mol logs through it
-
-            logger.disable("safe")
-        except ImportError:
-            pass
 
     @quiet_rdkit
     def encode(self, canonical):

@@ -152,3 +152,24 @@ def test_stored_randomized_spellings_are_smiles_only(options, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         run(PreprocessConfig(input=[str(src)], output=str(tmp_path / "out"), progress=False, **options))
     assert not (tmp_path / "out").exists()
+
+
+def test_safe_leaves_the_callers_loguru_logging_as_it_was():
+    """Making and using molds' SAFE representation does not switch off the "safe" package's
+    loguru logger for the whole process (it once did): a message the package logs afterwards
+    (sent from a module of that name) still reaches the caller's sink."""
+    pytest.importorskip("safe")
+    from loguru import logger
+
+    from molds.chemistry.representation import Safe
+
+    seen = []
+    sink = logger.add(seen.append, level="INFO", format="{name}: {message}")
+    try:
+        rep = Safe()
+        text, reason = rep.encode("CC(=O)Nc1ccc(O)cc1")
+        assert reason is None and rep.decode(text)
+        exec("logger.info('from the package')", {"__name__": "safe.utils", "logger": logger})
+    finally:
+        logger.remove(sink)
+    assert [str(m).strip() for m in seen] == ["safe.utils: from the package"]
