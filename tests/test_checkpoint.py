@@ -119,5 +119,6 @@ def test_a_checkpoint_finds_its_manifest_from_any_directory(tmp_path, monkeypatc
     with pytest.raises(CheckpointError, match=r"trained on the manifest data/set, .*give its directory with "
                                               r"--manifest"):
         trained_manifest(str(checkpoint), _lineage("data/set", "another"))
-    with pytest.raises(CheckpointError, match="names no data.manifest"):
-        trained_manifest(str(checkpoint), {"recipe": {}})
+    for damaged in ({"recipe": {}}, {"recipe": []}, {"recipe": {"data": "x"}}, {"recipe": {"data": {"manifest": 3}}}):
+        with pytest.raises(CheckpointError, match="names no data.manifest"):
+            trained_manifest(str(checkpoint), damaged)

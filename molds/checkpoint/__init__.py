@@ -212,7 +212,9 @@ def trained_manifest(checkpoint: str, lineage: dict) -> Manifest:
     of them when its run directory was relative too, as the recipes' are). A manifest found
     by that search is taken only when its content hash is the lineage's; one that moved
     since is named with ``--manifest``."""
-    given = lineage.get("recipe", {}).get("data", {}).get("manifest")
+    recipe = lineage.get("recipe")
+    data = recipe.get("data") if isinstance(recipe, dict) else None
+    given = data.get("manifest") if isinstance(data, dict) else None
     if not isinstance(given, str) or not given:
         raise CheckpointError(f"{checkpoint}: its lineage names no data.manifest: damaged or not written by "
                               f"molds; give the manifest it was trained on (--manifest)")
