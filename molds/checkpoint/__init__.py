@@ -229,8 +229,8 @@ def trained_manifest(checkpoint: str, lineage: dict) -> Manifest:
         return manifest if not check or manifest.hash == lineage.get("manifest_hash") else None
 
     absolute = lineage.get("manifest_dir")
-    for path, check in ([(absolute, False)] if isinstance(absolute, str) else []) + [(given, False)]:
-        manifest = found(path, check)
+    for path in ([absolute] if isinstance(absolute, str) else []) + [given]:
+        manifest = found(path, False)
         if manifest is not None:
             return manifest
     if "://" not in given and not os.path.isabs(given):
