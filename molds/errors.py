@@ -9,6 +9,7 @@ with ``--debug`` or ``MOLDS_DEBUG=1``. Anything else is a bug and keeps its trac
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -83,8 +84,43 @@ def report(prog: str, exc: BaseException) -> None:
     print(f"{prog}: error{where}: {text or type(exc).__name__}", file=sys.stderr, flush=True)
 
 
+class KnownNoise(logging.Filter):
+    """Drops the lines every model-building command printed on a CPU machine that say nothing
+    about the user's run: torchao (imported by transformers; molds' FP8 emulation uses it)
+    failing to load its CUDA extensions (``torchao/_C*.so``) into a CPU build of torch, which
+    can never load them, and torch's deprecation notice to torchao's own code for registering
+    torchao's enums as pytree constants. Only those records are dropped: both loggers keep
+    every other record, and a CUDA build of torch keeps the first (there a failed load means
+    something)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "torchao":
+            torch = sys.modules.get("torch")
+            version = getattr(torch, "version", None)
+            cpu_build = version is not None and not getattr(version, "cuda", None) and not getattr(version, "hip", None)
+            msg = record.getMessage()
+            return not (cpu_build and msg.startswith("Failed to load ") and "torchao/_C" in msg.replace(os.sep, "/"))
+        if record.name == "torch.utils._pytree" and record.args and isinstance(record.args, tuple):
+            cls = record.args[0]
+            return not (isinstance(cls, type) and cls.__module__.split(".")[0] == "torchao"
+                        and "is an Enum subclass" in str(record.msg))
+        return True
+
+
+KNOWN_NOISE = KnownNoise()
+
+
+def drop_known_noise() -> None:
+    """``KnownNoise`` on the two loggers concerned, once per process (every console script)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if KNOWN_NOISE not in logger.filters:
+            logger.addFilter(KNOWN_NOISE)
+
+
 def run_cli(prog: str, main, argv: list[str] | None = None) -> int:
     """Run ``main(argv)``; user errors become one line and exit status 2."""
+    drop_known_noise()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     argv = strip_debug(argv)

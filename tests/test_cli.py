@@ -99,6 +99,46 @@ def test_user_errors_are_one_line_printed_once(dataset, tmp_path, case):
     assert "Traceback" in debug.stderr
 
 
+NOISE_SCRIPT = r"""
+import enum, logging, os, sys
+import torch
+from molds.errors import run_cli
+
+def main(argv):
+    from transformers import RobertaForMaskedLM  # imports torchao, which logs as it loads
+    import torch.utils._pytree as pytree
+    cpu = torch.version.cuda is None and torch.version.hip is None
+    # the records the filter must drop where they arise, and their neighbours it must keep
+    logging.getLogger("torchao").warning("Failed to load %s: Could not load this library",
+                                         os.path.join("site-packages", "torchao", "_C_x.so"))
+    logging.getLogger("torchao").warning("KEPT: another torchao line")
+    class Mine(enum.Enum):
+        A = 1
+    pytree.log.warning("%s is an Enum subclass and is now natively supported", Mine)
+    Other = enum.Enum("Other", "B", module="torchao.quantization")
+    pytree.log.warning("%s is an Enum subclass and is now natively supported", Other)
+    print("CPU" if cpu else "CUDA", file=sys.stderr)
+
+sys.exit(run_cli("noise", main, []))
+"""
+
+
+def test_console_scripts_drop_the_known_third_party_noise_and_nothing_else():
+    """torchao's CUDA extensions failing to load into a CPU build of torch, and torch's notice
+    to torchao about its enums: four lines on every model-building command, dropped; the same
+    loggers' other records still shown."""
+    proc = _run([sys.executable, "-c", NOISE_SCRIPT])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "KEPT: another torchao line" in err
+    assert "Mine'> is an Enum subclass" in err  # an enum of another package: torch's notice stays
+    assert "Other'> is an Enum subclass" not in err and "KernelPreference" not in err
+    if err.strip().splitlines()[-1] == "CPU":
+        assert "Failed to load" not in err, err
+    else:  # a CUDA build of torch: a failed load of torchao's extensions means something there
+        assert "_C_x.so" in err
+
+
 @pytest.mark.parametrize("recipe", ["dense_ddp.json", "dense_zero2.json", "dense_zero3.json"])
 def test_every_engine_runs_as_one_plain_process(dataset, tmp_path, recipe):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
