@@ -93,7 +93,8 @@ class Run:
     resumed_from: str | None = None
     last_checkpoint: str | None = None
     fresh_heads: tuple | None = None  # a fine-tuning fork: (prefixes, tensors, what changed)
-    resized: tuple | None = None  # a fork onto a vocabulary that begins as its: (old size, new size, tensors)
+    # a fork onto a vocabulary that begins as its: (old size, new size, tensors, {new token: the token it starts from})
+    resized: tuple | None = None
     counters: dict = field(default_factory=lambda: {"nonfinite_steps": 0, "rollbacks": 0})
 
 
@@ -464,7 +465,9 @@ def _resume(run: Run, path: str, saved: dict) -> None:
         if fresh:
             run.lineage["fresh_heads"] = {"prefixes": list(fresh[0]), "changes": fresh[2]}
         if resized:
-            run.lineage["vocabulary_resized"] = {"from": resized[0], "to": resized[1], "tensors": sorted(resized[2])}
+            run.lineage["vocabulary_resized"] = {"from": resized[0], "to": resized[1], "tensors": sorted(resized[2]),
+                                                 "new_token_rows": recipe.checkpoint.new_token_rows,
+                                                 "started_from": resized[3]}
         run.lineage["parent"] = {"checkpoint": os.path.abspath(path), "step": step,
                                  "manifest_hash": saved.get("manifest_hash"), "run": saved.get("recipe", {}).get("run")}
         if dist.is_main:
@@ -472,10 +475,16 @@ def _resume(run: Run, path: str, saved: dict) -> None:
                   f"{' and optimizer moments' if recipe.checkpoint.fork_optimizer else ''} kept, step 0, fresh data "
                   f"cursor on {run.manifest.path}", file=sys.stderr)
             if resized and resized[1] > resized[0]:
+                by_element = {t: e for t, e in resized[3].items() if e is not None}
+                shown = ", ".join(f"{t} as {e}" for t, e in list(by_element.items())[:8])
+                shown += f" and {len(by_element) - 8} more" if len(by_element) > 8 else ""
+                rows = (f"from the checkpoint's token of the same element for {len(by_element)} ({shown}), at the "
+                        f"mean of the checkpoint's for {len(resized[3]) - len(by_element)}" if by_element
+                        else "at the mean of the checkpoint's")
                 print(f"[molds] the vocabulary grows from {resized[0]} to {resized[1]} tokens (the manifest's "
                       f"tokenizer adds {resized[1] - resized[0]} to the checkpoint's, whose ids stay): "
-                      f"{', '.join(sorted(resized[2]))} take their new rows at the mean of the checkpoint's",
-                      file=sys.stderr)
+                      f"{', '.join(sorted(resized[2]))} take their new rows {rows} "
+                      f"(checkpoint.new_token_rows {recipe.checkpoint.new_token_rows})", file=sys.stderr)
             elif resized:
                 print(f"[molds] the vocabulary shrinks from {resized[0]} to {resized[1]} tokens (the checkpoint's was "
                       f"grown from the manifest's): {', '.join(sorted(resized[2]))} drop the rows of the "

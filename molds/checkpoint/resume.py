@@ -26,6 +26,7 @@ import fnmatch
 
 import torch
 
+from ..chemistry.tokens import element_token
 from ..data.manifest import vocab_hash
 from ..errors import CheckpointError, RecipeError
 from ..recipe.parse import Recipe
@@ -134,8 +135,13 @@ def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manif
     molecules whose vocabulary was grown from the pairs it is forked onto). Returns (the
     checkpoint's vocabulary size, this one's, {canonical name: tensor}) where each tensor with
     one row per token (embeddings, output layer, its bias; along whichever axis has one entry
-    per token) holds the checkpoint's rows, cut to this vocabulary or followed by new rows at
-    the mean of the checkpoint's. None when the
+    per token) holds the checkpoint's rows, cut to this vocabulary or followed by new rows,
+    and {new token: the checkpoint's token whose rows it starts from}. A new row is, with
+    ``checkpoint.new_token_rows element`` (the default), the row of the checkpoint's token
+    that writes the same element, where the new token is a bracket atom and the checkpoint has
+    one (``[C@@H]`` and ``[13C]`` start as ``C``, ``[NH3+]`` as ``N``, ``[n+]`` as ``n``:
+    ``molds.chemistry.tokens.element_token``), else the mean of the checkpoint's rows; with
+    ``mean``, the mean for every new token. None when the
     vocabulary is the checkpoint's, for a resume or a fresh start, or when the two do not
     begin alike (``check_resume`` refuses that fork)."""
     if saved is None or not recipe.checkpoint.fork or not saved.get("vocab_hash"):
@@ -160,6 +166,10 @@ def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manif
                           f"its rows' optimizer moments do not fit: fork the weights alone "
                           f"(--checkpoint.fork_optimizer false)")
     weights, own = read_model(checkpoint), canonical_state(model)
+    tokens = {i: t for t, i in vocab.items()}
+    known = {t: i for t, i in vocab.items() if i < old}
+    sources = {tokens[i]: (element_token(tokens[i], known) if recipe.checkpoint.new_token_rows == "element" else None)
+               for i in range(old, len(vocab))}
     resized = {}
     for name, was in weights.items():
         now = own.get(name)
@@ -171,13 +181,13 @@ def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manif
         if len(axes) == 1:
             d = axes[0]
             kept = was.float().narrow(d, 0, min(old, len(vocab)))
-            shape = list(was.shape)
-            shape[d] = max(0, len(vocab) - old)
-            resized[name] = torch.cat([kept, was.float().mean(d, keepdim=True).expand(shape)], d).to(was.dtype)
+            mean = was.float().mean(d, keepdim=True)
+            rows = [mean if src is None else was.float().narrow(d, known[src], 1) for src in sources.values()]
+            resized[name] = torch.cat([kept, *rows], d).to(was.dtype)
     if not resized:
         raise CheckpointError(f"{checkpoint}: the vocabulary changes from {old} to {len(vocab)} tokens, but no "
                               f"weight of the checkpoint has one row per token")
-    return old, len(vocab), resized
+    return old, len(vocab), resized, sources
 
 
 def resumed_dtype(recipe, saved: dict | None) -> str | None:

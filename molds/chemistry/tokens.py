@@ -3,6 +3,7 @@ special-token ids of a tokenizer artifact (the one place that knows them)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import ManifestError
@@ -34,6 +35,25 @@ class TokenizerInfo:
     @property
     def ids(self) -> dict:
         return {"pad": self.pad, "bos": self.bos, "eos": self.eos}
+
+
+#: a bracket atom's element symbol: after the isotope, a two-letter element (``Cl``, ``Na``) or
+#: one capital, or an aromatic one (``c``, ``nH``, ``se``); then what a bracket atom writes next
+#: (chirality, hydrogens, charge, class, SELFIES' counts, the bracket's end: not ``[Branch1]``)
+_BRACKET_ELEMENT = re.compile(r"\[\d*([A-Z][a-z]?|se|te|as|[bcnops])(?=[@H+\-:\d\]])")
+
+
+def element_token(token: str, vocabulary) -> str | None:
+    """The token of ``vocabulary`` that writes the bracket atom ``token``'s element alone, its
+    aromaticity kept: ``[C@@H]`` and ``[13C]`` -> ``C``, ``[nH+]`` -> ``n``, ``[O-]`` -> ``O``,
+    ``[Cl-]`` -> ``Cl``, SELFIES' ``[C@@H1]`` -> ``[C]``. None for a token that is no bracket
+    atom, or whose element the vocabulary does not write alone (``[Na+]`` where no token is
+    ``Na``)."""
+    m = _BRACKET_ELEMENT.match(token)
+    if m is None:
+        return None
+    symbol = m.group(1)
+    return next((t for t in (symbol, f"[{symbol}]") if t != token and t in vocabulary), None)
 
 
 def tokenizer_info(manifest) -> TokenizerInfo:
