@@ -136,12 +136,12 @@ def resized_vocabulary(recipe, saved: dict | None, checkpoint: str | None, manif
     checkpoint's vocabulary size, this one's, {canonical name: tensor}) where each tensor with
     one row per token (embeddings, output layer, its bias; along whichever axis has one entry
     per token) holds the checkpoint's rows, cut to this vocabulary or followed by new rows,
-    and {new token: the checkpoint's token whose rows it starts from}. A new row is, with
-    ``checkpoint.new_token_rows element`` (the default), the row of the checkpoint's token
-    that writes the same element, where the new token is a bracket atom and the checkpoint has
-    one (``[C@@H]`` and ``[13C]`` start as ``C``, ``[NH3+]`` as ``N``, ``[n+]`` as ``n``:
-    ``molds.chemistry.tokens.element_token``), else the mean of the checkpoint's rows; with
-    ``mean``, the mean for every new token. None when the
+    and {new token: the checkpoint's token whose rows it starts from, or None}. A new row is,
+    with ``checkpoint.new_token_rows mean`` (the default), the mean of the checkpoint's rows;
+    with ``element``, the row of the checkpoint's token that writes the same element, where
+    the new token is a bracket atom and the checkpoint has one (``[C@@H]`` and ``[13C]``
+    start as ``C``, ``[NH3+]`` as ``N``, ``[n+]`` as ``n``:
+    ``molds.chemistry.tokens.element_token``), else the mean. None when the
     vocabulary is the checkpoint's, for a resume or a fresh start, or when the two do not
     begin alike (``check_resume`` refuses that fork)."""
     if saved is None or not recipe.checkpoint.fork or not saved.get("vocab_hash"):

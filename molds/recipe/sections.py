@@ -573,14 +573,15 @@ class CheckpointConfig:
     fork_optimizer: bool = False
     """With ``fork``: also keep the optimizer's moments (not the schedule's position)."""
 
-    new_token_rows: Literal["element", "mean"] = "element"
+    new_token_rows: Literal["mean", "element"] = "mean"
     """A fork onto a manifest whose tokenizer grew the checkpoint's vocabulary (tokens the
     pretraining never saw: stereocentres, charges, salts): where each new token's embedding
-    (and output) rows start. ``element``: a bracket atom starts from the row of the
-    checkpoint's token that writes its element (``[C@@H]`` as ``C``, ``[NH3+]`` as ``N``,
-    ``[n+]`` as ``n``), any other new token from the mean of the checkpoint's rows; ``mean``:
-    every new token from the mean. The start line and the lineage say which token started
-    from which."""
+    (and output) rows start. ``mean``: every new token from the mean of the checkpoint's
+    rows. ``element``: a bracket atom starts from the row of the checkpoint's token that
+    writes its element (``[C@@H]`` as ``C``, ``[NH3+]`` as ``N``, ``[n+]`` as ``n``), any
+    other new token from the mean (measured on three MoleculeNet validation splits and not
+    the default: docs/benchmarks/moleculenet.md). The start line and the lineage say which
+    token started from which."""
 
 
 @dataclass

@@ -2,9 +2,9 @@
 stereo) is scored whole: ``molds-preprocess --tokenizer PRETRAINING/tokenizer`` adds the
 tokens after the vocabulary's own, whose ids stay, and refuses no molecule for them (checked
 against RDKit's canonical SMILES read directly); a fork of a checkpoint of that vocabulary
-grows its rows per token (the checkpoint's rows kept; a new bracket atom's rows those of the
-checkpoint's token of its element, as RDKit reads the atom, the other new ones at the mean;
-``checkpoint.new_token_rows mean``: every new one at the mean), trains,
+grows its rows per token (the checkpoint's rows kept, the new ones at their mean; with
+``checkpoint.new_token_rows element`` a new bracket atom's rows are those of the checkpoint's
+token of its element, as RDKit reads the atom, the other new ones at the mean), trains,
 and every test molecule gets a prediction; a fork the other way keeps the first rows. ``--grow_vocab false`` keeps the old behaviour
 (a molecule with an unknown token refused), and a fork onto a vocabulary that is not grown
 from the checkpoint's stays refused."""
@@ -130,6 +130,10 @@ def _argv(manifest, out, steps, tasks, extra=()):
             "--eval.interval_steps", "0", "--run.output_dir", out, *extra]
 
 
+def _vocab(manifest_dir) -> dict:
+    return json.load(open(os.path.join(manifest_dir, "tokenizer", "tokenizer.json")))["model"]["vocab"]
+
+
 def _element_of(token: str, known: dict) -> str | None:
     """The reference: RDKit reads the bracket atom alone; its symbol, lower-case where aromatic,
     if the checkpoint's vocabulary writes it alone (else None: the new rows start at the mean)."""
@@ -173,7 +177,19 @@ def test_a_fork_grows_its_rows_trains_and_scores_every_test_molecule(sets, tmp_p
     old, new = m["tokenizer"]["extends"]["vocab_size"], m["tokenizer"]["vocab_size"]
     rowed = {k for k, v in parent.items() if v.shape[0] == old}
     assert rowed >= {"mlm.roberta.embeddings.word_embeddings.weight", "mlm.lm_head.bias"}
-    vocab = json.load(open(os.path.join(grown, "tokenizer", "tokenizer.json")))["model"]["vocab"]
+    for k, v in parent.items():
+        if k in rowed:
+            assert restored[k].shape[0] == new and torch.equal(restored[k][:old], v), k
+            assert torch.allclose(restored[k][old:], v.mean(0, keepdim=True).expand_as(restored[k][old:])), k
+        else:
+            assert torch.equal(restored[k], v), k
+    assert lineage["vocabulary_resized"] == {"from": old, "to": new, "tensors": sorted(rowed), "new_token_rows": "mean",
+                                             "started_from": {t: None for t, i in sorted(_vocab(grown).items(),
+                                                                                          key=lambda x: x[1]) if i >= old}}
+    # checkpoint.new_token_rows element: a new bracket atom's rows those of its element's token
+    restored, lineage = run_ranks(_forked, 1, _argv(grown, str(tmp_path / "ft-element"), 1, 1, fork + [
+        "--checkpoint.new_token_rows", "element"]))[0]
+    vocab = _vocab(grown)
     known = {t: i for t, i in vocab.items() if i < old}
     added = sorted((i, t) for t, i in vocab.items() if i >= old)
     want = {t: _element_of(t, known) for _, t in added}
@@ -190,17 +206,11 @@ def test_a_fork_grows_its_rows_trains_and_scores_every_test_molecule(sets, tmp_p
             assert torch.equal(restored[k], v), k
     assert lineage["vocabulary_resized"] == {"from": old, "to": new, "tensors": sorted(rowed),
                                              "new_token_rows": "element", "started_from": want}
-    # checkpoint.new_token_rows mean: every new token's rows at the mean of the checkpoint's
-    means, lineage = run_ranks(_forked, 1, _argv(grown, str(tmp_path / "ft-mean"), 1, 1, fork + [
-        "--checkpoint.new_token_rows", "mean"]))[0]
-    for k in rowed:
-        assert torch.allclose(means[k][old:], parent[k].mean(0, keepdim=True).expand_as(means[k][old:])), k
-    assert set(lineage["vocabulary_resized"]["started_from"].values()) == {None}
     # it trains, says so, and every test molecule is scored, those with added tokens among them
     result = main(_argv(grown, str(tmp_path / "ft"), 3, 1, fork))
     err = capfd.readouterr().err
     assert f"the vocabulary grows from {old} to {new} tokens" in err
-    assert f"from the checkpoint's token of the same element for {sum(map(bool, want.values()))} (" in err
+    assert "take their new rows at the mean of the checkpoint's (checkpoint.new_token_rows mean)" in err
     saved = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
     assert saved["vocab_size"] == new and saved["vocabulary_resized"]["to"] == new
     assert saved["vocab_extends"] == {k: m["tokenizer"]["extends"][k] for k in ("vocab_hash", "vocab_size")}
@@ -213,7 +223,7 @@ def test_a_fork_grows_its_rows_trains_and_scores_every_test_molecule(sets, tmp_p
     back, lineage = run_ranks(_forked, 1, _argv(pre, str(tmp_path / "back"), 1, 0, [
         "--checkpoint.resume", str(tmp_path / "ft"), "--checkpoint.fork", "true"]))[0]
     assert lineage["vocabulary_resized"] == {"from": new, "to": old, "tensors": sorted(rowed),
-                                             "new_token_rows": "element", "started_from": {}}
+                                             "new_token_rows": "mean", "started_from": {}}
     for k in rowed:
         assert torch.equal(back[k], tuned[k][:old]), k
     with pytest.raises(RecipeError, match="the vocabulary changes"):
