@@ -2,7 +2,7 @@
 top-k on an evaluation split with and without test-time augmentation, a learning curve.
 
     python benchmarks/uspto50k.py --input 'schneider50k/raw_*.csv' [--recipe recipes/cpu_uspto50k_retro.json]
-                                  [--task retro] [--variants 20] [--nproc 2] [--split valid]
+                                  [--task retro] [--variants 20] [--canonical_first] [--nproc 2] [--split valid]
                                   [--beams 10] [--num 0] [--augment 20] [--augment_num 0] [--curve 500]
                                   [--score_only]
                                   [-- extra recipe overrides]
@@ -11,7 +11,8 @@ top-k on an evaluation split with and without test-time augmentation, a learning
    ``--input`` (the published ``raw_train`` / ``raw_val`` / ``raw_test`` files, or any files
    in their layout) as docs/tutorials/uspto50k.md writes it: ``--task``, ``--split given``
    (each file's split from its name, evaluation splits kept whole), ``--variants``
-   root-aligned spellings of each training pair.
+   root-aligned spellings of each training pair (``--canonical_first``: the first of them writes
+   the source canonically). A manifest that exists already is used when it was made so.
 2. Training: ``torchrun --nproc_per_node NPROC molds/train.py --recipe RECIPE`` into a fresh
    run directory (the recipe's ``run.output_dir``, or ``--run.output_dir`` among the overrides).
 3. ``molds-eval RUN --split SPLIT --beams BEAMS`` on every pair of the split (the run's model:
@@ -49,11 +50,12 @@ PUBLISHED_RETRO = {"RetroSim": [0.373, 0.547, 0.633, 0.741], "Transformer": [0.4
 KS = (1, 3, 5, 10)
 
 
-def preprocess(inputs: str, manifest_dir: str, task: str, variants: int) -> None:
+def preprocess(inputs: str, manifest_dir: str, task: str, variants: int, canonical_first: bool = False) -> None:
     """The ETL command of docs/tutorials/uspto50k.md."""
     subprocess.run(["molds-preprocess", "--input", inputs, "--smiles_column", "reactants>reagents>production",
                     "--id_column", "id", "--task", task, "--split", "given", "--output", manifest_dir]
-                   + (["--randomized_variants", str(variants)] if variants else []), check=True)
+                   + (["--randomized_variants", str(variants)] if variants else [])
+                   + (["--canonical_first", "true"] if canonical_first else []), check=True)
 
 
 def read_manifest(manifest_dir: str) -> dict:
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "cpu_uspto50k_retro.json"))
     p.add_argument("--task", default="retro", choices=["retro", "forward"])
     p.add_argument("--variants", type=int, default=20, help="root-aligned spellings stored per training pair")
+    p.add_argument("--canonical_first", action="store_true",
+                   help="the first stored spelling of each training pair writes the source canonically")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--split", default="valid")
     p.add_argument("--beams", type=int, default=10)
@@ -108,19 +112,27 @@ def main(argv: list[str] | None = None) -> int:
     recipe = parse_recipe(["--recipe", args.recipe, *overrides])
     manifest, run_dir = recipe.data.manifest, recipe.run.output_dir
     result: dict = {"recipe": os.path.relpath(args.recipe, ROOT) if args.recipe.startswith(ROOT) else args.recipe,
-                    "overrides": overrides, "task": args.task, "manifest": manifest, "run": run_dir}
+                    "overrides": overrides, "task": args.task, "manifest": manifest, "run": run_dir,
+                    "variants": args.variants, "canonical_first": args.canonical_first}
     etl_s = train_s = 0.0
     if not args.score_only:
         if not os.path.exists(os.path.join(manifest, "manifest.json")):
             if not args.input or not glob.glob(args.input):
                 p.error(f"{manifest} holds no manifest: give --input, the published files")
             t0 = time.time()
-            preprocess(args.input, manifest, args.task, args.variants)
+            preprocess(args.input, manifest, args.task, args.variants, args.canonical_first)
             etl_s = time.time() - t0
-        task = read_manifest(manifest).get("pairs", {}).get("task")
+        made = read_manifest(manifest)
+        task = made.get("pairs", {}).get("task")
         if task != args.task:  # the recipe names a manifest of the other direction
             p.error(f"{manifest} holds {task or 'no'} pairs, not --task {args.task}: the recipe's data.manifest "
                     "is another direction's")
+        stored = (made.get("randomized") or {}).get("variants", 0)
+        first = "writes the source canonically" in (made.get("randomized") or {}).get("form", "")
+        if (stored, first) != (args.variants, args.canonical_first):  # a manifest of another procedure
+            p.error(f"{manifest} was made with {stored} spellings a pair{' (the canonical source first)' * first}, "
+                    f"not --variants {args.variants}{' --canonical_first' * args.canonical_first}: remove it or "
+                    "name another data.manifest")
         if os.path.exists(run_dir):
             p.error(f"{run_dir} exists: this measures a fresh run (remove it, or --score_only)")
         t0 = time.time()

@@ -185,6 +185,13 @@ class PreprocessConfig:
     correspond to it by their largest common substructure), each stored as source ``<sep>``
     target."""
 
+    canonical_first: bool = False
+    """With ``--task`` and ``--randomized_variants K``: the first of each training pair's K
+    spellings writes the source canonically (its molecules in canonical order, each from
+    RDKit's canonical start atom) with the target aligned to it, as R-SMILES's first
+    augmentation does, so that the model also reads the spelling ``molds-eval`` and
+    ``molds-predict`` score from; the other K-1 are drawn as before."""
+
     tokenizer: str = "regex"
     """``regex`` (atom-level SMILES regex), ``bpe`` (HF BPE), or a local HF tokenizer directory.
     With ``--randomized-variants``, a regex vocabulary of SMILES also holds the tokens another

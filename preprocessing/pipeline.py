@@ -70,6 +70,9 @@ def _validate(cfg: PreprocessConfig) -> None:
                                     or cfg.unit_template is not None):
         raise ValueError("--randomized_variants writes randomized SMILES: it needs --representation smiles, "
                          "--conformers none and no --unit_template")
+    if cfg.canonical_first and not (cfg.randomized_variants and cfg.task != "none"):
+        raise ValueError("--canonical_first chooses the first of each pair's root-aligned spellings: it needs --task "
+                         "and --randomized_variants K")
     given = cfg.unit_template is not None or cfg.conformers == "sd"  # conformers the input holds
     if cfg.conformer_frame != "canonical" and not given:
         raise ValueError("--conformer_frame as_given keeps the frame of a conformer the input holds: it needs "
@@ -416,8 +419,8 @@ def run(cfg: PreprocessConfig) -> str:
         encoder_spec, tok_info = _build_tokenizer(cfg, engine, parts, thresholds, map_tokens, tok_dir)
         finals = engine.run_tasks(finalize_partition, [(p, cfg.split, thresholds, encoder_spec, cfg.length_buckets,
                                                         cfg.vocab_from, work_dir, spelled,
-                                                        (cfg.randomized_variants, cfg.seed), targets_first,
-                                                        train_hashes)
+                                                        (cfg.randomized_variants, cfg.seed, cfg.canonical_first),
+                                                        targets_first, train_hashes)
                                                        for p in parts])
         for f in finals:
             stats.merge(f["stats"])

@@ -131,6 +131,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
             "form": ("root-aligned pairs (R-SMILES): source <sep> target, the source's molecules each rooted at a "
                      "random atom in a random order, the target's molecules rooted at corresponding atoms "
                      "(molds.chemistry.pairs.aligned_spellings)"
+                     + ("; the first spelling writes the source canonically" if cfg.canonical_first else "")
                      if cfg.task != "none" else
                      "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)"),
             "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,

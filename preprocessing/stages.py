@@ -377,11 +377,12 @@ def randomized_variants(canonical: list[str], row_hash: np.ndarray, rows: np.nda
 
 
 def aligned_pair_variants(sources: list[str], targets: list[str], row_hash: np.ndarray, rows: np.ndarray, count: int,
-                          seed: int, encoder) -> tuple[pa.ListArray, int]:
+                          seed: int, encoder, canonical_first: bool = False) -> tuple[pa.ListArray, int]:
     """``count`` root-aligned spellings of each pair in ``rows`` (``molds.chemistry.pairs.aligned_spellings``,
     R-SMILES), each stored as the source's tokens, the sep token, the target's tokens: the
     layout ``randomized_variants`` gives molecules (list<list<uint16>>, empty for the other
-    rows and for a spelling the vocabulary cannot take, which is counted). Roots come from
+    rows and for a spelling the vocabulary cannot take, which is counted); ``canonical_first``: the
+    first spelling is the canonical source's (``aligned_spellings``). Roots come from
     (seed, the row hash), so any engine and partitioning writes the same ones."""
     from molds.chemistry.pairs import aligned_spellings
 
@@ -398,7 +399,8 @@ def aligned_pair_variants(sources: list[str], targets: list[str], row_hash: np.n
     src_texts, tgt_texts = [], []
     for i in rows.tolist():
         rng = np.random.default_rng([_VARIANT_SALT, seed, int(row_hash[i])])
-        found = aligned_spellings(sources[i], targets[i], rng=rng, count=count) or [("", "")] * count
+        found = aligned_spellings(sources[i], targets[i], rng=rng, count=count,
+                                  canonical_first=canonical_first) or [("", "")] * count
         src_texts += [a for a, _ in found]
         tgt_texts += [b for _, b in found]
     pieces, failed = [], 0
@@ -439,10 +441,10 @@ def _encode(encoder, texts: list[str]) -> tuple[pa.ListArray, np.ndarray, np.nda
 
 
 def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boundaries, vocab_from: str,
-                       work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0),
+                       work_dir: str, representation: str = "smiles", randomized: tuple = (0, 0, False),
                        targets_first: dict | None = None, train_hashes: dict | None = None) -> dict:
     """Tokenize, check the round trip, bucket by length and order a reduced partition
-    (``randomized``: (K, seed), K randomized spellings of each training molecule too). Pairs:
+    (``randomized``: (K, seed, canonical_first), K randomized spellings of each training molecule too). Pairs:
     both sides tokenized, and a pair whose target ``targets_first`` (target hash -> split)
     puts in an earlier split is refused (``target_in_two_splits``); with ``train_hashes``
     (``evaluation_kept_whole``) nothing is refused for it and the evaluation rows that share
@@ -495,7 +497,8 @@ def finalize_partition(result: dict, method: str, thresholds, encoder_spec, boun
         variants, failed = aligned_pair_variants(table.column("source_smiles").to_pylist(),
                                                  table.column("target_smiles").to_pylist(),
                                                  table.column("row_hash").to_numpy(), np.flatnonzero(ok & (split == 0)),
-                                                 randomized[0], randomized[1], encoder)
+                                                 randomized[0], randomized[1], encoder,
+                                                 canonical_first=randomized[2])
         stats.notes["randomized_failed"] += failed
     elif randomized[0]:
         variants, failed = randomized_variants(table.column("canonical_smiles").to_pylist(),

@@ -217,7 +217,8 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     """The bundled template reactions written as USPTO-50k's raw_train / raw_val files: the ETL
     keeps the validation file whole as the split scored, a shortened recipe of the direction
     trains, and the line holds the whole split's top-k, the augmented top-k, and one curve
-    point per checkpoint. The manifest it made refuses the other direction's benchmark."""
+    point per checkpoint (forward: the canonical source as each pair's first spelling). The
+    manifest it made refuses the other direction's benchmark and another count of spellings."""
     import csv
     import gzip
 
@@ -233,7 +234,8 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     script = [sys.executable, os.path.join(ROOT, "benchmarks", "uspto50k.py"), "--task", task,
               "--recipe", os.path.join(ROOT, "recipes", f"cpu_uspto50k_{task}.json")]
     proc = subprocess.run([*script, "--input", str(tmp_path / "raw_*.csv"), "--nproc", "1", "--variants", "2", "--beams", "3",
-                           "--augment", "2", "--augment_num", "20", "--curve", "5", "--",
+                           "--augment", "2", "--augment_num", "20", "--curve", "5",
+                           *(["--canonical_first"] if task == "forward" else []), "--",
                            "--data.manifest", str(tmp_path / "data"), "--run.output_dir", str(run),
                            "--trainer.max_time", "null", "--trainer.max_steps", "6", "--model.hidden_size", "32",
                            "--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_heads", "1",
@@ -243,6 +245,9 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["split"] == "valid" and line["pairs"] == len(files["val"]) and line["steps"] == 6, line
+    assert line["variants"] == 2 and line["canonical_first"] == (task == "forward"), line
+    form = json.load(open(tmp_path / "data" / "manifest.json"))["randomized"]["form"]
+    assert ("writes the source canonically" in form) == (task == "forward"), form
     assert line["model"].endswith("averaged") and line["cpu"], line
     for key in ("accuracy", "accuracy_subset", "accuracy_augmented"):
         a = line[key]
@@ -269,4 +274,8 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
                            "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and f"holds {task} pairs, not --task {other}" in proc.stderr.strip().splitlines()[-1]
+    proc = subprocess.run([*script, "--", "--data.manifest", str(tmp_path / "data"),
+                           "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "was made with 2 spellings a pair" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run2").exists()

@@ -195,18 +195,24 @@ def class_roots(mol) -> list[int]:
     return sorted({c: i for i, c in reversed(list(enumerate(classes)))}.values())
 
 
+def _write(mols, i: int, root: int, where: dict | None) -> str:
+    """Molecule ``i`` of a side rooted at atom ``root`` (-1: RDKit's canonical start); with
+    ``where`` (a dict), also records where each written atom stands: (molecule, atom) -> its
+    place in the whole side, after the atoms written before it."""
+    text = Chem.MolToSmiles(mols[i], rootedAtAtom=int(root))
+    if where is not None:
+        written = mols[i].GetPropsAsDict(True, True)["_smilesAtomOutputOrder"]
+        offset = len(where)
+        where.update({(i, int(a)): offset + n for n, a in enumerate(written)})
+    return text
+
+
 def _draw_spelling(mols, roots, rng, where: dict | None = None) -> tuple[str, dict | None]:
     """One spelling of a side's molecules (``roots``: each one's ``class_roots``): the
     molecules in a random order, each rooted at one of its roots drawn at random. With
-    ``where`` (a dict), also where each written atom stands: (molecule, atom) -> its place
-    in the whole side."""
-    texts = []
-    for i in rng.permutation(len(mols)).tolist():
-        texts.append(Chem.MolToSmiles(mols[i], rootedAtAtom=int(roots[i][int(rng.integers(0, len(roots[i])))])))
-        if where is not None:
-            written = mols[i].GetPropsAsDict(True, True)["_smilesAtomOutputOrder"]
-            offset = len(where)
-            where.update({(i, int(a)): offset + n for n, a in enumerate(written)})
+    ``where`` (a dict), also where each written atom stands (``_write``)."""
+    texts = [_write(mols, i, roots[i][int(rng.integers(0, len(roots[i])))], where)
+             for i in rng.permutation(len(mols)).tolist()]
     return ".".join(texts), where
 
 
@@ -235,7 +241,8 @@ def rooted_spellings(side: str, *, rng, count: int) -> list[str]:
 
 
 @quiet_rdkit
-def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tuple[str, str]] | None:
+def aligned_spellings(source: str, target: str, *, rng, count: int,
+                      canonical_first: bool = False) -> list[tuple[str, str]] | None:
     """``count`` root-aligned spellings of a canonical pair (R-SMILES, Zhong et al. 2022). The
     source is written as a user may write it, the way ``rooted_spellings`` draws it at test
     time: each molecule rooted at a random atom (one per class of symmetric atoms), the
@@ -248,7 +255,12 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
     form writes it. Reagents after a ``>`` stay as they are. A source of one molecule takes
     its roots without repetition among its classes while they last, so the first spellings
     all differ; a source of several draws order and roots afresh, trying again (a bounded
-    number of times) for a spelling not drawn yet. None when RDKit cannot read a side."""
+    number of times) for a spelling not drawn yet. With ``canonical_first`` the first spelling
+    writes the source canonically instead (its molecules in the canonical order, each from
+    RDKit's canonical start atom; the target aligned to it as to any other), as R-SMILES's
+    first augmentation does, so that the spelling ``molds-eval`` scores from is one the model
+    read; a source of one molecule then takes its other roots from the remaining classes.
+    None when RDKit cannot read a side."""
     def parts(side):
         head, sep, rest = side.partition(">")
         return head, (sep + rest)
@@ -269,8 +281,16 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
         maps.append(corr)
     classes = [class_roots(m) for m in s_mols]
     single = [classes[0][i] for i in rng.permutation(len(classes[0])).tolist()] if len(s_mols) == 1 else None
-    out, seen = [], set()
-    for k in range(count):
+    spelled, seen = [], set()  # the source's spellings, each with where its atoms stand
+    if canonical_first and count > 0:
+        where: dict = {}
+        spelled.append((".".join(_write(s_mols, i, -1, where) for i in range(len(s_mols))), where))
+        if single is not None and len(single) > 1:  # its start atom's class is spelled: the others follow
+            ranks = list(Chem.CanonicalRankAtoms(s_mols[0], breakTies=False))
+            start = next(atom for (_, atom), place in where.items() if place == 0)
+            single = [r for r in single if ranks[r] != ranks[start]]
+    seen.update(text for text, _ in spelled)
+    for k in range(count - len(spelled)):
         if single is not None:  # the k-th root of a drawn order while they last
             root = single[k] if k < len(single) else single[int(rng.integers(0, len(single)))]
             source_text, where = _draw_spelling(s_mols, [[root]], rng, {})
@@ -280,6 +300,9 @@ def aligned_spellings(source: str, target: str, *, rng, count: int) -> list[tupl
                 if source_text not in seen:
                     break
         seen.add(source_text)
+        spelled.append((source_text, where))
+    out = []
+    for source_text, where in spelled:
         placed, loose = [], []
         for mol, corr in zip(t_mols, maps):
             if not corr:

@@ -100,6 +100,33 @@ def test_a_source_of_several_molecules_is_spelled_as_a_user_may_write_it():
     assert aligned < 0.75 * randomized, (aligned, randomized)
 
 
+def test_canonical_first_writes_the_canonical_source_first_with_its_target_aligned():
+    """``canonical_first``: the first spelling's source is what RDKit writes for each source
+    molecule in canonical order (the spelling molds-eval scores from), in both directions; its
+    target is the pair's and starts with the molecule holding the source's first atom; a
+    one-molecule source's other spellings start from the other classes of atoms."""
+    from molds.chemistry.pairs import aligned_spellings
+
+    pairs = _reactions(60)
+    checked = firsts = 0
+    for src, tgt in pairs + [(r, p) for p, r in pairs]:  # retro, then forward
+        found = aligned_spellings(src, tgt, rng=np.random.default_rng(checked), count=K, canonical_first=True)
+        assert found is not None and len(found) == K
+        rdkit = ".".join(Chem.MolToSmiles(Chem.MolFromSmiles(x)) for x in src.split("."))
+        assert found[0][0] == rdkit, (src, found[0][0])
+        for s, t in found:
+            assert _canon_side(s) == src and _canon_side(t) == tgt
+        mol = Chem.MolFromSmiles(src)
+        if len(src.split(".")) == 1:
+            classes = len(set(Chem.CanonicalRankAtoms(mol, breakTies=False)))
+            assert len({s for s, _ in found}) == min(K, classes)
+        first_target = found[0][1].split(".")[0]
+        firsts += Chem.MolFromSmiles(first_target).GetAtomWithIdx(0).GetSymbol() == \
+            Chem.MolFromSmiles(found[0][0].split(".")[0]).GetAtomWithIdx(0).GetSymbol()
+        checked += 1
+    assert firsts > 0.8 * checked, (firsts, checked)  # aligned: target and source start at the same element
+
+
 def test_a_side_rdkit_cannot_read_gives_none():
     from molds.chemistry.pairs import aligned_spellings
 
@@ -152,6 +179,39 @@ def test_the_etl_stores_k_aligned_spellings_of_each_training_pair(aligned_manife
                     src, tgt = _sides(aligned_manifest, ids)
                     assert _canon_side(src) == row["source_smiles"] and _canon_side(tgt) == row["target_smiles"]
     assert empty == m["randomized"]["failed"]
+
+
+def test_the_etl_stores_the_canonical_source_first_when_asked(tmp_path):
+    """``--canonical_first`` on a forward task: each training pair's first stored spelling reads
+    back as the canonical source the shard holds, written as RDKit writes each molecule, with
+    its product; the others are still the pair's; the manifest says so."""
+    import json
+
+    from molds.preprocessing.config import PreprocessConfig
+    from molds.preprocessing.pipeline import run
+
+    with gzip.open(REACTIONS, "rt") as fh:
+        body = list(csv.reader(fh))[:121]
+    with open(tmp_path / "reactions.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(body)
+    out = str(tmp_path / "forward")
+    run(PreprocessConfig(input=[str(tmp_path / "reactions.csv")], output=out,
+                         smiles_column="reactants>reagents>production", id_column="id", task="forward", workers=1, progress=False, randomized_variants=K,
+                         canonical_first=True))
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert "the first spelling writes the source canonically" in m["randomized"]["form"]
+    rows = [r for s in m["splits"]["train"] for r in pq.read_table(os.path.join(out, s["uri"])).to_pylist()]
+    assert len(rows) > 50 and all(len(r["randomized_token_ids"]) == K for r in rows)
+    several = 0
+    for row in rows:
+        src, tgt = _sides(out, row["randomized_token_ids"][0])
+        assert src == ".".join(Chem.MolToSmiles(Chem.MolFromSmiles(x)) for x in row["source_smiles"].split("."))
+        assert _canon_side(tgt) == row["target_smiles"]
+        several += "." in src
+        for ids in row["randomized_token_ids"][1:]:
+            src, tgt = _sides(out, ids)
+            assert _canon_side(src) == row["source_smiles"] and _canon_side(tgt) == row["target_smiles"]
+    assert several > 0  # sources of several molecules are in canonical order too
 
 
 @pytest.mark.parametrize("mode", ["packed", "bucketed"])

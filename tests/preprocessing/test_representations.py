@@ -140,6 +140,8 @@ def test_a_missing_package_is_asked_for_by_name(tmp_path, monkeypatch):
     (dict(conformers="etkdg", randomized_variants=2), "needs --representation smiles, --conformers none"),
     (dict(randomized_variants=65), r"--randomized_variants must be in \[0, 64\]"),
     (dict(randomized_variants=-1), r"--randomized_variants must be in \[0, 64\]"),
+    (dict(canonical_first=True), "--canonical_first .*needs --task and --randomized_variants"),
+    (dict(canonical_first=True, randomized_variants=2), "--canonical_first .*needs --task and --randomized_variants"),
 ])
 def test_stored_randomized_spellings_are_smiles_only(options, match, tmp_path):
     """Randomized spellings are SMILES: refused, before anything is written, on another
