@@ -47,7 +47,8 @@ else differs between sets).
      another RDKit than molds'), on the CPU, with ``--nproc`` threads;
    - ``molds``: a fork of the pretrained encoder with ``--model.num_tasks`` heads, which read
      RDKit's 2D descriptors and Morgan count fingerprint of each molecule beside its first token
-     (the recipe's ``model.molecule_features rdkit2d+morgan``; ``--finetune
+     (a regression's: the mean of its tokens; the recipe's ``model.molecule_features
+     rdkit2d+morgan`` and ``model.pooling auto``; ``--finetune
      model.molecule_features=none``: tokens alone, a model ``molds-export`` takes)
      (``recipes/cpu_property.json``: ``--epochs`` passes over the training split, or
      ``--min-steps`` optimizer steps where those passes take fewer; 10

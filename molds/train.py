@@ -441,8 +441,9 @@ def _standardize_features(model, manifest, dist) -> None:
     model.set_feature_scale(mean, std)
     if dist.is_main:
         unscaled = int((~scaled(kind)).sum())
+        pooled = "the mean of its tokens' states" if model.config.pooling == "mean" else "its first token's state"
         print(f"[molds] model.molecule_features={kind}: the property heads read {len(mean)} features of each "
-              f"molecule beside its tokens, {f'{len(mean) - unscaled} of them ' if unscaled else ''}standardized "
+              f"molecule beside {pooled}, {f'{len(mean) - unscaled} of them ' if unscaled else ''}standardized "
               f"by the train split's {len(smiles):,} molecules "
               f"({time.perf_counter() - t0:.0f} s to compute on {world} rank{'s' if world > 1 else ''})",
               file=sys.stderr)

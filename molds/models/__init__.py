@@ -49,7 +49,7 @@ def family_config(model, tokenizer):
         from .encoder import EncoderConfig  # here: a rank that only trains loads no transformers or SciPy
 
         return EncoderConfig(dropout=m["dropout"], num_tasks=m["num_tasks"], task_type=m["task_type"],
-                             pooling=m.get("pooling", "bos"),  # checkpoints written before it: the first token
+                             pooling=pooling_of(m),
                              molecule_features=feature_set(m.get("molecule_features")),
                              num_features=_feature_width(feature_set(m.get("molecule_features"))),
                              pad_token_id=tokenizer.pad, bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
@@ -61,6 +61,17 @@ def family_config(model, tokenizer):
                              max_position_embeddings=m["max_position_embeddings"], dropout=m["dropout"],
                              pad_token_id=tokenizer.pad)
     raise ValueError(f"unknown model.family {m['family']!r}")
+
+
+def pooling_of(model) -> str:
+    """What an encoder's property heads read, ``bos`` or ``mean``: ``model.pooling``, with
+    ``auto`` resolved by the task (the mean of the tokens for regression heads that also read
+    molecule features, the first token otherwise)."""
+    m = _as_dict(model)
+    pooling = m.get("pooling", "bos")  # checkpoints written before it: the first token
+    if pooling != "auto":
+        return pooling
+    return "mean" if m["task_type"] == "regression" and feature_set(m.get("molecule_features")) else "bos"
 
 
 def _feature_width(kind: str) -> int:

@@ -213,9 +213,12 @@ class ModelConfig:
     standardized by the train split's mean and standard deviation per task; predictions,
     metrics and the exported model in the labels' own units)."""
 
-    pooling: Literal["bos", "mean"] = "bos"
+    pooling: Literal["bos", "mean", "auto"] = "bos"
     """Encoder property heads: what they read, the <bos> token's final state (``bos``, as
-    ``RobertaForSequenceClassification``) or the mean over the molecule's tokens (``mean``)."""
+    ``RobertaForSequenceClassification``), the mean over the molecule's tokens (``mean``), or
+    ``auto``: the mean for regression heads that also read ``molecule_features``, the first
+    token otherwise (the choice MoleculeNet's validation splits made; heads on tokens alone
+    keep the first token, which ``molds-export`` can write)."""
 
     molecule_features: Literal["none", "rdkit2d", "morgan", "rdkit2d+morgan"] = "none"
     """Encoder property heads: molecule features read beside the pooled token, as Chemprop's

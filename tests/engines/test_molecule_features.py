@@ -120,7 +120,7 @@ def test_heads_read_the_morgan_counts_unscaled_and_molds_predict_agrees(tmp_path
                                                    "--trainer.max_steps", "12"])
     d = len(feature_names("rdkit2d"))
     assert (f"model.molecule_features=rdkit2d+morgan: the property heads read {d + 2048} features of each "
-            f"molecule beside its tokens, {d} of them standardized" in capfd.readouterr().err)
+            f"molecule beside its first token's state, {d} of them standardized" in capfd.readouterr().err)
     train_smiles, _, _ = _split_rows(labelled, "train")
     train_x = _rdkit_features(train_smiles, feature_names("rdkit2d"))
     loaded = open_checkpoint(run)
@@ -154,10 +154,11 @@ def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_a
 
     labelled = _labelled(tmp_path, ("logp", "tpsa"), n=240)
     run = str(tmp_path / "feat")
-    result = main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d"])
+    result = main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d",
+                                                            "--model.pooling", "auto"])
     names = feature_names("rdkit2d")
-    assert (f"model.molecule_features=rdkit2d: the property heads read {len(names)} features of each molecule"
-            in capfd.readouterr().err)
+    assert (f"model.molecule_features=rdkit2d: the property heads read {len(names)} features of each molecule "
+            f"beside the mean of its tokens' states" in capfd.readouterr().err)  # auto: regression with features
     lineage = json.load(open(os.path.join(result["checkpoint"], "lineage.json")))
     assert lineage["molecule_features"]["names"] == names
     rdkit_version = lineage["molecule_features"]["rdkit"]
@@ -168,6 +169,7 @@ def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_a
     sd = train_x.std(axis=0, ddof=1)
     loaded = open_checkpoint(run)
     model = loaded.model
+    assert model.config.pooling == "mean"  # the checkpoint's auto, read back as trained
     assert np.allclose(model.feature_mean.numpy(), train_x.mean(axis=0), atol=1e-4)
     assert np.allclose(model.feature_std.numpy(), np.where(sd > 1e-6, sd, 1.0), rtol=1e-4, atol=1e-5)
 
@@ -237,8 +239,8 @@ def test_heads_read_the_features_at_the_training_splits_scale_and_every_reader_a
                  ["--checkpoint.resume", run, "--checkpoint.fork", "true", "--run.output_dir", str(tmp_path / "f")]):
         with pytest.raises(CheckpointError, match=f"trained on {len(names) - 1} rdkit2d features computed by RDKit "
                                                   f"2001.03.1; RDKit {rdkit.__version__} here computes") as exc:
-            main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d",
-                                                          "--trainer.max_steps", "30", *more])
+            main(_argv(labelled, run, 2, "regression") + ["--model.molecule_features", "rdkit2d", "--model.pooling",
+                                                          "auto", "--trainer.max_steps", "30", *more])
         assert "\n" not in str(exc.value)
 
 

@@ -8,7 +8,9 @@ units; the standardized loss is the one written out by hand."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -293,6 +295,30 @@ def test_mean_pooling_reads_the_mean_of_a_molecules_tokens_whatever_the_padding(
 
     with pytest.raises(MoldsError, match="model.pooling mean: transformers' RobertaForSequenceClassification reads"):
         hf_encoder(model)  # no stock class pools so: refused, not exported as another model
+
+
+@pytest.mark.parametrize("pooling,task_type,features,reads", [
+    ("auto", "regression", "rdkit2d+morgan", "mean"), ("auto", "regression", "rdkit2d", "mean"),
+    ("auto", "classification", "rdkit2d+morgan", "bos"), ("auto", "regression", "none", "bos"),
+    ("bos", "regression", "rdkit2d", "bos"), ("mean", "classification", "none", "mean"),
+])
+def test_auto_pooling_reads_the_mean_for_regression_heads_beside_features(pooling, task_type, features, reads):
+    """``model.pooling auto`` resolves by the task, from the recipe and from a checkpoint's
+    stored model section alike: the mean of the tokens for regression heads that also read
+    molecule features, the first token otherwise (heads on tokens alone stay exportable); a
+    stored section written before the key reads the first token."""
+    from molds.models import family_config, pooling_of
+    from molds.recipe.sections import ModelConfig
+
+    section = ModelConfig(family="encoder", num_tasks=2, task_type=task_type, pooling=pooling,
+                          molecule_features=features)
+    assert pooling_of(section) == reads
+    stored = dataclasses.asdict(section)
+    assert pooling_of(stored) == reads
+    tokenizer = SimpleNamespace(vocab_size=30, pad=0, bos=2, eos=3)
+    assert family_config(stored, tokenizer).pooling == reads
+    del stored["pooling"]
+    assert pooling_of(stored) == "bos"
 
 
 @pytest.mark.parametrize("which,task_type", [(0, "regression"), (1, "classification")])
