@@ -134,6 +134,7 @@ def write_outputs(out_dir, *, cfg, inputs, chem, tok_info, stats, duplicates, pl
                      + ("; the first spelling writes the source canonically" if cfg.canonical_first else "")
                      if cfg.task != "none" else
                      "restricted randomized SMILES (atoms renumbered at random, RDKit MolToSmiles canonical=False)"),
+            **({"canonical_first": cfg.canonical_first} if cfg.task != "none" else {}),
             "seed": cfg.seed, "rdkit": rdBase.rdkitVersion,
             "failed": int(stats.notes.get("randomized_failed", 0)),
             "rule": "a spelling RDKit or the vocabulary cannot take is stored as an empty list and read canonical",

@@ -163,6 +163,7 @@ def test_the_etl_stores_k_aligned_spellings_of_each_training_pair(aligned_manife
 
     m = json.load(open(os.path.join(aligned_manifest, "manifest.json")))
     assert m["randomized"]["variants"] == K and "root-aligned" in m["randomized"]["form"]
+    assert m["randomized"]["canonical_first"] is False
     empty = 0
     for split, shards in m["splits"].items():
         for s in shards:
@@ -199,6 +200,7 @@ def test_the_etl_stores_the_canonical_source_first_when_asked(tmp_path):
                          smiles_column="reactants>reagents>production", id_column="id", task="forward", workers=1, progress=False, randomized_variants=K,
                          canonical_first=True))
     m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["randomized"]["canonical_first"] is True
     assert "the first spelling writes the source canonically" in m["randomized"]["form"]
     rows = [r for s in m["splits"]["train"] for r in pq.read_table(os.path.join(out, s["uri"])).to_pylist()]
     assert len(rows) > 50 and all(len(r["randomized_token_ids"]) == K for r in rows)
