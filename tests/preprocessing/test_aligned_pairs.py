@@ -32,6 +32,16 @@ def _distance(a: str, b: str) -> int:
     return prev[-1]
 
 
+def _reaction_file(folder, n: int) -> str:
+    """The first ``n`` bundled reactions, in USPTO-50k's layout, as a CSV file in ``folder``."""
+    with gzip.open(REACTIONS, "rt") as fh:
+        body = list(csv.reader(fh))[:n + 1]  # the header and n rows
+    path = os.path.join(str(folder), "reactions.csv")
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh).writerows(body)
+    return path
+
+
 def _reactions(n: int):
     with gzip.open(REACTIONS, "rt") as fh:
         rows = list(csv.DictReader(fh))[:n]
@@ -139,12 +149,8 @@ def aligned_manifest(tmp_path_factory):
     from molds.preprocessing.pipeline import run
 
     d = tmp_path_factory.mktemp("aligned")
-    with gzip.open(REACTIONS, "rt") as fh:
-        body = list(csv.reader(fh))[:301]
-    with open(d / "reactions.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(body)
     out = str(d / "retro")
-    run(PreprocessConfig(input=[str(d / "reactions.csv")], output=out, smiles_column="reactants>reagents>production",
+    run(PreprocessConfig(input=[_reaction_file(d, 300)], output=out, smiles_column="reactants>reagents>production",
                          id_column="id", task="retro", workers=1, progress=False, randomized_variants=K))
     return out
 
@@ -191,14 +197,10 @@ def test_the_etl_stores_the_canonical_source_first_when_asked(tmp_path):
     from molds.preprocessing.config import PreprocessConfig
     from molds.preprocessing.pipeline import run
 
-    with gzip.open(REACTIONS, "rt") as fh:
-        body = list(csv.reader(fh))[:121]
-    with open(tmp_path / "reactions.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(body)
     out = str(tmp_path / "forward")
-    run(PreprocessConfig(input=[str(tmp_path / "reactions.csv")], output=out,
-                         smiles_column="reactants>reagents>production", id_column="id", task="forward", workers=1, progress=False, randomized_variants=K,
-                         canonical_first=True))
+    run(PreprocessConfig(input=[_reaction_file(tmp_path, 120)], output=out,
+                         smiles_column="reactants>reagents>production", id_column="id", task="forward", workers=1,
+                         progress=False, randomized_variants=K, canonical_first=True))
     m = json.load(open(os.path.join(out, "manifest.json")))
     assert m["randomized"]["canonical_first"] is True
     assert "the first spelling writes the source canonically" in m["randomized"]["form"]
