@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if task != args.task:  # the recipe names a manifest of the other direction
             p.error(f"{manifest} holds {task or 'no'} pairs, not --task {args.task}: the recipe's data.manifest "
                     "is another direction's")
-        stored = (made.get("randomized") or {}).get("variants", 0)
-        first = bool((made.get("randomized") or {}).get("canonical_first"))  # absent: made before the option
+        randomized = made.get("randomized") or {}
+        stored = randomized.get("variants", 0)
+        first = bool(randomized.get("canonical_first"))  # absent: made before the option
         if (stored, first) != (args.variants, args.canonical_first):  # a manifest of another procedure
             p.error(f"{manifest} was made with {stored} spellings a pair{' (the canonical source first)' * first}, "
                     f"not --variants {args.variants}{' --canonical_first' * args.canonical_first}: remove it or "
