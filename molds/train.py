@@ -65,6 +65,7 @@ from molds.runtime.distributed import (
 )
 from molds.runtime.lifecycle import (  # noqa: E402
     code_version as _code_version,
+    exit_process as _exit_process,
     leave_process_group as _leave_process_group,
     machine as _machine,
     quiet_third_party as _quiet_third_party,
@@ -585,7 +586,8 @@ def _hparams(recipe) -> dict:
 
 
 def cli() -> None:
-    sys.exit(run_cli("molds-train", main))
+    code = run_cli("molds-train", main)
+    _exit_process(code if isinstance(code, int) and 0 <= code <= 255 else 1)
 
 
 if __name__ == "__main__":

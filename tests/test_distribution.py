@@ -144,3 +144,45 @@ def test_a_reference_draw_is_uniform_over_every_shard_of_the_split(dataset):
     assert draw_rows(m, "train", "token_length", limit, seed=0) == [lengths[position[s]] for s in drawn]
     assert sorted(reference_smiles(m, "train", 10 * len(every))) == sorted(every)
     assert sorted(split_token_lengths(m, "train", limit)) == sorted(float(lengths[position[s]]) for s in drawn)
+
+
+def test_property_tables_are_cached_between_processes_and_a_bad_entry_is_recomputed(tmp_path, monkeypatch, capsys):
+    """A reference's table is RDKit's values (each molecule by hand here, an unparsable SMILES left
+    out); a second PropertyReference on the same SMILES reads it back without scoring a molecule;
+    other SMILES are another entry; a file that is not a table (a pickle) is never unpickled, but
+    recomputed; MOLDS_CACHE_DIR empty writes nothing."""
+    import molds.metrics.distribution as dist
+
+    monkeypatch.setenv("MOLDS_CACHE_DIR", str(tmp_path))
+    smiles = LIGHT + ["not a molecule"] + HEAVY
+    first = PropertyReference(smiles, train_smiles=LIGHT)
+    by_hand = [molecule_properties(m) for m in _mols(LIGHT + HEAVY)]
+    for name in PROPERTIES:
+        assert first.values[name].tolist() == [p[name] for p in by_hand], name
+    files = sorted((tmp_path / "properties").glob("*.npz"))
+    assert len(files) == 2  # the reference and the training molecules
+
+    scored = []
+    real = dist.molecule_properties
+    monkeypatch.setattr(dist, "molecule_properties", lambda mol: scored.append(mol) or real(mol))
+    again = PropertyReference(smiles, train_smiles=LIGHT)
+    assert scored == []
+    assert all(np.array_equal(again.values[k], first.values[k]) for k in PROPERTIES)
+    assert again.ranges == first.ranges and again.size == first.size == 8
+    PropertyReference(smiles[:-1])  # other molecules, another entry
+    assert len(scored) == 7
+    files = sorted((tmp_path / "properties").glob("*.npz"))
+    assert len(files) == 3
+    monkeypatch.undo()
+    monkeypatch.setenv("MOLDS_CACHE_DIR", str(tmp_path))
+    target = next(f for f in files if np.load(f)["weight"].shape == (8,))
+    target.write_bytes(__import__("pickle").dumps({"weight": 1}))
+    capsys.readouterr()
+    fixed = PropertyReference(smiles)
+    assert "computing it again" in capsys.readouterr().err
+    assert all(np.array_equal(fixed.values[k], first.values[k]) for k in PROPERTIES)
+    with np.load(target, allow_pickle=False) as z:
+        assert sorted(z.files) == sorted(PROPERTIES)
+    monkeypatch.setenv("MOLDS_CACHE_DIR", "")  # no cache: computed, nothing written
+    assert PropertyReference(HEAVY[:2]).size == 2
+    assert sorted((tmp_path / "properties").glob("*.npz")) == files

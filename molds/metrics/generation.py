@@ -34,9 +34,6 @@ memory.
 
 from __future__ import annotations
 
-import hashlib
-import io
-import os
 import random
 import sys
 from bisect import bisect_left
@@ -55,7 +52,7 @@ from rdkit.Chem.Scaffolds import MurckoScaffold
 from molds.chemistry import fingerprints, quiet_rdkit
 from molds.chemistry.canonical import Canonicalizer, ChemOptions, Molecule
 
-from ..runtime.atomic import write_bytes
+from .disk_cache import cached_arrays
 
 FILTER_ATOMS = frozenset("C N S O F Cl Br H".split())
 MAX_RING = 8
@@ -199,43 +196,23 @@ _CHEMNET_DIM = 512  # ChemNet's penultimate layer, whose statistics FCD compares
 
 
 def reference_chemnet_stats(smiles: Sequence[str]) -> dict:
-    """``chemnet_stats`` of a reference set, cached on disk: the same reference (MOSES's Test,
-    a manifest's split) is scored against again and again, and ChemNet over 176,000 molecules
-    takes tens of minutes of one CPU core. The cache is keyed by the SHA-256 of the SMILES
-    and fcd_torch's version, lives under ``$MOLDS_CACHE_DIR`` (default ``~/.cache/molds``;
-    empty: no cache), and holds two arrays in an ``.npz`` read with ``allow_pickle=False``;
-    a file that does not load as the expected shapes of finite numbers is recomputed."""
-    root = os.environ.get("MOLDS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "molds"))
-    if not root:
-        return chemnet_stats(smiles)
+    """``chemnet_stats`` of a reference set, cached on disk (``molds.metrics.disk_cache``): the
+    same reference (MOSES's Test, a manifest's split) is scored against again and again, and
+    ChemNet over 176,000 molecules takes tens of minutes of one CPU core. The entry is keyed
+    by the SMILES and fcd_torch's version; one that is not the expected shapes of finite
+    numbers is recomputed."""
     try:
         fcd_version = version("fcd_torch")
     except Exception:  # noqa: BLE001 - not installed: chemnet_stats raises and says so
         fcd_version = "?"
-    digest = hashlib.sha256(f"fcd_torch {fcd_version}\n".encode())
-    for text in smiles:
-        digest.update(text.encode("utf-8", "surrogatepass") + b"\n")
-    path = os.path.join(root, "chemnet", f"{digest.hexdigest()}.npz")
-    if os.path.isfile(path):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                mu, sigma = np.asarray(z["mu"], np.float64), np.asarray(z["sigma"], np.float64)
-            if mu.shape == (_CHEMNET_DIM,) and sigma.shape == (_CHEMNET_DIM,) * 2 and np.isfinite(sigma).all() \
-                    and np.isfinite(mu).all():
-                return {"mu": mu, "sigma": sigma}
-        except Exception:  # noqa: BLE001 - unreadable: recomputed below
-            pass
-        print(f"[molds] {path}: not a ChemNet statistics file; computing it again", file=sys.stderr)
-    stats = chemnet_stats(smiles)
-    if stats:
-        buf = io.BytesIO()
-        np.savez(buf, mu=stats["mu"], sigma=stats["sigma"])
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_bytes(path, buf.getvalue(), durable=False)
-        except OSError as exc:  # a read-only home: the figures stand, only the cache is lost
-            print(f"[molds] ChemNet statistics not cached ({exc})", file=sys.stderr)
-    return stats
+
+    def valid(z: dict) -> bool:
+        mu, sigma = z.get("mu"), z.get("sigma")
+        return (mu is not None and sigma is not None and mu.shape == (_CHEMNET_DIM,)
+                and sigma.shape == (_CHEMNET_DIM,) * 2 and bool(np.isfinite(mu).all() and np.isfinite(sigma).all()))
+
+    stats = cached_arrays("chemnet", f"fcd_torch {fcd_version}", smiles, lambda: chemnet_stats(smiles), valid)
+    return {k: np.asarray(v, np.float64) for k, v in stats.items()}
 
 
 def fcd_score(generated: Sequence[str], reference) -> float | None:
