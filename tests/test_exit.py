@@ -10,7 +10,7 @@ import textwrap
 
 
 def test_exit_process_keeps_what_a_normal_exit_does_for_the_outside_world(tmp_path):
-    """A worker thread that is no daemon finishes its file, the atexit handlers run (one of them
+    """A worker thread that is no daemon finishes its file, a thread pool's idle workers end, the atexit handlers run (one of them
     the logging module's flush), text still buffered on stdout and stderr arrives, and the status
     is the one asked; an object's ``__del__`` (the interpreter's teardown) is what is left out."""
     code = textwrap.dedent(f"""
@@ -22,6 +22,9 @@ def test_exit_process_keeps_what_a_normal_exit_does_for_the_outside_world(tmp_pa
             open({str(tmp_path / "thread.txt")!r}, "w").write("finished")
 
         threading.Thread(target=slow).start()
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(2)  # idle workers that end only when told to, as at a normal exit
+        pool.submit(time.sleep, 0.1).result()
         atexit.register(lambda: open({str(tmp_path / "atexit.txt")!r}, "w").write("ran"))
         handler = logging.FileHandler({str(tmp_path / "log.txt")!r}, delay=True)
         logging.getLogger("x").addHandler(handler)
