@@ -364,7 +364,7 @@ def section_training(ctx) -> dict:
     result["preprocess_s"] = time.perf_counter() - t
     steps, every = (3, 1) if ctx.dry else (30, 5)
     # a GPU trains in bf16; a dry run in what its CPU runs fastest (auto: bf16 where the CPU has it,
-    # fp32 where bf16 is emulated: 24-60x slower on an AVX2-only EPYC, 147 s of the dry run's 269 s)
+    # fp32 where bf16 is emulated: on an AVX2-only EPYC the section took 223 s so, 247 s in bf16)
     precision = "auto" if ctx.dry else "bf16"
     for name, recipe, overrides in training_runs(ctx.dry):
         if ctx.runs and name not in ctx.runs:
