@@ -261,11 +261,8 @@ def test_the_uspto50k_benchmark_runs_the_procedure_from_published_layout_files(t
     assert report["pairs"]["task"] == task == line["task"], report
     if task == "retro":  # what follows takes the task as a value: one direction tries it
         _scores_a_subset_and_refuses_the_other_direction(script, tmp_path, run, env, line, task, len(files["val"]))
-    proc = subprocess.run([*script, "--", "--data.manifest", str(tmp_path / "data"),
-                           "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
-    said = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and "was made with 2 spellings a pair" in said, said
+    said = _refused(script, tmp_path, env)
+    assert "was made with 2 spellings a pair" in said, said
     assert ("(the canonical source first)" in said) == (task == "forward"), said
     assert not (tmp_path / "run2").exists()
 
@@ -282,7 +279,15 @@ def _scores_a_subset_and_refuses_the_other_direction(script, tmp_path, run, env,
     assert subset == line["accuracy_subset"], (subset, line["accuracy_subset"])
     assert (run / "eval-valid-20-beams3" / "eval.json").is_file()
     other = "forward" if task == "retro" else "retro"
-    proc = subprocess.run([*script[:3], other, "--", "--data.manifest", str(tmp_path / "data"),
+    said = _refused([*script[:3], other], tmp_path, env)
+    assert f"holds {task} pairs, not --task {other}" in said, said
+
+
+def _refused(script, tmp_path, env) -> str:
+    """The benchmark run as ``script`` on the test's data into a fresh run directory: it must
+    fail; its last line of stderr."""
+    proc = subprocess.run([*script, "--", "--data.manifest", str(tmp_path / "data"),
                            "--run.output_dir", str(tmp_path / "run2")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode != 0 and f"holds {task} pairs, not --task {other}" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]

@@ -10,9 +10,10 @@ import textwrap
 
 
 def test_exit_process_keeps_what_a_normal_exit_does_for_the_outside_world(tmp_path):
-    """A worker thread that is no daemon finishes its file, a thread pool's idle workers end, the atexit handlers run (one of them
-    the logging module's flush), text still buffered on stdout and stderr arrives, and the status
-    is the one asked; an object's ``__del__`` (the interpreter's teardown) is what is left out."""
+    """A worker thread that is no daemon finishes its file, a thread pool's idle workers end, the
+    atexit handlers run (one of them the logging module's flush), text still buffered on stdout and
+    stderr arrives, and the status is the one asked; an object's ``__del__`` (the interpreter's
+    teardown) is what is left out."""
     code = textwrap.dedent(f"""
         import atexit, logging, sys, threading, time
         from molds.runtime.lifecycle import exit_process

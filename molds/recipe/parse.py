@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -80,17 +81,12 @@ def build_parser(prog: str = "molds-train"):
     return parser
 
 
-_PARSER = None
-
-
+@functools.cache
 def _recipe_parser():
     """``build_parser()``, built once a process: building it reads every section's source for its
     keys' help (0.2-0.4 s on 2 cores), and a process parses recipes again and again (``molds-eval
     --recipe`` one per seed, the tests hundreds); parsing leaves the parser as it was."""
-    global _PARSER
-    if _PARSER is None:
-        _PARSER = build_parser()
-    return _PARSER
+    return build_parser()
 
 
 def expand_short_forms(argv: list[str]) -> list[str]:
